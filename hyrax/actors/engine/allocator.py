@@ -1,0 +1,70 @@
+"""Index allocators: pages for paged components, slots for slot components.
+
+The coordinator owns them (single source of truth); ranks only ever see the indices in a
+plan. Each index has at most one owner; `check()` verifies free + used == capacity and
+no double ownership, cheaply enough to run at idle and after every test.
+"""
+from __future__ import annotations
+
+
+class AllocationError(RuntimeError):
+    pass
+
+
+class IndexAllocator:
+    """Hands out integer indices 0..capacity-1 to owners (request ids)."""
+
+    def __init__(self, name: str, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"{name}: capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        # LIFO free list: a just-freed index is handed out next, which makes reuse (and any
+        # bug that depends on it) happen as early as possible.
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._owner: dict[int, str] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._owner)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, owner: str, n: int) -> list[int]:
+        if n > len(self._free):
+            raise AllocationError(f"{self.name}: need {n}, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for i in out:
+            self._owner[i] = owner
+        return out
+
+    def free(self, owner: str, indices: list[int]) -> None:
+        for i in indices:
+            if self._owner.get(i) != owner:
+                raise AllocationError(f"{self.name}: index {i} is owned by {self._owner.get(i)!r}, not {owner!r}")
+        for i in indices:
+            del self._owner[i]
+            self._free.append(i)
+
+    def owned_by(self, owner: str) -> list[int]:
+        return sorted(i for i, o in self._owner.items() if o == owner)
+
+    def owners(self) -> set[str]:
+        return set(self._owner.values())
+
+    def check(self) -> None:
+        """free + used == capacity, every index in exactly one place."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AllocationError(f"{self.name}: an index is free twice")
+        if free & self._owner.keys():
+            raise AllocationError(f"{self.name}: an index is both free and owned")
+        if len(free) + len(self._owner) != self.capacity:
+            raise AllocationError(
+                f"{self.name}: free {len(free)} + used {len(self._owner)} != capacity {self.capacity}"
+            )

@@ -1,0 +1,47 @@
+"""Device pools: one tensor per state component, shape (layers, rows, *unit_shape).
+
+Paged components have rows = pages * page_size; slot components have one row per slot.
+Built from the component list, never by naming components.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyrax.actors.model.state import ComponentSpec
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """Capacities in units: pages for paged components, slots for slot components."""
+
+    page_size: int
+    units: dict[str, int]
+
+    def rows(self, comp: ComponentSpec) -> int:
+        return self.units[comp.name] * (self.page_size if comp.paged else 1)
+
+
+def pool_sizes(components: tuple[ComponentSpec, ...], page_size: int, kv_capacity_tokens: int,
+               mamba_slots: int, swa_capacity_tokens: int | None = None) -> PoolSizes:
+    """Units per component from user-facing capacities (tokens for K/V, slots for Mamba)."""
+    if page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    units = {}
+    for c in components:
+        if c.kind == "token":
+            units[c.name] = -(-kv_capacity_tokens // page_size)
+        elif c.kind == "window":
+            units[c.name] = -(-(swa_capacity_tokens or kv_capacity_tokens) // page_size)
+        else:
+            units[c.name] = mamba_slots
+    return PoolSizes(page_size, units)
+
+
+def allocate_device_pools(components: tuple[ComponentSpec, ...], sizes: PoolSizes,
+                          device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    return {
+        c.name: torch.zeros(len(c.layers), sizes.rows(c), *c.unit_shape, dtype=c.dtype, device=device)
+        for c in components
+    }

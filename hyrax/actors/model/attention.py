@@ -1,0 +1,114 @@
+"""GQA attention (full or sliding-window) over paged K/V pools.
+
+Pool layout per layer: (rows, 2, kv_heads, head_dim) — K and V of one token in one row.
+The backend is chosen once at construction (STYLE: decide dispatch at construction):
+`vllm_flash_attn` on CUDA when the `gpu` extra imports, else torch SDPA over gathered K/V,
+which is also the CPU path and the oracle the tests compare against.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyrax.actors.model import sharding
+from hyrax.actors.model.batch import AttnIndex, ForwardBatch
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.norm import AllReduce
+from hyrax.actors.model.sharding import TP
+
+
+def visible_mask(positions: torch.Tensor, q_valid: torch.Tensor, idx: AttnIndex, window: int | None) -> torch.Tensor:
+    """(B, T, K) bool: key k is visible to query t (causal, within the window, valid).
+
+    Padding queries see key 0 only, so that softmax never runs over an empty row.
+    """
+    kp = idx.key_pos[:, None, :]
+    qp = positions[:, :, None]
+    m = idx.key_valid[:, None, :] & (kp <= qp)
+    if window is not None:
+        m = m & (kp > qp - window)
+    first = torch.zeros_like(m)
+    first[:, :, 0] = True
+    return m | ((~q_valid)[:, :, None] & first)
+
+
+def sdpa_paged(q: torch.Tensor, pool: torch.Tensor, idx: AttnIndex, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: (B, T, H, D); pool: (rows, 2, KVH, D) -> (B, T, H, D)."""
+    kv = pool[idx.read_rows]  # (B, K, 2, KVH, D)
+    rep = q.shape[2] // kv.shape[3]
+    k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
+    v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)
+    out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """Oracle for tests: causal (windowed) attention over a whole sequence, no cache.
+
+    q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D).
+    """
+    T = q.shape[0]
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    s = torch.einsum("thd,khd->htk", q, k) * scale
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    ok = j <= i
+    if window is not None:
+        ok = ok & (i - j < window)
+    s = s.masked_fill(~ok, float("-inf"))
+    return torch.einsum("htk,khd->thd", torch.softmax(s, dim=-1), v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TP, layer_id: int, component: str, local_layer: int,
+                 window: int | None, dtype: torch.dtype, allreduce: AllReduce):
+        super().__init__()
+        hd = cfg.head_dim
+        self.q_heads = list(sharding.q_heads(cfg, tp))
+        self.kv_heads = list(sharding.kv_heads(cfg, tp))
+        self.head_dim = hd
+        self.component, self.local_layer, self.window = component, local_layer, window
+        self.scale = hd ** -0.5
+        h = cfg.hidden_size
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, len(self.q_heads) * hd, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, len(self.kv_heads) * hd, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, len(self.kv_heads) * hd, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(len(self.q_heads) * hd, h, bias=bias and tp.rank == 0, dtype=dtype)
+        self.allreduce = allreduce
+        self.backend = sdpa_paged
+
+    def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
+        hd = self.head_dim
+        q = [h * hd + i for h in self.q_heads for i in range(hd)]
+        kv = [h * hd + i for h in self.kv_heads for i in range(hd)]
+        return {
+            "q_proj.weight": (0, q), "q_proj.bias": (0, q),
+            "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
+            "v_proj.weight": (0, kv), "v_proj.bias": (0, kv),
+            "o_proj.weight": (1, q),
+        }
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor], rope, cos_sin) -> torch.Tensor:
+        """x: (B, T, hidden) -> (B, T, hidden). Writes this step's K/V into the pool first.
+
+        cos_sin: the step's rotary tables from `rope.cos_sin(batch.positions)`, shared by all layers.
+        """
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, -1, hd)
+        k = self.k_proj(x).view(B, T, -1, hd)
+        v = self.v_proj(x).view(B, T, -1, hd)
+        cos, sin = cos_sin
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        idx = batch.attn[self.component]
+        pool = pools[self.component][self.local_layer]
+        valid = idx.write_rows >= 0
+        rows = idx.write_rows[valid]
+        pool[rows, 0] = k[valid].to(pool.dtype)
+        pool[rows, 1] = v[valid].to(pool.dtype)
+        mask = visible_mask(batch.positions, batch.q_valid, idx, self.window)
+        out = self.backend(q, pool, idx, mask, self.scale)
+        return self.allreduce(self.o_proj(out.reshape(B, T, -1)))

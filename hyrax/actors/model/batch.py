@@ -1,0 +1,106 @@
+"""The packed batch one forward step runs over, built from per-request slices.
+
+A step mixes prefill chunks and decode tokens of many requests. Requests are padded to the
+longest slice `T` of the step (decode-only steps have T == 1); every per-token tensor is
+(B, T) and carries `q_valid` for the padding. Paged components read and write rows of
+their pool through row indices computed here, in torch, from each request's page table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyrax.actors.model.state import WINDOW, ComponentSpec
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One request's part of a step: `token_ids` at positions start .. start+len-1."""
+
+    token_ids: list[int]
+    start: int
+    page_tables: dict[str, list[int]]  # paged component -> page ids (-1: released page)
+    slots: dict[str, int]  # slot component -> slot index
+
+
+@dataclass
+class AttnIndex:
+    write_rows: torch.Tensor  # (B, T) pool row of each new token, -1 for padding
+    read_rows: torch.Tensor  # (B, K) pool row of each visible key, 0 where invalid
+    key_pos: torch.Tensor  # (B, K) token position of each key
+    key_valid: torch.Tensor  # (B, K) bool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # (B, T) long, 0 at padding
+    positions: torch.Tensor  # (B, T) long
+    q_valid: torch.Tensor  # (B, T) bool
+    q_lens: torch.Tensor  # (B,) long
+    attn: dict[str, AttnIndex]
+    slots: dict[str, torch.Tensor]  # slot component -> (B,) long
+
+    @property
+    def num_seqs(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def build_forward_batch(
+    seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu"
+) -> ForwardBatch:
+    if not seqs:
+        raise ValueError("empty batch")
+    B = len(seqs)
+    q_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.long)
+    starts = torch.tensor([s.start for s in seqs], dtype=torch.long)
+    T = int(q_lens.max())
+    ar_t = torch.arange(T)
+    q_valid = ar_t[None, :] < q_lens[:, None]
+    positions = torch.where(q_valid, starts[:, None] + ar_t[None, :], torch.zeros((), dtype=torch.long))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
+    ctx = starts + q_lens  # tokens in context after this step
+    attn: dict[str, AttnIndex] = {}
+    slots: dict[str, torch.Tensor] = {}
+    for comp in components:
+        if not comp.paged:
+            slots[comp.name] = torch.tensor([s.slots[comp.name] for s in seqs], dtype=torch.long, device=device)
+            continue
+        n_pages = max(1, max(len(s.page_tables[comp.name]) for s in seqs))
+        pt = torch.full((B, n_pages), -1, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            tbl = s.page_tables[comp.name]
+            pt[b, : len(tbl)] = torch.tensor(tbl, dtype=torch.long)
+
+        def rows_at(pos: torch.Tensor, valid: torch.Tensor, pt=pt) -> torch.Tensor:
+            page = pt.gather(1, (pos // page_size).clamp(0, n_pages - 1))
+            rows = page * page_size + pos % page_size
+            if bool(((page < 0) & valid).any()):
+                raise RuntimeError(f"{comp.name}: a step touches a position whose page is not allocated")
+            return torch.where(valid, rows, torch.full_like(rows, -1))
+
+        if comp.kind == WINDOW:
+            read_start = (starts - comp.window + 1).clamp(min=0)
+        else:
+            read_start = torch.zeros_like(starts)
+        n_keys = ctx - read_start
+        K = int(n_keys.max())
+        key_pos = read_start[:, None] + torch.arange(K)[None, :]
+        key_valid = torch.arange(K)[None, :] < n_keys[:, None]
+        read_rows = rows_at(key_pos, key_valid).clamp(min=0)
+        attn[comp.name] = AttnIndex(
+            write_rows=rows_at(positions, q_valid).to(device),
+            read_rows=read_rows.to(device),
+            key_pos=key_pos.to(device),
+            key_valid=key_valid.to(device),
+        )
+    return ForwardBatch(
+        input_ids=ids.to(device), positions=positions.to(device), q_valid=q_valid.to(device),
+        q_lens=q_lens.to(device), attn=attn, slots=slots,
+    )

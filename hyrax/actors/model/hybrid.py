@@ -1,0 +1,97 @@
+"""The hybrid decoder: embedding, N blocks (mixer + gated MLP, pre-norm residuals), final
+norm, LM head. Parameter names follow Hugging Face Bamba so checkpoints load unchanged.
+
+A model is built for one TP rank and holds only that rank's shard; embedding, norms and
+LM head are replicated. `forward` runs one packed step and returns logits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyrax.actors.model.attention import Attention
+from hyrax.actors.model.batch import ForwardBatch
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.mamba2 import Mamba2Mixer
+from hyrax.actors.model.mlp import GatedMLP
+from hyrax.actors.model.norm import AllReduce, RMSNorm, identity_allreduce
+from hyrax.actors.model.rope import Rope
+from hyrax.actors.model.sharding import TP
+from hyrax.actors.model.state import ComponentSpec, derive_components
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TP, layer_id: int, components: tuple[ComponentSpec, ...],
+                 dtype: torch.dtype, allreduce: AllReduce):
+        super().__init__()
+        ltype = cfg.layer_types[layer_id]
+        self.layer_type = ltype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.feed_forward = GatedMLP(cfg, tp, dtype, allreduce)
+        owner = next(c for c in components if layer_id in c.layers)
+        local = owner.layers.index(layer_id)
+        if ltype == "mamba2":
+            self.mamba = Mamba2Mixer(cfg, tp, local, dtype, allreduce)
+        else:
+            window = cfg.sliding_window if ltype == "sliding_attention" else None
+            self.self_attn = Attention(cfg, tp, layer_id, owner.name, local, window, dtype, allreduce)
+
+    def forward(self, x, batch, pools, rope, cos_sin):
+        h = self.input_layernorm(x)
+        if self.layer_type == "mamba2":
+            h = self.mamba(h, batch, pools)
+        else:
+            h = self.self_attn(h, batch, pools, rope, cos_sin)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg, tp, components, dtype, allreduce):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, i, components, dtype, allreduce) for i in range(cfg.num_layers)
+        )
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TP = TP(), dtype: torch.dtype = torch.float32,
+                 allreduce: AllReduce = identity_allreduce):
+        super().__init__()
+        self.cfg, self.tp, self.dtype = cfg, tp, dtype
+        self.components = derive_components(cfg, tp, dtype)
+        self.model = _Backbone(cfg, tp, self.components, dtype, allreduce)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = Rope(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, dtype)
+        self.requires_grad_(False)
+
+    def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
+        """Full parameter name -> (dim, global indices) for sharded params; absent = replicated."""
+        rules = {}
+        for prefix, mod in self.named_modules():
+            if hasattr(mod, "shard_rules") and mod is not self:
+                for k, v in mod.shard_rules().items():
+                    rules[f"{prefix}.{k}"] = v
+        return rules
+
+    def forward(self, batch: ForwardBatch, pools: dict[str, torch.Tensor], all_logits: bool = False) -> torch.Tensor:
+        """Run one step. Returns logits (B, vocab) at each sequence's last token, or
+        (B, T, vocab) at every position with `all_logits`. Logits are float32 (float64 for
+        float64 models)."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.rope.cos_sin(batch.positions) if self.cfg.has_attention else None
+        for layer in self.model.layers:
+            x = layer(x, batch, pools, self.rope, cos_sin)
+        if not all_logits:
+            last = (batch.q_lens - 1).clamp(min=0)
+            x = x[torch.arange(x.shape[0], device=x.device), last]
+        x = self.model.final_layernorm(x)
+        f = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return self.lm_head(x).to(f)

@@ -1,0 +1,91 @@
+"""Checkpoint loading and saving (HF-format directories with `*.safetensors`).
+
+A rank reads only its shard: for each parameter the model's shard rules give the global
+indices along one dimension, and contiguous runs of them are read with safetensors'
+lazy slices.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.hybrid import HybridModel
+from hyrax.actors.model.norm import AllReduce, identity_allreduce
+from hyrax.actors.model.sharding import TP, check_tp
+
+def _runs(idx: list[int]) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) runs of a sorted-or-not index list, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _read(handle, name: str, rule) -> torch.Tensor:
+    if rule is None:
+        return handle.get_tensor(name)
+    dim, idx = rule
+    sl = handle.get_slice(name)
+    parts = []
+    for a, b in _runs(idx):
+        key = [slice(None)] * len(sl.get_shape())
+        key[dim] = slice(a, b)
+        parts.append(sl[tuple(key)])
+    return torch.cat(parts, dim=dim)
+
+
+def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float32,
+               allreduce: AllReduce = identity_allreduce, device: str | torch.device = "cpu") -> HybridModel:
+    p = Path(path)
+    cfg = ModelConfig.from_dir(p)
+    check_tp(cfg, tp.size)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
+    model = HybridModel(cfg, tp, dtype, allreduce)
+    rules = model.shard_rules()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                if name not in params:
+                    continue  # e.g. rotary buffers some exporters save
+                t = _read(h, name, rules.get(name))
+                target = params[name]
+                if tuple(t.shape) != tuple(target.shape):
+                    raise HyraxInputError(
+                        f"weight {name}: checkpoint shape {tuple(t.shape)} does not fit the config "
+                        f"(expected {tuple(target.shape)} on TP rank {tp.rank}/{tp.size})"
+                    )
+                with torch.no_grad():
+                    target.copy_(t.to(dtype))
+                loaded.add(name)
+    missing = set(params) - loaded
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise HyraxInputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
+    return model.to(device)
+
+
+def save_model(model: HybridModel, path: str | Path) -> None:
+    """Save an unsharded model as an HF-format directory (config.json + model.safetensors)."""
+    if model.tp.size != 1:
+        raise ValueError("save_model needs an unsharded (tp_size == 1) model")
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    (p / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2))
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(p / "model.safetensors"))

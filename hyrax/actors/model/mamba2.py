@@ -1,0 +1,92 @@
+"""Mamba2 mixer: in_proj -> causal depthwise conv -> SSD -> gated group RMSNorm -> out_proj.
+
+State per request lives in two slot pools: `mamba_conv` (the last d_conv-1 conv inputs,
+(conv_dim, d_conv-1)) and `mamba_ssm` ((heads, head_dim, d_state), float32/64). A step
+reads each sequence's slot, runs its tokens (chunked scan when T > 1, the one-step update
+when every sequence has one token) and writes the slot back.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyrax.actors.model import sharding
+from hyrax.actors.model.batch import ForwardBatch
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm
+from hyrax.actors.model.sharding import TP
+from hyrax.actors.model.ssd import ssd_chunked, ssd_step
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TP, local_layer: int, dtype: torch.dtype, allreduce: AllReduce):
+        super().__init__()
+        self.cfg = cfg
+        self.local_layer = local_layer
+        self.heads = list(sharding.mamba_heads(cfg, tp))
+        self.inner_ch = sharding.mamba_inner_channels(cfg, tp)
+        self.conv_ch = sharding.mamba_conv_channels(cfg, tp)
+        self.in_rows = sharding.mamba_in_proj_rows(cfg, tp)
+        self.n_groups_local = len(sharding.mamba_groups(cfg, tp))
+        nh, inner, conv = len(self.heads), len(self.inner_ch), len(self.conv_ch)
+        self.nh, self.inner, self.conv_dim = nh, inner, conv
+        h = cfg.hidden_size
+        self.in_proj = nn.Linear(h, len(self.in_rows), bias=cfg.mamba_proj_bias, dtype=dtype)
+        self.conv1d = nn.Conv1d(conv, conv, cfg.mamba_d_conv, groups=conv, bias=cfg.mamba_conv_bias, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.ones(nh, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(nh, dtype=dtype), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(nh, dtype=dtype), requires_grad=False)
+        self.norm = GatedGroupRMSNorm(
+            inner, self.inner_ch[0], cfg.mamba_intermediate // cfg.mamba_n_groups, cfg.mamba_n_groups,
+            cfg.rms_norm_eps, dtype, allreduce,
+        )
+        self.out_proj = nn.Linear(inner, h, bias=cfg.mamba_proj_bias and tp.rank == 0, dtype=dtype)
+        self.allreduce = allreduce
+
+    def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
+        return {
+            "in_proj.weight": (0, self.in_rows), "in_proj.bias": (0, self.in_rows),
+            "conv1d.weight": (0, self.conv_ch), "conv1d.bias": (0, self.conv_ch),
+            "dt_bias": (0, self.heads), "A_log": (0, self.heads), "D": (0, self.heads),
+            "norm.weight": (0, self.inner_ch), "out_proj.weight": (1, self.inner_ch),
+        }
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and SSM slots."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        P, N, G = cfg.mamba_d_head, cfg.mamba_d_state, self.n_groups_local
+        conv_pool = pools["mamba_conv"][self.local_layer]  # (slots, conv_dim, d_conv-1)
+        ssm_pool = pools["mamba_ssm"][self.local_layer]  # (slots, H, P, N)
+        conv_slots, ssm_slots = batch.slots["mamba_conv"], batch.slots["mamba_ssm"]
+
+        zxbcdt = self.in_proj(x)
+        z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.nh], dim=-1)
+
+        # causal depthwise conv over [previous d_conv-1 inputs | this step's inputs]
+        seq = torch.cat([conv_pool[conv_slots].to(xbc.dtype), xbc.transpose(1, 2)], dim=2)  # (B, C, K-1+T)
+        conv_out = nn.functional.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        keep = cfg.mamba_d_conv - 1
+        take = batch.q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
+        new_conv = seq.gather(2, take[:, None, :].expand(B, self.conv_dim, keep))
+        xbc = nn.functional.silu(conv_out).transpose(1, 2)  # (B, T, C)
+        xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
+
+        dt = nn.functional.softplus(dt + self.dt_bias)
+        lo, hi = cfg.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(lo, hi)
+        dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
+        A = -torch.exp(self.A_log.to(ssm_pool.dtype))
+        state = ssm_pool[ssm_slots]
+        if T == 1:
+            y, new_state = ssd_step(state, xs[:, 0].view(B, self.nh, P), dt[:, 0], A,
+                                    Bm[:, 0].view(B, G, N), Cm[:, 0].view(B, G, N), self.D)
+            y = y[:, None]
+        else:
+            y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
+                                       Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
+        conv_pool[conv_slots] = new_conv.to(conv_pool.dtype)
+        ssm_pool[ssm_slots] = new_state
+        y = self.norm(y.reshape(B, T, self.inner), z)
+        return self.allreduce(self.out_proj(y.to(x.dtype)))

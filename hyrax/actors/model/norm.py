@@ -1,0 +1,63 @@
+"""RMSNorm and the gated, group-wise RMSNorm of Mamba2 (TP-aware)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def identity_allreduce(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., hidden). Normalised in float32 (float64 for float64 models)."""
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(f)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """y = rmsnorm_per_group(y * silu(z)) * weight, groups of `group_size` global channels.
+
+    A rank holds `local_channels` contiguous global channels starting at `first_channel`.
+    When a group straddles ranks, the partial sums of squares are all-reduced (one
+    (…, n_groups) tensor per call, zero outside this rank's groups).
+    """
+
+    def __init__(self, local_channels: int, first_channel: int, group_size: int, n_groups: int,
+                 eps: float, dtype: torch.dtype, allreduce: AllReduce):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_channels, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.group_size = group_size
+        self.n_groups = n_groups
+        self.first = first_channel
+        self.split = local_channels < group_size  # a group spans several ranks
+        self.allreduce = allreduce
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y, z: (..., local_channels); y may be float32/64, z in model dtype. Returns y's dtype."""
+        f = y.dtype
+        h = y * torch.nn.functional.silu(z.to(f))
+        if not self.split:
+            g = h.view(*h.shape[:-1], -1, self.group_size)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+            h = g.view(h.shape)
+        else:
+            grp = self.first // self.group_size
+            partial = torch.zeros(*h.shape[:-1], self.n_groups, dtype=f, device=h.device)
+            partial[..., grp] = h.pow(2).sum(-1)
+            total = self.allreduce(partial)[..., grp : grp + 1]
+            h = h * torch.rsqrt(total / self.group_size + self.eps)
+        return self.weight.to(f) * h

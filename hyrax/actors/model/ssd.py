@@ -1,0 +1,125 @@
+"""Mamba2 state-space duality (SSD) kernels in pure torch: chunked scan, one-step update,
+and the token-by-token recurrence they are tested against.
+
+Per head h, with state S (head_dim P x state N):
+    S_t = exp(dt_t * A_h) * S_{t-1} + dt_t * x_t ⊗ B_t
+    y_t = S_t · C_t + D_h * x_t
+Heads are split into `G` groups sharing B and C. All math runs in the state dtype
+(float32, or float64 for float64 models). Padding tokens carry dt == 0, which leaves the
+state unchanged, so right-padded batches need no special casing.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _heads_from_groups(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(..., G, N) -> (..., H, N), each group shared by H/G consecutive heads."""
+    g = t.shape[-2]
+    return t.repeat_interleave(n_heads // g, dim=-2)
+
+
+def ssd_step(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+    Bm: torch.Tensor, Cm: torch.Tensor, D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per sequence.
+
+    state: (B, H, P, N); x: (B, H, P); dt: (B, H) (after softplus); A: (H,) negative;
+    Bm, Cm: (B, G, N); D: (H,). Returns y: (B, H, P) and the new state, in state's dtype.
+    """
+    f = state.dtype
+    x, dt, A, D = x.to(f), dt.to(f), A.to(f), D.to(f)
+    Bh = _heads_from_groups(Bm.to(f), x.shape[1])  # (B, H, N)
+    Ch = _heads_from_groups(Cm.to(f), x.shape[1])
+    decay = torch.exp(dt * A)[:, :, None, None]  # (B, H, 1, 1)
+    new = state * decay + (dt[:, :, None] * x)[..., None] * Bh[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", new, Ch) + D[None, :, None] * x
+    return y, new
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a: (..., L) -> (..., L, L) with out[..., l, s] = sum(a[s+1 .. l]) for l >= s, -inf above.
+
+    Built with a masked cumulative sum (no subtraction of large cumsums) for accuracy.
+    """
+    L = a.shape[-1]
+    x = a[..., None, :].expand(*a.shape[:-1], L, L)  # x[..., l, s] = a[s]
+    strict = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
+    x = x.transpose(-1, -2).masked_fill(~strict, 0)  # x[..., l, s] = a[l] for l > s
+    out = torch.cumsum(x, dim=-2)  # sum over rows s+1..l
+    keep = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device))
+    return out.masked_fill(~keep, float("-inf"))
+
+
+def ssd_chunked(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    D: torch.Tensor, chunk_size: int, init_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked scan over a right-padded batch.
+
+    x: (B, T, H, P); dt: (B, T, H) with 0 at padding; A: (H,); Bm, Cm: (B, T, G, N); D: (H,);
+    init_state: (B, H, P, N). Returns y: (B, T, H, P) and the final state (B, H, P, N),
+    both in init_state's dtype.
+    """
+    f = init_state.dtype
+    Bsz, T, H, P = x.shape
+    L = chunk_size
+    pad = (-T) % L
+    x, dt, A, D = x.to(f), dt.to(f), A.to(f), D.to(f)
+    Bh = _heads_from_groups(Bm.to(f), H)
+    Ch = _heads_from_groups(Cm.to(f), H)
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        dt = torch.nn.functional.pad(dt, (0, 0, 0, pad))
+        Bh = torch.nn.functional.pad(Bh, (0, 0, 0, 0, 0, pad))
+        Ch = torch.nn.functional.pad(Ch, (0, 0, 0, 0, 0, pad))
+    nc = (T + pad) // L
+    x = x.reshape(Bsz, nc, L, H, P)
+    dt = dt.reshape(Bsz, nc, L, H)
+    Bh = Bh.reshape(Bsz, nc, L, H, -1)
+    Ch = Ch.reshape(Bsz, nc, L, H, -1)
+    xdt = x * dt[..., None]  # (b, c, l, h, p)
+    a = (dt * A).permute(0, 1, 3, 2)  # (b, c, h, l)
+    acum = torch.cumsum(a, dim=-1)  # (b, c, h, l)
+
+    # within each chunk: y_l += sum_{s<=l} (C_l·B_s) exp(a_{s+1..l}) dt_s x_s
+    decay = torch.exp(_segsum(a))  # (b, c, h, l, s)
+    scores = torch.einsum("bclhn,bcshn->bchls", Ch, Bh) * decay
+    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+
+    # each chunk's own contribution to the state at its end
+    to_end = torch.exp(acum[..., -1:] - acum)  # (b, c, h, l)
+    chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", to_end, Bh, xdt)
+    chunk_decay = torch.exp(acum[..., -1])  # (b, c, h)
+
+    # carry the state across chunks and add what each chunk's start state contributes
+    state = init_state
+    offs = []
+    for c in range(nc):
+        offs.append(torch.einsum("blhn,bhpn->blhp", Ch[:, c], state) * torch.exp(acum[:, c]).transpose(1, 2)[..., None])
+        state = state * chunk_decay[:, c, :, None, None] + chunk_states[:, c]
+    y = y + torch.stack(offs, dim=1)
+    y = y + D[None, None, None, :, None] * x
+    y = y.reshape(Bsz, nc * L, H, P)[:, :T]
+    return y, state
+
+
+def ssd_sequential(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+    D: torch.Tensor, init_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the plain recurrence, one token at a time (same shapes as ssd_chunked)."""
+    f = init_state.dtype
+    Bsz, T, H, P = x.shape
+    G = Bm.shape[2]
+    state = init_state.clone()
+    ys = []
+    for t in range(T):
+        for h in range(H):
+            g = h // (H // G)
+            d = dt[:, t, h].to(f)[:, None, None]
+            state[:, h] = torch.exp(d * A[h].to(f)) * state[:, h] + d * x[:, t, h].to(f)[:, :, None] * Bm[:, t, g].to(f)[:, None, :]
+        yt = torch.einsum("bhpn,bhn->bhp", state, _heads_from_groups(Cm[:, t].to(f), H)) + D.to(f)[None, :, None] * x[:, t].to(f)
+        ys.append(yt)
+    return torch.stack(ys, dim=1), state

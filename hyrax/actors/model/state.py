@@ -1,0 +1,127 @@
+"""Per-request state components, declared by layer type and derived from the config once.
+
+This list is the core contract of Hyrax: every pool, backup, restore, transfer and
+migration iterates `components` — nothing names a component by hand.
+
+| component  | layers            | kind   | unit (local shard)        | sharded on        |
+|------------|-------------------|--------|---------------------------|-------------------|
+| full_kv    | full_attention    | token  | (2, kv_heads, head_dim)   | kv heads (dim 1)  |
+| swa_kv     | sliding_attention | window | (2, kv_heads, head_dim)   | kv heads (dim 1)  |
+| mamba_conv | mamba2            | slot   | (conv_dim, d_conv - 1)    | channels (dim 0)  |
+| mamba_ssm  | mamba2            | slot   | (heads, head_dim, state)  | heads (dim 0)     |
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hyrax.actors.model import sharding
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.sharding import TP
+
+TOKEN, WINDOW, SLOT = "token", "window", "slot"
+KINDS = (TOKEN, WINDOW, SLOT)
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One kind of per-request state, as held by one TP rank.
+
+    kind: `token` (one row per token, paged), `window` (rows for the last `window - 1`
+    tokens only, paged, pages leaving the window are released), `slot` (one fixed-size
+    row per request).
+    """
+
+    name: str
+    kind: str
+    layers: tuple[int, ...]
+    unit_shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard_dim: int
+    shard_index: tuple[int, ...]  # global indices along shard_dim held by this rank
+    global_size: int  # unsharded size of shard_dim
+    window: int | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.kind in (TOKEN, WINDOW)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (one token, or one request's slot) over all layers of this rank."""
+        return len(self.layers) * math.prod(self.unit_shape) * _itemsize(self.dtype)
+
+    def live_rows(self, num_tokens: int) -> int:
+        """Rows of state a request with `num_tokens` committed tokens holds (the byte formula)."""
+        if self.kind == TOKEN:
+            return num_tokens
+        if self.kind == WINDOW:
+            return min(num_tokens, self.window - 1)
+        return 1
+
+    def live_positions(self, num_tokens: int) -> range:
+        """Token positions whose rows are live (paged kinds only)."""
+        return range(num_tokens - self.live_rows(num_tokens), num_tokens)
+
+    def global_unit_shape(self) -> tuple[int, ...]:
+        s = list(self.unit_shape)
+        s[self.shard_dim] = self.global_size
+        return tuple(s)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def ssm_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Recurrent state is kept in float32, or float64 when the model runs in float64."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
+def derive_components(cfg: ModelConfig, tp: TP = TP(), dtype: torch.dtype = torch.float32) -> tuple[ComponentSpec, ...]:
+    """The ordered component list of a model shard. The only place components are defined."""
+    out: list[ComponentSpec] = []
+    if cfg.has_attention:
+        kvh = sharding.kv_heads(cfg, tp)
+        for name, kind, ltype in (("full_kv", TOKEN, "full_attention"), ("swa_kv", WINDOW, "sliding_attention")):
+            layers = cfg.layers_of(ltype)
+            if layers:
+                out.append(ComponentSpec(
+                    name=name, kind=kind, layers=layers,
+                    unit_shape=(2, len(kvh), cfg.head_dim), dtype=dtype,
+                    shard_dim=1, shard_index=tuple(kvh), global_size=cfg.num_key_value_heads,
+                    window=cfg.sliding_window if kind == WINDOW else None,
+                ))
+    if cfg.has_mamba:
+        layers = cfg.layers_of("mamba2")
+        conv = sharding.mamba_conv_channels(cfg, tp)
+        heads = sharding.mamba_heads(cfg, tp)
+        out.append(ComponentSpec(
+            name="mamba_conv", kind=SLOT, layers=layers,
+            unit_shape=(len(conv), cfg.mamba_d_conv - 1), dtype=dtype,
+            shard_dim=0, shard_index=tuple(conv), global_size=cfg.mamba_conv_dim,
+        ))
+        out.append(ComponentSpec(
+            name="mamba_ssm", kind=SLOT, layers=layers,
+            unit_shape=(len(heads), cfg.mamba_d_head, cfg.mamba_d_state), dtype=ssm_dtype(dtype),
+            shard_dim=0, shard_index=tuple(heads), global_size=cfg.mamba_n_heads,
+        ))
+    return tuple(out)
+
+
+# ---- predicates: one definition each, used by startup validation and runtime alike ----------
+
+def has_recurrent_state(components: tuple[ComponentSpec, ...]) -> bool:
+    """True when some component is a per-request slot (state that cannot be recomputed per token)."""
+    return any(c.kind == SLOT for c in components)
+
+
+def component_by_name(components: tuple[ComponentSpec, ...]) -> dict[str, ComponentSpec]:
+    return {c.name: c for c in components}
+
+
+def bytes_formula(components: tuple[ComponentSpec, ...], num_tokens: int) -> dict[str, int]:
+    """Exact bytes of one rank's share of a request's state with `num_tokens` committed tokens."""
+    return {c.name: c.live_rows(num_tokens) * c.row_bytes for c in components}
