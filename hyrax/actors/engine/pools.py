@@ -45,3 +45,12 @@ def allocate_device_pools(components: tuple[ComponentSpec, ...], sizes: PoolSize
         c.name: torch.zeros(len(c.layers), sizes.rows(c), *c.unit_shape, dtype=c.dtype, device=device)
         for c in components
     }
+
+
+def host_pool_rows(components: tuple[ComponentSpec, ...], sizes: PoolSizes, host_pool_mb: float) -> dict[str, int]:
+    """Rows of the pre-allocated host pool per component: the byte budget is shared in
+    proportion to each component's device pool, so every component kind has room."""
+    device_bytes = {c.name: sizes.rows(c) * c.row_bytes for c in components}
+    total = sum(device_bytes.values()) or 1
+    budget = host_pool_mb * 2**20
+    return {c.name: int(budget * device_bytes[c.name] / total) // c.row_bytes for c in components}

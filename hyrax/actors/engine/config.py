@@ -1,0 +1,72 @@
+"""Engine options, validated once. `hyrax generate` and `hyrax serve` share these names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyrax.actors.model.errors import HyraxInputError
+
+BACKUP_MODES = ("cpu_tensor", "host_pool", "recompute")
+
+
+@dataclass(frozen=True)
+class UnsafeFaults:
+    """Test-only fault injection. Refused unless `allow_unsafe` is set explicitly.
+
+    skip_backup_component: a rank's backup silently leaves this component out.
+    restore_into_old_indices: restore writes to the request's old indices, not new ones.
+    corrupt_backup_component: flip a byte of this component's backup after checksumming.
+    disable_verification: restore trusts the backup (no completeness/ownership/checksum check).
+    only_rank: apply the faults on this TP rank only (None: every rank).
+    """
+
+    skip_backup_component: str | None = None
+    restore_into_old_indices: bool = False
+    corrupt_backup_component: str | None = None
+    disable_verification: bool = False
+    only_rank: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.skip_backup_component or self.restore_into_old_indices
+                    or self.corrupt_backup_component or self.disable_verification)
+
+    def applies_to(self, rank: int) -> bool:
+        return self.only_rank is None or self.only_rank == rank
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    kv_capacity_tokens: int = 8192
+    swa_capacity_tokens: int | None = None
+    mamba_slots: int = 64
+    max_running: int = 64
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    retraction_backup: str = "cpu_tensor"
+    host_pool_mb: float = 256.0
+    forced_retraction_interval: int = 0
+    deterministic: bool = False
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    faults: UnsafeFaults = field(default_factory=UnsafeFaults)
+    allow_unsafe: bool = False
+
+    def __post_init__(self):
+        def positive(name):
+            if getattr(self, name) < 1:
+                raise HyraxInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for n in ("page_size", "kv_capacity_tokens", "mamba_slots", "max_running", "max_batch_tokens", "prefill_chunk"):
+            positive(n)
+        if self.retraction_backup not in BACKUP_MODES:
+            raise HyraxInputError(f"retraction-backup must be one of {', '.join(BACKUP_MODES)}")
+        if self.forced_retraction_interval < 0:
+            raise HyraxInputError("forced-retraction-interval must be >= 0 (0 = off)")
+        if self.host_pool_mb < 0:
+            raise HyraxInputError("host-pool-mb must be >= 0")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise HyraxInputError("dtype must be float32, bfloat16 or float64")
+        if self.faults.any and not self.allow_unsafe:
+            raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
+        if self.prefill_chunk > self.max_batch_tokens:
+            raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")

@@ -1,0 +1,37 @@
+"""Build an in-process engine (one rank, no Ray) from a checkpoint or a model object."""
+from __future__ import annotations
+
+import torch
+
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.executor import LocalExecutor
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.rank_runtime import RankRuntime
+from hyrax.actors.model.hybrid import DTYPES, HybridModel
+from hyrax.actors.model.loader import load_model
+
+
+def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
+                     device: str | torch.device = "cpu") -> Engine:
+    comps = model.components
+    sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
+                       config.swa_capacity_tokens)
+    host = host_pool_rows(comps, sizes, config.host_pool_mb)
+    rank = RankRuntime(model, sizes, host, rank=0, faults=config.faults, device=device)
+    cfg = model.cfg
+    return Engine(comps, sizes, host, LocalExecutor(rank), config, cfg.vocab_size,
+                  cfg.max_position_embeddings, cfg.eos_token_id, decode)
+
+
+def load_engine(model_dir: str, config: EngineConfig, decode=None, device: str = "cpu") -> Engine:
+    model = load_model(model_dir, dtype=DTYPES[config.dtype], device=device)
+    return engine_for_model(model, config, decode, device)
+
+
+def run_to_completion(engine: Engine, max_steps: int = 1_000_000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+    raise RuntimeError(f"requests still unfinished after {max_steps} steps")

@@ -1,0 +1,117 @@
+"""What one TP rank runs: its model shard, its shard of every device pool, its host
+backup memory. It owns tensors only and decides nothing: every index comes in a plan or
+a backup/restore call from the coordinator. Ray-free; `actors/rank.py` wraps it.
+"""
+from __future__ import annotations
+
+import torch
+
+from hyrax.actors.engine.config import UnsafeFaults
+from hyrax.actors.engine.manifest import checksum
+from hyrax.actors.engine.plan import StepPlan
+from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
+from hyrax.actors.engine.sampler import sample
+from hyrax.actors.model.batch import SeqSlice, build_forward_batch
+from hyrax.actors.model.hybrid import HybridModel
+
+Rows = dict[str, list[int]]
+
+
+class RankRuntime:
+    def __init__(self, model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
+                 faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu"):
+        self.model = model
+        self.rank = rank
+        self.device = torch.device(device)
+        self.components = model.components
+        self.sizes = sizes
+        self.pools = allocate_device_pools(self.components, sizes, self.device)
+        pin = self.device.type == "cuda"
+        self.host = {
+            c.name: torch.zeros(len(c.layers), host_rows.get(c.name, 0), *c.unit_shape, dtype=c.dtype, pin_memory=pin)
+            for c in self.components
+        }
+        self.backups: dict[str, dict[str, torch.Tensor]] = {}
+        self.faults = faults if faults.applies_to(rank) else UnsafeFaults()
+
+    # ---- forward ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[int]:
+        """Run one step; returns sampled tokens (rank 0 only) for entries that sample."""
+        for name, slots in plan.zero_slots.items():
+            if slots:
+                self.pools[name][:, list(slots)] = 0
+        seqs = [SeqSlice(list(e.token_ids), e.start, {k: list(v) for k, v in e.page_tables.items()}, e.slots)
+                for e in plan.entries]
+        if plan.deterministic:
+            # batch-invariant: each request runs alone, with shapes that depend only on itself
+            logits = torch.cat([self._forward([s]) for s in seqs])
+        else:
+            logits = self._forward(seqs)
+        if self.rank != 0:
+            return []
+        rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]
+        return sample(logits[rows], [plan.entries[i].sample for i in rows])
+
+    def _forward(self, seqs: list[SeqSlice]) -> torch.Tensor:
+        batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device)
+        return self.model(batch, self.pools)
+
+    # ---- backup / restore ----------------------------------------------------------------
+    def _sync(self) -> None:
+        # the stream that produced the state must finish before bytes are read or freed
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
+        """Copy the request's rows of every component to host memory; returns checksums.
+
+        host_rows given: into the pre-allocated host pool; else into fresh host tensors.
+        """
+        self._sync()
+        sums: dict[str, int] = {}
+        kept: dict[str, torch.Tensor] = {}
+        for c in self.components:
+            if c.name == self.faults.skip_backup_component:
+                continue
+            data = self.pools[c.name][:, rows[c.name]]
+            if self.device.type == "cuda":
+                host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                host.copy_(data, non_blocking=True)
+                torch.cuda.current_stream(self.device).synchronize()
+                data = host
+            sums[c.name] = checksum(data)
+            if c.name == self.faults.corrupt_backup_component and data.numel():
+                data.view(torch.uint8).view(-1)[0] ^= 0xFF
+            if host_rows is not None:
+                self.host[c.name][:, host_rows[c.name]] = data
+            else:
+                kept[c.name] = data
+        self.backups[req_id] = kept
+        return sums
+
+    def restore(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
+        """Write the backup into `rows` (newly allocated by the coordinator); return the
+        checksum of what is now on the device, read back, per component restored."""
+        kept = self.backups.get(req_id, {})
+        sums: dict[str, int] = {}
+        for c in self.components:
+            if host_rows is not None:
+                if c.name not in host_rows:
+                    continue
+                data = self.host[c.name][:, host_rows[c.name]]
+            elif c.name in kept:
+                data = kept[c.name]
+            else:
+                continue
+            target = self.pools[c.name]
+            target[:, rows[c.name]] = data.to(self.device, non_blocking=True)
+            self._sync()
+            sums[c.name] = checksum(target[:, rows[c.name]])
+        return sums
+
+    def discard(self, req_id: str) -> None:
+        self.backups.pop(req_id, None)
+
+    def num_backups(self) -> int:
+        return len(self.backups)

@@ -1,0 +1,217 @@
+"""Retraction and restore, coordinated over every rank and every component.
+
+Two phases: every rank backs up its shard of every component and returns checksums; only
+then are device indices freed. Restore allocates *new* indices, every rank writes and reads
+back, and the request runs again only if every component's checksum matches on every rank.
+Anything else falls back to recompute (re-prefill prompt + generated tokens) and is counted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from hyrax.actors.engine.allocator import AllocationError, IndexAllocator
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.manifest import ComponentRecord, Manifest, ManifestError
+from hyrax.actors.engine.request import Request, State
+from hyrax.actors.engine.stats import EngineStats
+from hyrax.actors.engine.statecopy import live_page_numbers, live_rows, pages_needed
+from hyrax.actors.model.state import ComponentSpec
+
+
+@dataclass
+class Backup:
+    manifest: Manifest
+    host_rows: dict[str, list[int]] | None  # host-pool rows per component, None for cpu_tensor
+
+
+def pick_victims(running: list[Request], n: int, exclude: set[str] = frozenset()) -> list[Request]:
+    """Default policy: fewest generated tokens first, then longest prompt; never the last running."""
+    cands = [r for r in running if r.id not in exclude]
+    cands.sort(key=lambda r: (len(r.output_ids), -len(r.prompt_ids), r.arrival))
+    n = min(n, len(running) - 1, len(cands))
+    return cands[: max(n, 0)]
+
+
+class Retractor:
+    def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig, executor,
+                 allocators: dict[str, IndexAllocator], host_allocators: dict[str, IndexAllocator],
+                 stats: EngineStats):
+        self.components = components
+        self.config = config
+        self.executor = executor
+        self.alloc = allocators
+        self.host_alloc = host_allocators
+        self.stats = stats
+        self.verify = not config.faults.disable_verification
+
+    # ---- indices ---------------------------------------------------------------------
+    def free_device(self, req: Request) -> None:
+        for c in self.components:
+            owned = [i for i in req.indices.get(c.name, []) if i >= 0]
+            if owned:
+                self.alloc[c.name].free(req.id, owned)
+        req.indices = {}
+
+    def _allocate_live(self, req: Request, num_tokens: int) -> dict[str, list[int]] | None:
+        """New indices covering the live state of `num_tokens` tokens, or None if they do not fit."""
+        ps = self.config.page_size
+        need = {c.name: len(live_page_numbers(c, num_tokens, ps)) for c in self.components}
+        if not all(self.alloc[c.name].can_allocate(need[c.name]) for c in self.components):
+            return None
+        out = {}
+        for c in self.components:
+            got = self.alloc[c.name].allocate(req.id, need[c.name])
+            if c.paged:
+                table = [-1] * pages_needed(c, num_tokens, ps)
+                for n, page in zip(live_page_numbers(c, num_tokens, ps), got):
+                    table[n] = page
+                out[c.name] = table
+            else:
+                out[c.name] = got
+        return out
+
+    def _rows(self, indices: dict[str, list[int]], num_tokens: int) -> dict[str, list[int]]:
+        return {c.name: live_rows(c, indices[c.name], num_tokens, self.config.page_size) for c in self.components}
+
+    # ---- retract ---------------------------------------------------------------------
+    def retract(self, req: Request, trigger: str, mode: str | None = None, hold: bool = False) -> str:
+        """Back up (or drop) a running request's state and free its device indices.
+        Returns the mode actually used."""
+        mode = mode or self.config.retraction_backup
+        t0 = time.perf_counter()
+        backup = None
+        if mode != "recompute":
+            backup = self._backup(req, mode)
+            if backup is None:
+                mode = "recompute"
+        self.free_device(req)  # only after every rank acknowledged its backup
+        req.state = State.RETRACTED
+        req.hold = hold
+        req.retractions += 1
+        req.backup = backup
+        if backup is None:
+            req.num_computed = 0
+        self.stats.retractions[(trigger, mode)] += 1
+        self.stats.backup_seconds.append(time.perf_counter() - t0)
+        return mode
+
+    def _backup(self, req: Request, mode: str) -> Backup | None:
+        n = req.num_computed
+        rows = self._rows(req.indices, n)
+        host_rows = None
+        if mode == "host_pool":
+            need = {c.name: len(rows[c.name]) for c in self.components}
+            if not all(self.host_alloc[c.name].can_allocate(need[c.name]) for c in self.components):
+                self.stats.host_pool_full += 1
+                return None
+            host_rows = {c.name: self.host_alloc[c.name].allocate(req.id, need[c.name]) for c in self.components}
+        try:
+            sums = self.executor.backup(req.id, rows, host_rows)
+        except Exception:
+            self._drop(req.id, host_rows)
+            return None
+        manifest = Manifest(req.id, n, mode)
+        for c in self.components:
+            per_rank = {r: s[c.name] for r, s in sums.items() if c.name in s}
+            if per_rank:
+                manifest.components[c.name] = ComponentRecord(
+                    c.name, [i for i in req.indices[c.name] if i >= 0], len(rows[c.name]),
+                    len(rows[c.name]) * c.row_bytes, per_rank)
+                self.stats.bytes_backed_up[c.name] += len(rows[c.name]) * c.row_bytes * len(per_rank)
+        return Backup(manifest, host_rows)
+
+    def _drop(self, req_id: str, host_rows: dict[str, list[int]] | None) -> None:
+        try:
+            self.executor.discard(req_id)
+        finally:
+            if host_rows:
+                for name, idx in host_rows.items():
+                    self.host_alloc[name].free(req_id, idx)
+
+    def release_backup(self, req: Request) -> None:
+        """Discard a retracted request's backup everywhere (abort, fallback, after restore)."""
+        if req.backup is not None:
+            self._drop(req.id, req.backup.host_rows)
+            req.backup = None
+
+    # ---- restore ---------------------------------------------------------------------
+    def restore(self, req: Request) -> str:
+        """Bring a retracted request back. Returns 'verified', 'recompute' (state rebuilt by
+        prefill), a fallback reason, or 'no_capacity' (left retracted, nothing changed)."""
+        backup: Backup | None = req.backup
+        if backup is None:
+            return self._to_recompute(req, "recompute", count=False)
+        m = backup.manifest
+        new = self._allocate_live(req, m.num_tokens)
+        if new is None:
+            return "no_capacity"
+        t0 = time.perf_counter()
+        req.indices = new
+        try:
+            if self.verify:
+                m.require_complete(self.components, self.executor.num_ranks)
+            if self.config.faults.restore_into_old_indices:
+                target = self._rows_from_old(m)
+            else:
+                target = self._rows(new, m.num_tokens)
+            if self.verify:
+                self._check_owned(req, target)
+            sums = self.executor.restore(req.id, target, backup.host_rows)
+        except (ManifestError, AllocationError):
+            self.free_device(req)
+            return self._to_recompute(req, "fallback")
+        except Exception:
+            self.free_device(req)
+            return self._to_recompute(req, "fallback")
+        if self.verify:
+            for name, rec in m.components.items():
+                for rank, expect in rec.checksums.items():
+                    if sums.get(rank, {}).get(name) != expect:
+                        self.stats.checksum_failures += 1
+                        self.free_device(req)
+                        return self._to_recompute(req, "checksum_mismatch")
+        for name, rec in m.components.items():
+            self.stats.bytes_restored[name] += rec.bytes * len(rec.checksums)
+        self.release_backup(req)
+        req.num_computed = m.num_tokens
+        req.state = State.RUNNING
+        req.hold = False
+        self.stats.restores["verified"] += 1
+        self.stats.restore_seconds.append(time.perf_counter() - t0)
+        return "verified"
+
+    def _rows_from_old(self, m: Manifest) -> dict[str, list[int]]:
+        """Fault injection: the rows the request had before retraction."""
+        ps = self.config.page_size
+        out = {}
+        for c in self.components:
+            rec = m.components.get(c.name)
+            old = rec.indices if rec else []
+            if c.paged:
+                table = [-1] * pages_needed(c, m.num_tokens, ps)
+                for n, page in zip(live_page_numbers(c, m.num_tokens, ps), old):
+                    table[n] = page
+                old = table
+            out[c.name] = live_rows(c, old, m.num_tokens, ps) if old else []
+        return out
+
+    def _check_owned(self, req: Request, rows: dict[str, list[int]]) -> None:
+        """Restore may only write rows of indices the request owns now."""
+        ps = self.config.page_size
+        for c in self.components:
+            owned = set(self.alloc[c.name].owned_by(req.id))
+            units = {r // ps for r in rows[c.name]} if c.paged else set(rows[c.name])
+            if not units <= owned:
+                raise AllocationError(f"{req.id}: restore target of {c.name} is not owned by the request")
+
+    def _to_recompute(self, req: Request, result: str, count: bool = True) -> str:
+        self.release_backup(req)
+        req.num_computed = 0
+        req.indices = {}
+        req.state = State.WAITING
+        req.hold = False
+        if count:
+            self.stats.restore_fallbacks += 1
+        self.stats.restores[result] += 1
+        return result

@@ -1,0 +1,140 @@
+"""Continuous batching: which requests run this step, with how many tokens.
+
+Decode tokens first, then prefill chunks of running requests, then new admissions, under a
+per-step token budget. Pages are allocated here, for exactly the positions a step writes;
+a running request that cannot get a page makes room by retracting victims (memory
+pressure). In deterministic mode prefill chunks end at fixed multiples of `prefill_chunk`,
+so a request's numerics never depend on what else shares the step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
+from hyrax.actors.engine.request import Request, State
+from hyrax.actors.model.state import ComponentSpec
+
+
+class Scheduler:
+    def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig,
+                 allocators: dict[str, IndexAllocator]):
+        self.components = components
+        self.config = config
+        self.alloc = allocators
+        self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
+
+    # ---- sizing ----------------------------------------------------------------------
+    def chunk_len(self, req: Request, budget: int) -> int:
+        pending = req.pending
+        if pending <= 1:
+            return 1 if budget >= 1 else 0
+        c = self.config.prefill_chunk
+        if self.config.deterministic:
+            n = min(pending, c - req.num_computed % c)
+            return n if n <= budget else 0
+        return min(pending, c, budget)
+
+    def _pages_to_add(self, req: Request, end: int) -> dict[str, list[int]]:
+        """Page numbers a request must newly allocate to write positions < end."""
+        ps = self.config.page_size
+        out = {}
+        for c in self.components:
+            if not c.paged:
+                continue
+            table = req.indices.get(c.name, [])
+            first = req.num_computed // ps
+            out[c.name] = [n for n in range(first, -(-end // ps)) if n >= len(table) or table[n] < 0]
+        return out
+
+    def _fits(self, need: dict[str, int]) -> bool:
+        return all(self.alloc[name].can_allocate(n) for name, n in need.items())
+
+    def _allocate_pages(self, req: Request, add: dict[str, list[int]]) -> None:
+        for name, numbers in add.items():
+            got = self.alloc[name].allocate(req.id, len(numbers))
+            table = req.indices.setdefault(name, [])
+            for n, page in zip(numbers, got):
+                while len(table) <= n:
+                    table.append(-1)
+                table[n] = page
+
+    def _reserve_ok(self, running: list[Request], add: dict[str, int]) -> bool:
+        """After a retraction, admit only while pages stay free for the running requests' growth."""
+        if self.reserve_ratio <= 0.0:
+            return True
+        ps = self.config.page_size
+        growth = sum(max(r.params.max_tokens - len(r.output_ids), 0) for r in running) / ps
+        for c in self.components:
+            if c.kind == "token":
+                if self.alloc[c.name].num_free - add.get(c.name, 0) < self.reserve_ratio * growth:
+                    return False
+        return True
+
+    # ---- the step --------------------------------------------------------------------
+    def schedule(self, step: int, running: list[Request], waiting: list[Request],
+                 make_room: Callable[[Request, dict[str, int], set[str]], bool],
+                 on_no_room: Callable[[Request], None], admit_new: bool) -> tuple[StepPlan, list[Request]]:
+        """Returns the plan and the requests admitted from `waiting` (now running)."""
+        budget = self.config.max_batch_tokens
+        entries: list[PlanEntry] = []
+        planned: set[str] = set()
+        zero: dict[str, list[int]] = {c.name: [] for c in self.components if not c.paged}
+        for req in sorted(running, key=lambda r: (r.in_prefill, r.arrival)):
+            if req.state != State.RUNNING:
+                continue  # retracted as a victim earlier in this loop
+            n = self.chunk_len(req, budget)
+            if n == 0:
+                continue
+            add = self._pages_to_add(req, req.num_computed + n)
+            need = {k: len(v) for k, v in add.items()}
+            if not self._fits(need) and not make_room(req, need, planned):
+                if len([r for r in running if r.state == State.RUNNING]) == 1 and not entries:
+                    on_no_room(req)  # alone and still no room: it can never grow
+                continue
+            self._allocate_pages(req, add)
+            entries.append(self._entry(req, n))
+            planned.add(req.id)
+            budget -= n
+        admitted: list[Request] = []
+        n_running = sum(1 for r in running if r.state == State.RUNNING)
+        while admit_new and waiting and budget > 0 and n_running + len(admitted) < self.config.max_running:
+            req = waiting[0]
+            n = self.chunk_len(req, budget)
+            if n == 0:
+                break
+            add = self._pages_to_add(req, req.num_computed + n)
+            need = {k: len(v) for k, v in add.items()}
+            for c in self.components:
+                if not c.paged:
+                    need[c.name] = 1
+            if not self._fits(need) or not self._reserve_ok(running + admitted, need):
+                break
+            waiting.pop(0)
+            for c in self.components:
+                if not c.paged:
+                    req.indices[c.name] = self.alloc[c.name].allocate(req.id, 1)
+                    zero[c.name].extend(req.indices[c.name])
+            self._allocate_pages(req, add)
+            req.state = State.RUNNING
+            admitted.append(req)
+            entries.append(self._entry(req, n))
+            budget -= n
+        self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)
+        plan = StepPlan(step, tuple(entries), {k: tuple(v) for k, v in zero.items()}, self.config.deterministic)
+        return plan, admitted
+
+    def _entry(self, req: Request, n: int) -> PlanEntry:
+        start = req.num_computed
+        ids = req.all_ids
+        sample = None
+        if start + n == len(ids):
+            p = req.params
+            sample = SamplingSpec(p.temperature, p.top_p, p.top_k, req.seed, len(req.output_ids))
+        return PlanEntry(
+            req_id=req.id, token_ids=tuple(ids[start : start + n]), start=start,
+            page_tables={c.name: tuple(req.indices[c.name]) for c in self.components if c.paged},
+            slots={c.name: req.indices[c.name][0] for c in self.components if not c.paged},
+            sample=sample,
+        )

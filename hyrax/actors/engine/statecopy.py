@@ -1,0 +1,45 @@
+"""Which pool rows hold a request's state — written once over the component list.
+
+The coordinator computes rows from its index tables; ranks copy those rows out to host
+memory (backup, export) and back in through new rows (restore, import).
+"""
+from __future__ import annotations
+
+from hyrax.actors.model.state import ComponentSpec
+
+
+def live_rows(comp: ComponentSpec, indices: list[int], num_tokens: int, page_size: int) -> list[int]:
+    """Device pool rows of a request's live state for `comp`, in canonical order
+    (by token position for paged components; the slot for slot components)."""
+    if not comp.paged:
+        return list(indices)
+    rows = []
+    for p in comp.live_positions(num_tokens):
+        page = indices[p // page_size]
+        if page < 0:
+            raise RuntimeError(f"{comp.name}: live position {p} has no page")
+        rows.append(page * page_size + p % page_size)
+    return rows
+
+
+def pages_needed(comp: ComponentSpec, num_tokens: int, page_size: int) -> int:
+    """Length of a page table covering positions 0..num_tokens-1."""
+    return -(-num_tokens // page_size) if comp.paged else 1
+
+
+def live_page_numbers(comp: ComponentSpec, num_tokens: int, page_size: int) -> list[int]:
+    """Page numbers (positions // page_size) that must be allocated to hold the live rows."""
+    if not comp.paged:
+        return [0]
+    pos = comp.live_positions(num_tokens)
+    if not len(pos):
+        return []
+    return list(range(pos.start // page_size, (pos.stop - 1) // page_size + 1))
+
+
+def releasable_pages(comp: ComponentSpec, table: list[int], num_tokens: int, page_size: int) -> list[int]:
+    """Page numbers of a window component whose every position has left the window."""
+    if comp.kind != "window":
+        return []
+    first_live = num_tokens - comp.live_rows(num_tokens)
+    return [n for n in range(first_live // page_size) if table[n] >= 0]

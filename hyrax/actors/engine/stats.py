@@ -1,0 +1,41 @@
+"""Counters and timings the engine keeps for metrics and `--json` stats."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    retractions: Counter = field(default_factory=Counter)  # (trigger, mode) -> n
+    restores: Counter = field(default_factory=Counter)  # result -> n
+    finished: Counter = field(default_factory=Counter)  # finish_reason -> n
+    bytes_backed_up: Counter = field(default_factory=Counter)  # component -> bytes (all ranks)
+    bytes_restored: Counter = field(default_factory=Counter)
+    backup_seconds: list[float] = field(default_factory=list)
+    restore_seconds: list[float] = field(default_factory=list)
+    checksum_failures: int = 0
+    restore_fallbacks: int = 0
+    host_pool_full: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "retractions": sum(self.retractions.values()),
+            "retractions_by": {f"{t}/{m}": n for (t, m), n in sorted(self.retractions.items())},
+            "restores": self.restores.get("verified", 0),
+            "restores_by": dict(self.restores),
+            "restore_fallbacks": self.restore_fallbacks,
+            "checksum_failures": self.checksum_failures,
+            "host_pool_full": self.host_pool_full,
+            "finished": dict(self.finished),
+            "bytes_backed_up": dict(self.bytes_backed_up),
+            "bytes_restored": dict(self.bytes_restored),
+            "backup_seconds_total": round(sum(self.backup_seconds), 6),
+            "restore_seconds_total": round(sum(self.restore_seconds), 6),
+        }
