@@ -1,0 +1,37 @@
+"""The `hyrax` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hyrax import __version__
+from hyrax.actors.model.errors import HyraxInputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hyrax.cluster import generate
+
+    p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
+    p.add_argument("--version", action="version", version=f"hyrax {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    generate.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except HyraxInputError as e:
+        print(f"hyrax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Engine options on the command line — one definition shared by `hyrax generate` and
+`hyrax serve`, so both accept the same names."""
+from __future__ import annotations
+
+import argparse
+
+from hyrax.actors.engine.config import BACKUP_MODES, EngineConfig, UnsafeFaults
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (default 16)")
+    g.add_argument("--kv-capacity-tokens", type=int, default=8192,
+                   help="K/V pool capacity per attention component, in tokens (default 8192)")
+    g.add_argument("--swa-capacity-tokens", type=int, default=None,
+                   help="sliding-window K/V capacity in tokens (default: --kv-capacity-tokens)")
+    g.add_argument("--mamba-slots", type=int, default=64, help="Mamba state slots (default 64)")
+    g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
+    g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens per request per step")
+    g.add_argument("--retraction-backup", choices=BACKUP_MODES, default="cpu_tensor",
+                   help="how retracted requests keep their state (default cpu_tensor)")
+    g.add_argument("--host-pool-mb", type=float, default=256.0, help="host pool size for host_pool backups")
+    g.add_argument("--forced-retraction-interval", type=int, default=0, metavar="N",
+                   help="testing hook: retract one request every N steps (0 = off)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: outputs independent of batch composition")
+    u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
+    u.add_argument("--unsafe-allow-fault-injection", action="store_true")
+    u.add_argument("--unsafe-skip-backup-component", default=None, metavar="COMPONENT")
+    u.add_argument("--unsafe-corrupt-backup-component", default=None, metavar="COMPONENT")
+    u.add_argument("--unsafe-restore-into-old-indices", action="store_true")
+    u.add_argument("--unsafe-disable-verification", action="store_true")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """Raises HyraxInputError on invalid values."""
+    faults = UnsafeFaults(
+        skip_backup_component=a.unsafe_skip_backup_component,
+        restore_into_old_indices=a.unsafe_restore_into_old_indices,
+        corrupt_backup_component=a.unsafe_corrupt_backup_component,
+        disable_verification=a.unsafe_disable_verification,
+    )
+    return EngineConfig(
+        page_size=a.page_size, kv_capacity_tokens=a.kv_capacity_tokens, swa_capacity_tokens=a.swa_capacity_tokens,
+        mamba_slots=a.mamba_slots, max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
+        prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
+        host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
+        deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
+    )
