@@ -272,6 +272,57 @@ class Engine:
     def _no_room(self, req: Request) -> None:
         self._finish(req, "length")
 
+    def step_outputs_flush(self) -> list[StepOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    def reset_for_recovery(self) -> list[str]:
+        """After the ranks were lost and restarted with empty pools: every request keeps its
+        tokens and is rebuilt by prefill (recompute). Returns the ids affected."""
+        live = sorted(self.running + self.retracted, key=lambda r: r.arrival)
+        for req in live:
+            req.indices, req.backup, req.num_computed = {}, None, 0
+            req.state, req.hold = State.WAITING, False
+        self.waiting = live + self.waiting
+        self.running, self.retracted = [], []
+        self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
+        self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
+        self.stats.recoveries += 1
+        return [r.id for r in live]
+
+    def fail_all(self, reason: str = "error") -> list[str]:
+        """Finish every unfinished request (ranks gone for good); nothing stays queued."""
+        ids = list(self.requests)
+        for rid in ids:
+            req = self.requests[rid]
+            req.indices, req.backup = {}, None
+            if req.state == State.RUNNING:
+                self.running.remove(req)
+            elif req.state == State.RETRACTED:
+                self.retracted.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.state = State.WAITING
+            self.waiting.append(req)
+            self._finish(req, reason)
+        self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
+        self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
+        return ids
+
+    def describe_requests(self) -> list[dict]:
+        out = []
+        for req in self.requests.values():
+            d = {
+                "id": req.id, "state": req.state.value, "hold": req.hold,
+                "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
+                "computed_tokens": req.num_computed, "retractions": req.retractions,
+                "indices": {k: list(v) for k, v in req.indices.items()},
+            }
+            if req.backup is not None:
+                d["backup"] = req.backup.manifest.to_dict()
+            out.append(d)
+        return out
+
     # ---- inspection --------------------------------------------------------------------
     def check_invariants(self) -> None:
         """free + used == capacity for every pool, and every owner is a live request in the

@@ -20,6 +20,7 @@ class EngineStats:
     checksum_failures: int = 0
     restore_fallbacks: int = 0
     host_pool_full: int = 0
+    recoveries: int = 0
 
     def summary(self) -> dict:
         return {
@@ -33,6 +34,7 @@ class EngineStats:
             "restore_fallbacks": self.restore_fallbacks,
             "checksum_failures": self.checksum_failures,
             "host_pool_full": self.host_pool_full,
+            "recoveries": self.recoveries,
             "finished": dict(self.finished),
             "bytes_backed_up": dict(self.bytes_backed_up),
             "bytes_restored": dict(self.bytes_restored),

@@ -1,0 +1,238 @@
+"""RoleCoordinator: the Ray actor of one role replica.
+
+It owns the request table, the scheduler and every index allocator (the `Engine`), creates
+and supervises its TP rank actors, and runs the step loop in a thread of its own. Clients
+(the gateway) submit requests and stream their tokens back through a Ray streaming
+generator; admin calls retract, resume and inspect.
+
+Faults: every rank call has a timeout. When a rank dies or hangs, the replica is marked
+unhealthy, its ranks are replaced, and every request it held is rebuilt by recompute from
+its tokens; if ranks cannot be restarted, the requests end with finish_reason "error".
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.remote_executor import RankFailure, RemoteExecutor
+from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.hybrid import DTYPES
+from hyrax.actors.model.sharding import TP, check_tp
+from hyrax.actors.model.state import derive_components
+from hyrax.actors.model.tokenizer import load_tokenizer
+from hyrax.actors.rank import RankWorker
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
+class RoleCoordinator:
+    def __init__(self, role: str, replica: int, model_dir: str, tp_size: int, config: EngineConfig,
+                 placement_group=None, rank_timeout_s: float = 60.0, max_rank_restarts: int = 3):
+        self.role, self.replica = role, replica
+        self.model_dir, self.tp_size, self.config = model_dir, tp_size, config
+        self.pg = placement_group
+        self.rank_timeout_s = rank_timeout_s
+        self.max_rank_restarts = max_rank_restarts
+        self.cfg = ModelConfig.from_dir(model_dir)
+        check_tp(self.cfg, tp_size)
+        self.tokenizer = load_tokenizer(model_dir, self.cfg.vocab_size)
+        comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[config.dtype])
+        sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
+                           config.swa_capacity_tokens)
+        self.ranks: list = []
+        self.healthy = False
+        self.restarts = 0
+        self.last_error: str | None = None
+        self._start_ranks()
+        self.executor = RemoteExecutor(self.ranks, ray.get, rank_timeout_s)
+        self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
+                             config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
+                             self.cfg.eos_token_id, self.tokenizer.decode)
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.loop = None
+        self.stopping = False
+        self.step_seconds: list[float] = []
+        self.thread = threading.Thread(target=self._run, name=f"hyrax-{role}-{replica}-loop", daemon=True)
+        self.thread.start()
+
+    # ---- ranks -------------------------------------------------------------------------
+    def _rank_name(self, k: int) -> str:
+        return f"hyrax/{self.role}/{self.replica}/rank{k}"
+
+    def _start_ranks(self) -> None:
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
+        ranks = []
+        for k in range(self.tp_size):
+            opts = {"name": self._rank_name(k), "namespace": "hyrax", "lifetime": None}
+            if self.pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k)
+            if _cuda_cluster():
+                opts["num_gpus"] = 1
+            ranks.append(RankWorker.options(**opts).remote(self.role, self.replica, k, self.tp_size))
+        addr = ray.get(ranks[0].dist_address.remote(), timeout=self.rank_timeout_s) if self.tp_size > 1 else None
+        ray.get([r.setup.remote(self.model_dir, self.config, addr) for r in ranks], timeout=max(self.rank_timeout_s, 300))
+        self.ranks[:] = ranks
+        self.healthy = True
+
+    def _recover(self, err: Exception) -> None:
+        """A rank failed: replace the ranks, rebuild every request by recompute."""
+        self.healthy = False
+        self.last_error = str(err)
+        while self.restarts < self.max_rank_restarts and not self.stopping:
+            self.restarts += 1
+            try:
+                self._start_ranks()
+                self.engine.reset_for_recovery()
+                return
+            except Exception as e:  # noqa: BLE001 - any failure to start counts as one attempt
+                self.last_error = f"restart {self.restarts} failed: {e}"
+                time.sleep(1.0)
+        ids = self.engine.fail_all("error")
+        self._deliver(self.engine.step_outputs_flush())
+        self.last_error = f"replica down after {self.restarts} restarts; failed {len(ids)} requests"
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stopping:
+            if not self.engine.has_unfinished() or not self.healthy:
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            with self.lock:
+                t0 = time.perf_counter()
+                try:
+                    outs = self.engine.step()
+                except RankFailure as e:
+                    self._recover(e)
+                    continue
+                self.step_seconds.append(time.perf_counter() - t0)
+                del self.step_seconds[:-1000]
+            self._deliver(outs)
+
+    def _deliver(self, outs) -> None:
+        if self.loop is None:
+            return
+        for o in outs:
+            q = self.streams.get(o.req_id)
+            if q is None:
+                continue
+            item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
+            if o.finished:
+                req = self.engine.finished_requests.pop(o.req_id, None)
+                if req is not None:
+                    item["text"] = req.text
+                    item["num_output_tokens"] = len(req.output_ids)
+            self.loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # ---- client API --------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
+        """Streaming generator: yields {"token_ids", "finished", "finish_reason"} per step."""
+        self.loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        sp = SamplingParams(**params)
+        with self.lock:
+            self.streams[request_id] = q
+            try:
+                self.engine.add_request(prompt_ids, sp, request_id)
+            except HyraxInputError as e:
+                del self.streams[request_id]
+                yield {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
+                return
+        self.wake.set()
+        try:
+            while True:
+                item = await q.get()
+                yield item
+                if item["finished"]:
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            with self.lock:
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                self.engine.finished_requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            return self.engine.abort(request_id)
+
+    def retract(self, request_ids: list[str] | None = None, count: int | None = None, all_: bool = False,
+                mode: str | None = None, hold: bool = False) -> dict:
+        from hyrax.actors.engine.retraction import pick_victims
+
+        with self.lock:
+            if all_:
+                ids = [r.id for r in self.engine.running]
+            elif count is not None:
+                ids = [r.id for r in pick_victims(self.engine.running, count)]
+            else:
+                ids = list(request_ids or [])
+            return self.engine.retract(ids, mode=mode, hold=hold)
+
+    def resume(self, request_ids: list[str]) -> dict:
+        with self.lock:
+            out = self.engine.resume(request_ids)
+        self.wake.set()
+        return out
+
+    def set_forced_retraction(self, interval: int) -> int:
+        with self.lock:
+            self.engine.set_forced_retraction(interval)
+            return interval
+
+    def list_requests(self) -> list[dict]:
+        with self.lock:
+            reqs = self.engine.describe_requests()
+        for r in reqs:
+            r["role"], r["replica"] = self.role, self.replica
+        return reqs
+
+    def pools(self) -> dict:
+        with self.lock:
+            return {"role": self.role, "replica": self.replica, "tp_size": self.tp_size,
+                    "components": self.engine.pool_usage()}
+
+    def check_invariants(self) -> bool:
+        with self.lock:
+            self.engine.check_invariants()
+            return True
+
+    def is_idle_clean(self) -> bool:
+        with self.lock:
+            return not self.engine.has_unfinished() and self.engine.is_idle_clean()
+
+    def health(self) -> dict:
+        return {"role": self.role, "replica": self.replica, "healthy": self.healthy,
+                "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size}
+
+    def stats(self) -> dict:
+        with self.lock:
+            s = self.engine.stats.summary()
+            s.update(self.engine.counts())
+        steps = sorted(self.step_seconds)
+        s["step_ms_p50"] = round(1000 * steps[len(steps) // 2], 3) if steps else None
+        return s
+
+    def rank_handles(self) -> list:
+        return list(self.ranks)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
+
+
+def _cuda_cluster() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0

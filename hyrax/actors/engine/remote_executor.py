@@ -1,0 +1,43 @@
+"""Executor over TP rank actors: every call fans out concurrently, one wait per call, with a
+timeout, so a dead or hung rank surfaces as `RankFailure` instead of a hang.
+
+Ray-typed objects are passed in (handles, a `get` function), keeping this module importable
+without Ray.
+"""
+from __future__ import annotations
+
+from hyrax.actors.engine.plan import StepPlan
+
+
+class RankFailure(RuntimeError):
+    """A rank died, hung past the timeout, or raised."""
+
+
+class RemoteExecutor:
+    def __init__(self, ranks: list, get, timeout_s: float):
+        self.ranks = ranks
+        self._get = get  # ray.get
+        self.timeout_s = timeout_s
+        self.num_ranks = len(ranks)
+
+    def _all(self, method: str, *args) -> list:
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        try:
+            return self._get(refs, timeout=self.timeout_s)
+        except Exception as e:  # RayActorError, GetTimeoutError, task errors
+            raise RankFailure(f"{method} failed on a rank: {type(e).__name__}: {e}") from e
+
+    def execute(self, plan: StepPlan) -> list[int]:
+        return self._all("execute", plan)[0]
+
+    def backup(self, req_id, rows, host_rows) -> dict[int, dict[str, int]]:
+        return dict(enumerate(self._all("backup", req_id, rows, host_rows)))
+
+    def restore(self, req_id, rows, host_rows) -> dict[int, dict[str, int]]:
+        return dict(enumerate(self._all("restore", req_id, rows, host_rows)))
+
+    def discard(self, req_id) -> None:
+        self._all("discard", req_id)
+
+    def num_backups(self) -> dict[int, int]:
+        return dict(enumerate(self._all("num_backups")))
