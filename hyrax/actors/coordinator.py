@@ -11,8 +11,6 @@ its tokens; if ranks cannot be restarted, the requests end with finish_reason "e
 """
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import ray
@@ -21,10 +19,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
-from hyrax.actors.engine.remote_executor import RankFailure, RemoteExecutor
-from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.remote_executor import RemoteExecutor
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.hybrid import DTYPES
 from hyrax.actors.model.sharding import TP, check_tp
 from hyrax.actors.model.state import derive_components
@@ -56,14 +53,7 @@ class RoleCoordinator:
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-        self.streams: dict[str, asyncio.Queue] = {}
-        self.loop = None
-        self.stopping = False
-        self.step_seconds: list[float] = []
-        self.thread = threading.Thread(target=self._run, name=f"hyrax-{role}-{replica}-loop", daemon=True)
-        self.thread.start()
+        self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover)
 
     # ---- ranks -------------------------------------------------------------------------
     def _rank_name(self, k: int) -> str:
@@ -87,149 +77,72 @@ class RoleCoordinator:
 
     def _recover(self, err: Exception) -> None:
         """A rank failed: replace the ranks, rebuild every request by recompute."""
-        self.healthy = False
+        self.healthy = self.loop.healthy = False
         self.last_error = str(err)
         while self.restarts < self.max_rank_restarts and not self.stopping:
             self.restarts += 1
             try:
                 self._start_ranks()
                 self.engine.reset_for_recovery()
+                self.loop.healthy = True
                 return
             except Exception as e:  # noqa: BLE001 - any failure to start counts as one attempt
                 self.last_error = f"restart {self.restarts} failed: {e}"
                 time.sleep(1.0)
         ids = self.engine.fail_all("error")
-        self._deliver(self.engine.step_outputs_flush())
+        self.loop.healthy = True  # nothing left to run; new requests get a clear error from the ranks check
         self.last_error = f"replica down after {self.restarts} restarts; failed {len(ids)} requests"
 
-    # ---- the loop ----------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self.stopping:
-            if not self.engine.has_unfinished() or not self.healthy:
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
-            with self.lock:
-                t0 = time.perf_counter()
-                try:
-                    outs = self.engine.step()
-                except RankFailure as e:
-                    self._recover(e)
-                    continue
-                self.step_seconds.append(time.perf_counter() - t0)
-                del self.step_seconds[:-1000]
-            self._deliver(outs)
-
-    def _deliver(self, outs) -> None:
-        if self.loop is None:
-            return
-        for o in outs:
-            q = self.streams.get(o.req_id)
-            if q is None:
-                continue
-            item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
-            if o.finished:
-                req = self.engine.finished_requests.pop(o.req_id, None)
-                if req is not None:
-                    item["text"] = req.text
-                    item["num_output_tokens"] = len(req.output_ids)
-            self.loop.call_soon_threadsafe(q.put_nowait, item)
-
-    # ---- client API --------------------------------------------------------------------
+    # ---- client API: delegated to the engine loop --------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
         """Streaming generator: yields {"token_ids", "finished", "finish_reason"} per step."""
-        self.loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        sp = SamplingParams(**params)
-        with self.lock:
-            self.streams[request_id] = q
-            try:
-                self.engine.add_request(prompt_ids, sp, request_id)
-            except HyraxInputError as e:
-                del self.streams[request_id]
-                yield {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
-                return
-        self.wake.set()
-        try:
-            while True:
-                item = await q.get()
-                yield item
-                if item["finished"]:
-                    return
-        finally:
-            self.streams.pop(request_id, None)
-            with self.lock:
-                if request_id in self.engine.requests:
-                    self.engine.abort(request_id)
-                self.engine.finished_requests.pop(request_id, None)
+        async for item in self.loop.generate(request_id, prompt_ids, params):
+            yield item
 
     def abort(self, request_id: str) -> bool:
-        with self.lock:
-            return self.engine.abort(request_id)
+        return self.loop.abort(request_id)
 
     def retract(self, request_ids: list[str] | None = None, count: int | None = None, all_: bool = False,
                 mode: str | None = None, hold: bool = False) -> dict:
-        from hyrax.actors.engine.retraction import pick_victims
-
-        with self.lock:
-            if all_:
-                ids = [r.id for r in self.engine.running]
-            elif count is not None:
-                ids = [r.id for r in pick_victims(self.engine.running, count)]
-            else:
-                ids = list(request_ids or [])
-            return self.engine.retract(ids, mode=mode, hold=hold)
+        return self.loop.retract(request_ids, count, all_, mode, hold)
 
     def resume(self, request_ids: list[str]) -> dict:
-        with self.lock:
-            out = self.engine.resume(request_ids)
-        self.wake.set()
-        return out
+        return self.loop.resume(request_ids)
 
     def set_forced_retraction(self, interval: int) -> int:
-        with self.lock:
-            self.engine.set_forced_retraction(interval)
-            return interval
+        return self.loop.set_forced_retraction(interval)
 
     def list_requests(self) -> list[dict]:
-        with self.lock:
-            reqs = self.engine.describe_requests()
+        reqs = self.loop.list_requests()
         for r in reqs:
             r["role"], r["replica"] = self.role, self.replica
         return reqs
 
     def pools(self) -> dict:
-        with self.lock:
-            return {"role": self.role, "replica": self.replica, "tp_size": self.tp_size,
-                    "components": self.engine.pool_usage()}
+        return {"role": self.role, "replica": self.replica, "tp_size": self.tp_size,
+                "components": self.loop.pools()}
 
     def check_invariants(self) -> bool:
-        with self.lock:
-            self.engine.check_invariants()
-            return True
+        return self.loop.check_invariants()
 
     def is_idle_clean(self) -> bool:
-        with self.lock:
-            return not self.engine.has_unfinished() and self.engine.is_idle_clean()
+        return self.loop.is_idle_clean()
+
+    def load(self) -> int:
+        return self.loop.load()
 
     def health(self) -> dict:
         return {"role": self.role, "replica": self.replica, "healthy": self.healthy,
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size}
 
     def stats(self) -> dict:
-        with self.lock:
-            s = self.engine.stats.summary()
-            s.update(self.engine.counts())
-        steps = sorted(self.step_seconds)
-        s["step_ms_p50"] = round(1000 * steps[len(steps) // 2], 3) if steps else None
-        return s
+        return self.loop.stats()
 
     def rank_handles(self) -> list:
         return list(self.ranks)
 
     def shutdown(self) -> None:
-        self.stopping = True
-        self.wake.set()
+        self.loop.shutdown()
         for r in self.ranks:
             ray.kill(r, no_restart=True)
 

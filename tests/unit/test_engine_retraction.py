@@ -97,3 +97,34 @@ def test_host_pool_too_small_falls_back_to_recompute_without_leaking():
     assert s["retractions_by"] == {"forced/recompute": s["retractions"]}, s
     assert s["restores_by"] == {"recompute": s["retractions"]}, s
     assert_idle_clean(e)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_admin_retraction_of_every_request_in_turn_matches_uninterrupted_run(mode):
+    # Forced retraction always picks the same victims (fewest outputs, longest prompt);
+    # here every request is retracted, in prefill and in decode, one per step.
+    layout, dtype = HYBRID, _dtype(mode)
+    prompts = make_prompts(8, seed=5)
+    ref = reference_outputs(layout, dtype, prompts)
+    e = make_engine(tiny_model(layout, dtype), retraction_backup=mode)
+    ids = [e.add_request(p, greedy()) for p in prompts]
+    phases = set()
+    n = 0
+    while e.has_unfinished():
+        e.step()
+        if per_step_checks(mode):
+            e.check_invariants()
+        running = sorted(e.running, key=lambda r: r.id)
+        if running:
+            victim = running[n % len(running)]
+            phases.add("prefill" if victim.num_computed < len(victim.prompt_ids) else "decode")
+            assert e.retract([victim.id]) == {victim.id: mode}
+            n += 1
+    assert_idle_clean(e)
+    assert [e.finished_requests[i].output_ids for i in ids] == ref
+    assert all(e.finished_requests[i].retractions > 0 for i in ids)
+    assert phases == {"prefill", "decode"}
+    s = e.stats.summary()
+    assert s["retractions_by"] == {f"admin/{mode}": n}, s
+    restored = "recompute" if mode == "recompute" else "verified"
+    assert s["restores_by"] == {restored: n} and s["restore_fallbacks"] == 0, s

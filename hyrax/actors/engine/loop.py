@@ -1,0 +1,160 @@
+"""EngineLoop: runs an Engine's step loop in a thread and streams tokens to asyncio clients.
+
+The Ray RoleCoordinator wraps one; the gateway's in-process client (tests, single-process
+use) uses one directly. Ray-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Callable
+
+from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.remote_executor import RankFailure
+from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.engine.retraction import pick_victims
+from hyrax.actors.model.errors import HyraxInputError
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, name: str = "engine", on_rank_failure: Callable[[Exception], None] | None = None):
+        self.engine = engine
+        self.on_rank_failure = on_rank_failure
+        self.lock = threading.RLock()
+        self.wake = threading.Event()
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stopping = False
+        self.healthy = True
+        self.step_seconds: list[float] = []
+        self.thread = threading.Thread(target=self._run, name=f"hyrax-{name}-loop", daemon=True)
+        self.thread.start()
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stopping:
+            if not self.healthy or not self.engine.has_unfinished():
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            with self.lock:
+                t0 = time.perf_counter()
+                try:
+                    outs = self.engine.step()
+                except RankFailure as e:
+                    if self.on_rank_failure is None:
+                        raise
+                    self.on_rank_failure(e)
+                    outs = self.engine.step_outputs_flush()
+                else:
+                    self.step_seconds.append(time.perf_counter() - t0)
+                    del self.step_seconds[:-1000]
+            self._deliver(outs)
+
+    def _deliver(self, outs) -> None:
+        for o in outs:
+            target = self.streams.get(o.req_id)
+            if target is None:
+                continue
+            loop, q = target
+            item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
+            if o.finished:
+                req = self.engine.finished_requests.pop(o.req_id, None)
+                if req is not None:
+                    item["text"] = req.text
+                    item["num_output_tokens"] = len(req.output_ids)
+                    item["num_prompt_tokens"] = len(req.prompt_ids)
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # ---- client API --------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
+        """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
+        q: asyncio.Queue = asyncio.Queue()
+        try:
+            sp = SamplingParams(**params)
+        except TypeError as e:
+            yield {"error": f"invalid sampling parameters: {e}", "finished": True, "finish_reason": "error", "token_ids": []}
+            return
+        with self.lock:
+            self.streams[request_id] = (asyncio.get_running_loop(), q)
+            try:
+                self.engine.add_request(prompt_ids, sp, request_id)
+            except HyraxInputError as e:
+                del self.streams[request_id]
+                yield {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
+                return
+        self.wake.set()
+        try:
+            while True:
+                item = await q.get()
+                yield item
+                if item["finished"]:
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            with self.lock:
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                    self.engine.step_outputs_flush()
+                self.engine.finished_requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            return self.engine.abort(request_id)
+
+    def retract(self, request_ids: list[str] | None = None, count: int | None = None, all_: bool = False,
+                mode: str | None = None, hold: bool = False) -> dict:
+        with self.lock:
+            if all_:
+                ids = [r.id for r in self.engine.running]
+            elif count is not None:
+                ids = [r.id for r in pick_victims(self.engine.running, count)]
+            else:
+                ids = list(request_ids or [])
+            return self.engine.retract(ids, mode=mode, hold=hold)
+
+    def resume(self, request_ids: list[str]) -> dict:
+        with self.lock:
+            out = self.engine.resume(request_ids)
+        self.wake.set()
+        return out
+
+    def set_forced_retraction(self, interval: int) -> int:
+        with self.lock:
+            self.engine.set_forced_retraction(interval)
+        return interval
+
+    def list_requests(self) -> list[dict]:
+        with self.lock:
+            return self.engine.describe_requests()
+
+    def pools(self) -> dict:
+        with self.lock:
+            return self.engine.pool_usage()
+
+    def check_invariants(self) -> bool:
+        with self.lock:
+            self.engine.check_invariants()
+        return True
+
+    def is_idle_clean(self) -> bool:
+        with self.lock:
+            return not self.engine.has_unfinished() and self.engine.is_idle_clean()
+
+    def stats(self) -> dict:
+        with self.lock:
+            s = self.engine.stats.summary()
+            s.update(self.engine.counts())
+        steps = sorted(self.step_seconds)
+        s["step_ms_p50"] = round(1000 * steps[len(steps) // 2], 3) if steps else None
+        return s
+
+    def load(self) -> int:
+        """Requests queued or running: the router's measure of how busy this replica is."""
+        c = self.engine.counts()
+        return c["running"] + c["waiting"] + c["retracted"]
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=10)
