@@ -9,18 +9,28 @@ from hyrax.actors.model.errors import HyraxInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyrax.cluster import generate
+    from hyrax.cluster import generate, serve
 
     p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
+    serve.add_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["serve"]:
+            from hyrax.cluster.serve import apply_yaml
+
+            apply_yaml(parser._subparsers._group_actions[0].choices["serve"], argv[1:])
+        args = parser.parse_args(argv)
+    except HyraxInputError as e:
+        print(f"hyrax: error: {e}", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -78,7 +78,8 @@ def poison_outside_window(value: float, window: int, margin: int = 0):
     def hook(pool: torch.Tensor, pages: list[int], start: int) -> None:
         oldest_visible = start - window + 1  # a query at `start` sees keys >= this
         for p in range(max(0, oldest_visible + margin)):
-            pool[row(pages, p)] = value
+            if pages[p // PAGE_SIZE] >= 0:  # released pages were poisoned before release
+                pool[row(pages, p)] = value
         for i in range(len(pages)):
             if (i + 1) * PAGE_SIZE <= oldest_visible:
                 pages[i] = -1  # the step must not need this page at all

@@ -45,6 +45,14 @@ def test_invalid_json_is_rejected(tmp_path):
     raises_input_error(lambda: ModelConfig.from_dir(tmp_path), "config.json", "not valid JSON")
 
 
+@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
+    "hyrax bug: ModelConfig.from_hf_dict calls d.get on whatever json.loads returned; "
+    "a config.json holding a list escapes as AttributeError"))
+def test_json_that_is_not_an_object_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    raises_input_error(lambda: ModelConfig.from_dir(tmp_path), "config.json")
+
+
 def test_unknown_layer_type_is_rejected_by_name():
     types = ["full_attention", "banana_attention", "mamba2", "mamba2"]
     raises_input_error(lambda: ModelConfig.from_hf_dict(hf_dict(layer_types=types)), "layer 1", "banana_attention")

@@ -1,0 +1,89 @@
+"""Gateway app factory: OpenAI routes, admin routes, ops routes. The engine client is
+injected, so tests can pass an in-process engine."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from hyrax import __version__
+from hyrax.api import admin_routes, openai_routes
+from hyrax.api.errors import error_response, install_handlers
+
+
+@dataclass
+class GatewaySettings:
+    admin_token: str | None = None
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20
+    health_interval_s: float = 2.0
+    extra_version: dict = field(default_factory=dict)
+
+
+class BodyLimit(BaseHTTPMiddleware):
+    """413 for bodies over the limit, judged by Content-Length or by reading at most limit+1 bytes."""
+
+    def __init__(self, app, limit: int):
+        super().__init__(app)
+        self.limit = limit
+
+    async def dispatch(self, request: Request, call_next):
+        if request.method in ("POST", "PUT", "PATCH"):
+            n = request.headers.get("content-length")
+            too_big = n is not None and n.isdigit() and int(n) > self.limit
+            if not too_big and n is None:
+                body = b""
+                async for part in request.stream():
+                    body += part
+                    if len(body) > self.limit:
+                        too_big = True
+                        break
+                request._body = body
+            if too_big:
+                return error_response(413, f"request body exceeds {self.limit} bytes", code="body_too_large")
+        return await call_next(request)
+
+
+def create_app(client, settings: GatewaySettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def watch():
+            while True:
+                h = await client.health()
+                app.state.ready, app.state.health = h["ready"], h
+                await asyncio.sleep(settings.health_interval_s)
+
+        task = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="Hyrax", version=__version__, lifespan=lifespan)
+    app.state.client = client
+    app.state.settings = settings
+    app.state.ready = False
+    app.state.health = {"ready": False, "replicas": []}
+    app.state.started = int(time.time())
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    install_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+
+    @app.get("/health")
+    async def health(request: Request):
+        h = await client.health()
+        request.app.state.ready = h["ready"]
+        if not h["ready"]:
+            return error_response(503, "not ready: some replica is unhealthy", headers={"Retry-After": "5"})
+        return {"status": "ok", **h}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__, "model": client.model.name, **settings.extra_version}
+
+    return app

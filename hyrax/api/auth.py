@@ -1,0 +1,37 @@
+"""Bearer-token checks: the admin token for /admin/*, optional API keys for /v1/*.
+Tokens are compared in constant time."""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from hyrax.api.errors import APIError
+
+
+def _bearer(request: Request) -> str | None:
+    h = request.headers.get("authorization", "")
+    if h[:7].lower() == "bearer ":
+        return h[7:].strip()
+    return None
+
+
+def _matches(token: str | None, allowed: list[str]) -> bool:
+    if token is None:
+        return False
+    ok = False
+    for a in allowed:
+        ok |= hmac.compare_digest(token.encode(), a.encode())
+    return ok
+
+
+def require_admin(request: Request) -> None:
+    token = request.app.state.settings.admin_token
+    if not token or not _matches(_bearer(request), [token]):
+        raise APIError(401, "admin endpoints need `Authorization: Bearer <admin token>`", code="invalid_admin_token")
+
+
+def require_api_key(request: Request) -> None:
+    keys = request.app.state.settings.api_keys
+    if keys and not _matches(_bearer(request), list(keys)):
+        raise APIError(401, "invalid or missing API key", code="invalid_api_key")

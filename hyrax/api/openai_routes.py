@@ -1,0 +1,184 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from hyrax.api.auth import require_api_key
+from hyrax.api.errors import APIError
+from hyrax.api.generation import Choice, run_choices
+from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
+from hyrax.api.text import TextStream, render_chat
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+CHAT_DEFAULT_MAX_TOKENS = 256
+
+
+def _check_model(request: Request, body: _Sampling) -> None:
+    name = request.app.state.client.model.name
+    if body.model != name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
+                       param="model", code="model_not_found")
+
+
+def _check_capacity(request: Request) -> None:
+    if not request.app.state.ready:
+        raise APIError(503, "replicas are not ready", code="unavailable", headers={"Retry-After": "5"})
+    if request.app.state.client.queue_full():
+        raise APIError(503, "the request queue is full; retry later", code="queue_full", headers={"Retry-After": "1"})
+
+
+def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        out = [tok.encode(p)]
+    elif p and all(isinstance(x, str) for x in p):
+        out = [tok.encode(x) for x in p]
+    elif p and all(isinstance(x, int) for x in p):
+        out = [list(p)]
+    elif p and all(isinstance(x, list) for x in p):
+        out = [list(x) for x in p]
+    else:
+        raise APIError(400, "prompt must be a non-empty string, list of strings, or token id list(s)", param="prompt")
+    for ids in out:
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return out
+
+
+def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_tokens: int | None,
+             default_max: int | None) -> list[Choice]:
+    info = request.app.state.client.model
+    out = []
+    for pi, ids in enumerate(prompts):
+        room = info.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the model's context is {info.max_model_len}",
+                           param="prompt", code="context_length_exceeded")
+        mt = max_tokens if max_tokens is not None else min(default_max or room, room)
+        if mt > room:
+            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds the model's context "
+                           f"of {info.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+        for k in range(body.n):
+            params = {
+                "max_tokens": mt, "temperature": body.temperature, "top_p": body.top_p,
+                "top_k": max(body.top_k, 0), "seed": None if body.seed is None else body.seed + k,
+                "stop": body.stop_list(), "ignore_eos": body.ignore_eos,
+            }
+            out.append(Choice(pi * body.n + k, ids, params, TextStream(info.tokenizer.decode, body.stop_list())))
+    return out
+
+
+def _usage(choices: list[Choice]) -> dict:
+    prompt = sum(len(c.prompt_ids) for c in choices)  # counted per choice
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _collect(client, choices: list[Choice]) -> None:
+    async for c, _, finished in run_choices(client, choices):
+        if finished and c.error and not c.token_ids:
+            raise APIError(400, c.error)
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    info = request.app.state.client.model
+    return {"object": "list", "data": [{"id": info.name, "object": "model", "created": request.app.state.started,
+                                        "owned_by": "hyrax", "max_model_len": info.max_model_len}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    _check_model(request, body)
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
+    info = request.app.state.client.model
+    prompts = _prompts(body, info.tokenizer, info.vocab_size)
+    choices = _choices(request, body, prompts, body.max_tokens, 16)
+    _check_capacity(request)
+    client = request.app.state.client
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    echo = {c.index: info.tokenizer.decode(c.prompt_ids) if body.echo else "" for c in choices}
+
+    def chunk(c, text, finish):
+        return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
+                "choices": [{"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+    if body.stream:
+        async def events():
+            sent_echo = set()
+            async for c, delta, finished in run_choices(client, choices):
+                if c.index not in sent_echo:
+                    delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
+                if delta or finished:
+                    yield _sse(chunk(c, delta, c.finish_reason if finished else None))
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": info.name,
+                            "choices": [], "usage": _usage(choices)})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    await _collect(client, choices)
+    texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
+    return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
+            "choices": [{"index": c.index, "text": texts[c.index], "logprobs": None,
+                         "finish_reason": c.finish_reason} for c in sorted(choices, key=lambda c: c.index)],
+            "usage": _usage(choices)}
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request):
+    _check_model(request, body)
+    if body.logprobs or body.top_logprobs:
+        raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
+    info = request.app.state.client.model
+    try:
+        prompt = render_chat(info.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages])
+    except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
+        raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
+    ids = info.tokenizer.encode(prompt)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    choices = _choices(request, body, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS)
+    _check_capacity(request)
+    client = request.app.state.client
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(c, delta, finish):
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
+                "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    if body.stream:
+        async def events():
+            started = set()
+            async for c, delta, finished in run_choices(client, choices):
+                if c.index not in started:
+                    started.add(c.index)
+                    yield _sse(chunk(c, {"role": "assistant", "content": ""}, None))
+                if delta:
+                    yield _sse(chunk(c, {"content": delta}, None))
+                if finished:
+                    yield _sse(chunk(c, {}, c.finish_reason))
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
+                            "choices": [], "usage": _usage(choices)})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    await _collect(client, choices)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
+            "choices": [{"index": c.index, "message": {"role": "assistant",
+                                                       "content": c.text.emitted},
+                         "logprobs": None, "finish_reason": c.finish_reason}
+                        for c in sorted(choices, key=lambda c: c.index)],
+            "usage": _usage(choices)}
