@@ -66,6 +66,12 @@ class RankWorker:
     def restore(self, req_id, rows, host_rows):
         return self.runtime.restore(req_id, rows, host_rows)
 
+    def export(self, req_id, rows):
+        return self.runtime.export(req_id, rows)
+
+    def import_state(self, req_id, rows, expect, *shards):
+        return self.runtime.import_state(req_id, rows, expect, *shards)
+
     def discard(self, req_id):
         self.runtime.discard(req_id)
 

@@ -51,6 +51,7 @@ class EngineConfig:
     dtype: str = "float32"
     faults: UnsafeFaults = field(default_factory=UnsafeFaults)
     allow_unsafe: bool = False
+    role: str = "colocated"  # "prefill": hand requests off after their first token
 
     def __post_init__(self):
         def positive(name):
@@ -68,5 +69,7 @@ class EngineConfig:
             raise HyraxInputError("dtype must be float32, bfloat16 or float64")
         if self.faults.any and not self.allow_unsafe:
             raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise HyraxInputError("role must be colocated, prefill or decode")
         if self.prefill_chunk > self.max_batch_tokens:
             raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")

@@ -32,6 +32,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    handoff: dict | None = None  # set when the request was exported to another replica
 
 
 class Engine:
@@ -61,6 +62,7 @@ class Engine:
         self._outputs: list[StepOutput] = []
         self._ids = itertools.count()
         self.finished_requests: dict[str, Request] = {}
+        self.handoffs: dict[str, Request] = {}
 
     # ---- request API -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -201,8 +203,12 @@ class Engine:
             reason = self._stop_reason(req, tok)
             if reason:
                 done.append((req, reason))
+        finishing = {r.id for r, _ in done}
         for rid, toks in new.items():
-            self._outputs.append(StepOutput(rid, toks, False, None))
+            handoff = None
+            if self.config.role == "prefill" and rid not in finishing:
+                handoff = self.export_running(rid)
+            self._outputs.append(StepOutput(rid, toks, False, None, handoff))
         for req, reason in done:
             self._finish(req, reason)
 
@@ -241,6 +247,9 @@ class Engine:
             self.retracted.remove(req)
         elif req.state == State.WAITING:
             self.waiting.remove(req)
+        elif req.state == State.HANDOFF:
+            self.retractor.free_device(req)
+            del self.handoffs[req.id]
         req.state = State.FINISHED
         req.finish_reason = reason
         req.finished_at = time.monotonic()
@@ -271,6 +280,63 @@ class Engine:
 
     def _no_room(self, req: Request) -> None:
         self._finish(req, "length")
+
+    # ---- transfer: PD hand-off and migration ------------------------------------------
+    def export_running(self, req_id: str) -> dict:
+        """Export a running request's state for another replica. Its indices stay allocated
+        (state HANDOFF) until `release_handoff` — after the importer acknowledged."""
+        req = self.requests.get(req_id)
+        if req is None or req.state != State.RUNNING:
+            raise HyraxInputError(f"request {req_id!r} is not running here")
+        t0 = time.perf_counter()
+        rows = self.retractor._rows(req.indices, req.num_computed)
+        sums, payload = self.executor.export(req_id, rows)
+        manifest = self.retractor.make_manifest(req, rows, sums, "transfer")
+        self.running.remove(req)
+        req.state = State.HANDOFF
+        self.handoffs[req_id] = req
+        self.stats.transfer_seconds.append(time.perf_counter() - t0)
+        return {
+            "request": {"id": req.id, "prompt_ids": list(req.prompt_ids), "output_ids": list(req.output_ids),
+                        "params": req.params, "seed": req.seed, "retractions": req.retractions,
+                        "arrival_wall": time.time() - (time.monotonic() - req.arrival)},
+            "manifest": manifest,
+            "payload": payload,
+        }
+
+    def release_handoff(self, req_id: str) -> bool:
+        """The importer has the request: free its indices here. Not counted as finished."""
+        req = self.handoffs.pop(req_id, None)
+        if req is None:
+            return False
+        self.retractor.free_device(req)
+        req.state = State.FINISHED
+        req.finish_reason = "transferred"
+        del self.requests[req_id]
+        self.stats.transfers_out += 1
+        return True
+
+    def import_request(self, handoff: dict) -> str:
+        """Take over a request exported by another replica: allocate new indices, import and
+        verify every component on every rank. Result: 'verified', a fallback ('fallback',
+        'checksum_mismatch': rebuilt by prefill here), or 'no_capacity' (queued, imported
+        when memory allows)."""
+        from hyrax.actors.engine.retraction import Backup
+
+        r = handoff["request"]
+        if r["id"] in self.requests:
+            raise HyraxInputError(f"request id {r['id']!r} is already in use")
+        params = r["params"]
+        req = Request(r["id"], list(r["prompt_ids"]), params, r["seed"], output_ids=list(r["output_ids"]))
+        req.retractions = r.get("retractions", 0)
+        req.state = State.RETRACTED
+        req.backup = Backup(handoff["manifest"], None, handoff["payload"])
+        self.requests[req.id] = req
+        self.retracted.append(req)
+        req._retracted_at = -1
+        result = self._restore(req)
+        self.stats.transfers_in[result] += 1
+        return result
 
     def step_outputs_flush(self) -> list[StepOutput]:
         out, self._outputs = self._outputs, []
@@ -332,7 +398,7 @@ class Engine:
         for c in self.components:
             for owner in self.alloc[c.name].owners():
                 req = self.requests.get(owner)
-                if req is None or req.state != State.RUNNING:
+                if req is None or req.state not in (State.RUNNING, State.HANDOFF):
                     raise AssertionError(f"{c.name}: index owned by {owner}, which is not running")
             for owner in self.host_alloc[c.name].owners():
                 req = self.requests.get(owner)
@@ -352,4 +418,5 @@ class Engine:
                          "host_used": self.host_alloc[c.name].num_used} for c in self.components}
 
     def counts(self) -> dict[str, int]:
-        return {"running": len(self.running), "waiting": len(self.waiting), "retracted": len(self.retracted)}
+        return {"running": len(self.running), "waiting": len(self.waiting), "retracted": len(self.retracted),
+                "handoff": len(self.handoffs)}

@@ -26,5 +26,12 @@ class LocalExecutor:
     def discard(self, req_id: str) -> None:
         self.rank.discard(req_id)
 
+    def export(self, req_id: str, rows: Rows) -> tuple[dict[int, dict[str, int]], list]:
+        sums, payload = self.rank.export(req_id, rows)
+        return {0: sums}, [payload]
+
+    def import_(self, req_id: str, rows: Rows, expect: dict[int, dict[str, int]], payload: list) -> dict[int, dict]:
+        return {0: self.rank.import_state(req_id, rows, expect, *payload)}
+
     def num_backups(self) -> dict[int, int]:
         return {0: self.rank.num_backups()}

@@ -38,10 +38,12 @@ class Manifest:
     req_id: str
     num_tokens: int  # the snapshot point: committed tokens the state covers
     mode: str
+    num_ranks: int = 1  # TP ranks that produced it
     components: dict[str, ComponentRecord] = field(default_factory=dict)
 
-    def require_complete(self, components: tuple[ComponentSpec, ...], ranks: int) -> None:
-        """Every declared component present, with a checksum from every rank."""
+    def require_complete(self, components: tuple[ComponentSpec, ...]) -> None:
+        """Every declared component present, with a checksum from every producing rank."""
+        ranks = self.num_ranks
         for c in components:
             rec = self.components.get(c.name)
             if rec is None:
@@ -50,9 +52,17 @@ class Manifest:
             if missing:
                 raise ManifestError(f"{self.req_id}: {c.name} has no checksum from rank(s) {missing}")
 
+    def by_rank(self) -> dict[int, dict[str, int]]:
+        """{rank: {component: checksum}}."""
+        out: dict[int, dict[str, int]] = {}
+        for name, rec in self.components.items():
+            for r, crc in rec.checksums.items():
+                out.setdefault(r, {})[name] = crc
+        return out
+
     def to_dict(self) -> dict:
         return {
-            "num_tokens": self.num_tokens, "mode": self.mode,
+            "num_tokens": self.num_tokens, "mode": self.mode, "num_ranks": self.num_ranks,
             "components": {
                 n: {"indices": r.indices, "rows": r.rows, "bytes": r.bytes,
                     "checksums": {str(k): f"{v:08x}" for k, v in r.checksums.items()}}

@@ -110,6 +110,56 @@ class RankRuntime:
             sums[c.name] = checksum(target[:, rows[c.name]])
         return sums
 
+    # ---- transfer (PD hand-off, migration) -------------------------------------------------
+    def export(self, req_id: str, rows: Rows) -> tuple[dict[str, int], dict]:
+        """This rank's shard of every component of a request, for another replica to import.
+
+        Returns (checksums, payload); the payload names the global indices it holds along each
+        component's sharded dimension, so the importer can re-shard to its own TP layout.
+        """
+        self._sync()
+        sums, data = {}, {}
+        for c in self.components:
+            if c.name == self.faults.skip_backup_component:
+                continue
+            t = self.pools[c.name][:, rows[c.name]].cpu()
+            sums[c.name] = checksum(t)
+            if c.name == self.faults.corrupt_backup_component and t.numel():
+                t.view(torch.uint8).view(-1)[0] ^= 0xFF
+            data[c.name] = t
+        layout = {c.name: list(c.shard_index) for c in self.components}
+        return sums, {"data": data, "layout": layout}
+
+    def import_state(self, req_id: str, rows: Rows, expect: dict[int, dict[str, int]], *shards: dict) -> dict:
+        """Assemble each component from the exporter's shards (verifying each shard's
+        checksum), keep this rank's slice, write it into `rows`, and read it back.
+
+        Returns {component: [read-back checksum, checksum of the slice meant to be written]},
+        or {component: "error ..."}; a component some shard lacks is left out.
+        """
+        out: dict = {}
+        for c in self.components:
+            if not all(c.name in s["data"] for s in shards):
+                continue
+            bad = [k for k, s in enumerate(shards)
+                   if checksum(s["data"][c.name]) != expect.get(k, {}).get(c.name)]
+            if bad:
+                out[c.name] = f"error: checksum mismatch in shard(s) {bad}"
+                continue
+            dim = 2 + c.shard_dim  # (layers, rows, *unit)
+            first = shards[0]["data"][c.name]
+            shape = list(first.shape)
+            shape[dim] = c.global_size
+            full = torch.zeros(shape, dtype=first.dtype)
+            for s in shards:
+                full.index_copy_(dim, torch.tensor(s["layout"][c.name]), s["data"][c.name])
+            mine = full.index_select(dim, torch.tensor(c.shard_index)).contiguous()
+            target = self.pools[c.name]
+            target[:, rows[c.name]] = mine.to(self.device)
+            self._sync()
+            out[c.name] = [checksum(target[:, rows[c.name]]), checksum(mine)]
+        return out
+
     def discard(self, req_id: str) -> None:
         self.backups.pop(req_id, None)
 

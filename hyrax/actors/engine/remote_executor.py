@@ -36,6 +36,22 @@ class RemoteExecutor:
     def restore(self, req_id, rows, host_rows) -> dict[int, dict[str, int]]:
         return dict(enumerate(self._all("restore", req_id, rows, host_rows)))
 
+    def export(self, req_id, rows) -> tuple[dict[int, dict[str, int]], list]:
+        """Checksums come back now; the shards stay in the object store, as refs."""
+        pairs = [r.export.options(num_returns=2).remote(req_id, rows) for r in self.ranks]
+        try:
+            sums = self._get([p[0] for p in pairs], timeout=self.timeout_s)
+        except Exception as e:
+            raise RankFailure(f"export failed on a rank: {type(e).__name__}: {e}") from e
+        return dict(enumerate(sums)), [p[1] for p in pairs]
+
+    def import_(self, req_id, rows, expect, payload: list) -> dict[int, dict]:
+        refs = [r.import_state.remote(req_id, rows, expect, *payload) for r in self.ranks]
+        try:
+            return dict(enumerate(self._get(refs, timeout=self.timeout_s)))
+        except Exception as e:
+            raise RankFailure(f"import failed on a rank: {type(e).__name__}: {e}") from e
+
     def discard(self, req_id) -> None:
         self._all("discard", req_id)
 

@@ -41,6 +41,7 @@ class State(str, enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     RETRACTED = "retracted"
+    HANDOFF = "handoff"  # exported to another replica; indices held until it acknowledges
     FINISHED = "finished"
 
 

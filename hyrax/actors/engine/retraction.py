@@ -23,6 +23,7 @@ from hyrax.actors.model.state import ComponentSpec
 class Backup:
     manifest: Manifest
     host_rows: dict[str, list[int]] | None  # host-pool rows per component, None for cpu_tensor
+    payload: list | None = None  # exported shards (object-store refs) from another replica
 
 
 def pick_victims(running: list[Request], n: int, exclude: set[str] = frozenset()) -> list[Request]:
@@ -96,6 +97,18 @@ class Retractor:
         self.stats.backup_seconds.append(time.perf_counter() - t0)
         return mode
 
+    def make_manifest(self, req: Request, rows: dict[str, list[int]], sums: dict[int, dict[str, int]],
+                      mode: str) -> Manifest:
+        """A manifest of what the ranks reported; a component no rank reported is absent."""
+        manifest = Manifest(req.id, req.num_computed, mode, num_ranks=len(sums))
+        for c in self.components:
+            per_rank = {r: s[c.name] for r, s in sums.items() if c.name in s}
+            if per_rank:
+                manifest.components[c.name] = ComponentRecord(
+                    c.name, [i for i in req.indices[c.name] if i >= 0], len(rows[c.name]),
+                    len(rows[c.name]) * c.row_bytes, per_rank)
+        return manifest
+
     def _backup(self, req: Request, mode: str) -> Backup | None:
         n = req.num_computed
         rows = self._rows(req.indices, n)
@@ -111,14 +124,9 @@ class Retractor:
         except Exception:
             self._drop(req.id, host_rows)
             return None
-        manifest = Manifest(req.id, n, mode)
-        for c in self.components:
-            per_rank = {r: s[c.name] for r, s in sums.items() if c.name in s}
-            if per_rank:
-                manifest.components[c.name] = ComponentRecord(
-                    c.name, [i for i in req.indices[c.name] if i >= 0], len(rows[c.name]),
-                    len(rows[c.name]) * c.row_bytes, per_rank)
-                self.stats.bytes_backed_up[c.name] += len(rows[c.name]) * c.row_bytes * len(per_rank)
+        manifest = self.make_manifest(req, rows, sums, mode)
+        for name, rec in manifest.components.items():
+            self.stats.bytes_backed_up[name] += rec.bytes * len(rec.checksums)
         return Backup(manifest, host_rows)
 
     def _drop(self, req_id: str, host_rows: dict[str, list[int]] | None) -> None:
@@ -132,7 +140,8 @@ class Retractor:
     def release_backup(self, req: Request) -> None:
         """Discard a retracted request's backup everywhere (abort, fallback, after restore)."""
         if req.backup is not None:
-            self._drop(req.id, req.backup.host_rows)
+            if req.backup.payload is None:  # remote payloads live in the object store, not on ranks
+                self._drop(req.id, req.backup.host_rows)
             req.backup = None
 
     # ---- restore ---------------------------------------------------------------------
@@ -150,29 +159,34 @@ class Retractor:
         req.indices = new
         try:
             if self.verify:
-                m.require_complete(self.components, self.executor.num_ranks)
-            if self.config.faults.restore_into_old_indices:
+                m.require_complete(self.components)
+            if self.config.faults.restore_into_old_indices and backup.payload is None:
                 target = self._rows_from_old(m)
             else:
                 target = self._rows(new, m.num_tokens)
             if self.verify:
                 self._check_owned(req, target)
-            sums = self.executor.restore(req.id, target, backup.host_rows)
+            if backup.payload is None:
+                sums = self.executor.restore(req.id, target, backup.host_rows)
+                ok = all(sums.get(rank, {}).get(name) == expect
+                         for name, rec in m.components.items() for rank, expect in rec.checksums.items())
+            else:
+                res = self.executor.import_(req.id, target, m.by_rank(), backup.payload)
+                ok = all(isinstance(r.get(c.name), list) and r[c.name][0] == r[c.name][1]
+                         for r in res.values() for c in self.components)
         except (ManifestError, AllocationError):
             self.free_device(req)
             return self._to_recompute(req, "fallback")
-        except Exception:
+        except Exception:  # a failed copy on any rank: never resume on partial state
             self.free_device(req)
             return self._to_recompute(req, "fallback")
-        if self.verify:
-            for name, rec in m.components.items():
-                for rank, expect in rec.checksums.items():
-                    if sums.get(rank, {}).get(name) != expect:
-                        self.stats.checksum_failures += 1
-                        self.free_device(req)
-                        return self._to_recompute(req, "checksum_mismatch")
+        if self.verify and not ok:
+            self.stats.checksum_failures += 1
+            self.free_device(req)
+            return self._to_recompute(req, "checksum_mismatch")
+        moved = self.stats.bytes_transferred if backup.payload is not None else self.stats.bytes_restored
         for name, rec in m.components.items():
-            self.stats.bytes_restored[name] += rec.bytes * len(rec.checksums)
+            moved[name] += rec.bytes * len(rec.checksums)
         self.release_backup(req)
         req.num_computed = m.num_tokens
         req.state = State.RUNNING

@@ -15,6 +15,10 @@ class EngineStats:
     finished: Counter = field(default_factory=Counter)  # finish_reason -> n
     bytes_backed_up: Counter = field(default_factory=Counter)  # component -> bytes (all ranks)
     bytes_restored: Counter = field(default_factory=Counter)
+    bytes_transferred: Counter = field(default_factory=Counter)  # imported from another replica
+    transfers_in: Counter = field(default_factory=Counter)  # import result -> n
+    transfers_out: int = 0  # requests handed to another replica (PD or migration)
+    transfer_seconds: list[float] = field(default_factory=list)
     backup_seconds: list[float] = field(default_factory=list)
     restore_seconds: list[float] = field(default_factory=list)
     checksum_failures: int = 0
@@ -38,6 +42,9 @@ class EngineStats:
             "finished": dict(self.finished),
             "bytes_backed_up": dict(self.bytes_backed_up),
             "bytes_restored": dict(self.bytes_restored),
+            "bytes_transferred": dict(self.bytes_transferred),
+            "transfers_in": dict(self.transfers_in),
+            "transfers_out": self.transfers_out,
             "backup_seconds_total": round(sum(self.backup_seconds), 6),
             "restore_seconds_total": round(sum(self.restore_seconds), 6),
         }
