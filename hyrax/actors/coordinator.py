@@ -99,6 +99,17 @@ class RoleCoordinator:
         async for item in self.loop.generate(request_id, prompt_ids, params):
             yield item
 
+    async def generate_imported(self, handoff: dict):
+        """Streaming generator for a request handed over by another replica (PD or migration)."""
+        async for item in self.loop.generate_imported(handoff):
+            yield item
+
+    def migrate_out(self, request_id: str) -> bool:
+        return self.loop.migrate_out(request_id)
+
+    def release(self, request_id: str) -> bool:
+        return self.loop.release(request_id)
+
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)
 

@@ -64,11 +64,42 @@ async def forced(body: ForcedBody, request: Request):
     return {"interval": body.interval}
 
 
+class ReplicaRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    replica: int = Field(ge=0)
+
+
+class MigrateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    to: ReplicaRef | None = None
+
+
+class DrainBody(ReplicaRef):
+    undrain: bool = False
+
+
+def _backend(request: Request, ref: ReplicaRef):
+    b = request.app.state.client.find_backend(ref.role, ref.replica)
+    if b is None:
+        raise APIError(404, f"no replica {ref.role}/{ref.replica}", param="replica", code="replica_not_found")
+    return b
+
+
 @router.post("/migrate")
-async def migrate(request: Request):
-    raise APIError(501, "migration between decode replicas is not available in this build", code="not_implemented")
+async def migrate(body: MigrateBody, request: Request):
+    target = _backend(request, body.to) if body.to else None
+    result = await request.app.state.client.migrate(body.request_id, target)
+    if result.startswith("error"):
+        raise APIError(409 if "unknown" not in result else 404, result[7:], param="request_id")
+    return {"request_id": body.request_id, "result": result}
 
 
 @router.post("/drain")
-async def drain(request: Request):
-    raise APIError(501, "draining a replica is not available in this build", code="not_implemented")
+async def drain(body: DrainBody, request: Request):
+    b = _backend(request, body)
+    if body.undrain:
+        await request.app.state.client.undrain(b)
+        return {"undrained": f"{body.role}/{body.replica}"}
+    return await request.app.state.client.drain(b)

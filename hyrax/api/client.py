@@ -22,6 +22,9 @@ class LocalBackend:
     def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         return self.loop.generate(request_id, prompt_ids, params)
 
+    def generate_imported(self, handoff: dict) -> AsyncIterator[dict]:
+        return self.loop.generate_imported(handoff)
+
     async def health(self) -> dict:
         return {"role": self.role, "replica": self.index, "healthy": self.loop.healthy}
 
@@ -53,17 +56,94 @@ class EngineClient:
     def queue_full(self) -> bool:
         return sum(self.inflight.values()) >= self.max_inflight
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
-        live = [b for b in self.backends if id(b) not in self.draining]
-        backend = self.router(live or self.backends, self.inflight)
-        self.inflight[id(backend)] = self.inflight.get(id(backend), 0) + 1
-        self.owner[request_id] = backend
-        try:
-            async for item in backend.generate(request_id, prompt_ids, params):
-                yield item
-        finally:
-            self.inflight[id(backend)] -= 1
+    migrate_to: dict[str, object] = field(default_factory=dict)  # request id -> chosen target
+
+    def _pick(self, roles: tuple[str, ...], exclude: object = None):
+        cands = [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining]
+        return self.router(cands, self.inflight) if cands else None
+
+    def _own(self, request_id: str, backend) -> None:
+        old = self.owner.get(request_id)
+        if old is not None:
+            self.inflight[id(old)] -= 1
+        if backend is not None:
+            self.inflight[id(backend)] = self.inflight.get(id(backend), 0) + 1
+            self.owner[request_id] = backend
+        else:
             self.owner.pop(request_id, None)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
+        """Stream one request. With prefill replicas, the prompt runs there and the request is
+        handed to a decode replica after its first token; a migration hands it between
+        decode replicas. The consumer sees one uninterrupted stream of token items."""
+        backend = self._pick(("prefill",)) or self._pick(("colocated", "decode"))
+        if backend is None:
+            yield {"error": "no replica accepts requests (all draining)", "finished": True,
+                   "finish_reason": "error", "token_ids": []}
+            return
+        self._own(request_id, backend)
+        stream, source = backend.generate(request_id, prompt_ids, params), None
+        try:
+            while True:
+                handoff = None
+                async for item in stream:
+                    if "imported" in item:  # the new replica has the state: free it at the source
+                        if source is not None:
+                            await source.call("release", request_id)
+                            source = None
+                        continue
+                    if "handoff" in item:
+                        handoff = item.pop("handoff")
+                        if item.get("token_ids"):
+                            yield item
+                        break
+                    yield item
+                if handoff is None:
+                    return
+                target = self.migrate_to.pop(request_id, None) or self._pick(("decode", "colocated"), exclude=backend)
+                if target is None:  # nowhere to go: continue where it is
+                    target = backend
+                source, backend = backend, target
+                self._own(request_id, backend)
+                stream = backend.generate_imported(handoff)
+        finally:
+            self._own(request_id, None)
+            self.migrate_to.pop(request_id, None)
+
+    def find_backend(self, role: str, replica: int):
+        for b in self.backends:
+            if b.role == role and b.index == replica:
+                return b
+        return None
+
+    async def migrate(self, request_id: str, target=None) -> str:
+        """Move a running request to `target` (a backend; default: least loaded other replica)."""
+        src = self.owner.get(request_id)
+        if src is None:
+            return "error: unknown request"
+        target = target or self._pick(("decode", "colocated"), exclude=src)
+        if target is None or target is src:
+            return "error: no other replica to migrate to"
+        self.migrate_to[request_id] = target
+        ok = await src.call("migrate_out", request_id)
+        if not ok:
+            self.migrate_to.pop(request_id, None)
+            return "error: request is not running on its replica"
+        return f"migrating to {target.role}/{target.index}"
+
+    async def drain(self, backend) -> dict:
+        """Stop admitting to `backend` and migrate its running requests elsewhere."""
+        self.draining.add(id(backend))
+        reqs = await backend.call("list_requests")
+        moved = {}
+        for r in reqs:
+            if r["state"] == "running" and r["id"] in self.owner:
+                moved[r["id"]] = await self.migrate(r["id"])
+        remaining = await backend.call("load")
+        return {"draining": f"{backend.role}/{backend.index}", "migrations": moved, "remaining": remaining}
+
+    async def undrain(self, backend) -> None:
+        self.draining.discard(id(backend))
 
     async def abort(self, request_id: str) -> bool:
         b = self.owner.get(request_id)

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("hyrax.api")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 503: "service_unavailable",
           500: "internal_error"}
 
 

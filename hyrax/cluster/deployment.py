@@ -2,7 +2,7 @@
 TP rank), one RoleCoordinator per replica, which starts its rank actors in that group."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -52,8 +52,9 @@ class Deployment:
                 pg = placement_group([dict(bundle) for _ in range(spec.tp)], strategy="PACK",
                                      name=f"hyrax/{spec.name}/{i}")
                 ray.get(pg.ready(), timeout=timeout_s)
+                role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
                 coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace="hyrax").remote(
-                    spec.name, i, self.model_dir, spec.tp, self.config, pg, self.rank_timeout_s)
+                    spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s)
                 self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
         ray.get([r.coordinator.health.remote() for r in self.replicas], timeout=timeout_s)
 

@@ -22,11 +22,23 @@ class RayBackend:
         try:
             async for ref in self.handle.generate.remote(request_id, prompt_ids, params):
                 item = await ref
-                finished = bool(item.get("finished"))
+                finished = bool(item.get("finished")) or "handoff" in item
                 yield item
         finally:
             if not finished:  # the consumer went away: free the request on the replica now
                 asyncio.ensure_future(self.handle.abort.remote(request_id))
+
+    async def generate_imported(self, handoff: dict) -> AsyncIterator[dict]:
+        rid = handoff["request"]["id"]
+        finished = False
+        try:
+            async for ref in self.handle.generate_imported.remote(handoff):
+                item = await ref
+                finished = bool(item.get("finished")) or "handoff" in item
+                yield item
+        finally:
+            if not finished:
+                asyncio.ensure_future(self.handle.abort.remote(rid))
 
     async def health(self) -> dict:
         try:

@@ -30,7 +30,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     shape = p.add_argument_group("deployment shape")
-    shape.add_argument("--colocated", action="store_true", help="one role that does prefill and decode")
+    shape.add_argument("--colocated", action="store_true",
+                       help="one role that does prefill and decode (default: separate prefill and decode roles)")
     shape.add_argument("--replicas", type=int, default=1, help="replicas of the colocated role")
     shape.add_argument("--tp", type=int, default=1, help="TP size of the colocated role")
     shape.add_argument("--prefill-replicas", type=int, default=None)
@@ -81,10 +82,11 @@ def roles_from_args(a, cfg: ModelConfig):
     pd = any(x is not None for x in (a.prefill_replicas, a.prefill_tp, a.decode_replicas, a.decode_tp))
     if pd and a.colocated:
         raise HyraxInputError("--colocated cannot be combined with --prefill-*/--decode-* options")
-    if pd:
-        raise HyraxInputError("separate prefill/decode roles are not available in this build yet; "
-                              "use --colocated --replicas N --tp N (the default)")
-    roles = [RoleSpec("colocated", a.replicas, a.tp)]
+    if a.colocated:
+        roles = [RoleSpec("colocated", a.replicas, a.tp)]
+    else:  # the default shape: one prefill and one decode replica
+        roles = [RoleSpec("prefill", a.prefill_replicas or 1, a.prefill_tp or 1),
+                 RoleSpec("decode", a.decode_replicas or 1, a.decode_tp or 1)]
     for r in roles:
         check_tp(cfg, r.tp)
     return roles

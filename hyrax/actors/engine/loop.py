@@ -58,6 +58,8 @@ class EngineLoop:
                 continue
             loop, q = target
             item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
+            if o.handoff is not None:
+                item["handoff"] = o.handoff
             if o.finished:
                 req = self.engine.finished_requests.pop(o.req_id, None)
                 if req is not None:
@@ -69,34 +71,68 @@ class EngineLoop:
     # ---- client API --------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
         """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
-        q: asyncio.Queue = asyncio.Queue()
         try:
             sp = SamplingParams(**params)
         except TypeError as e:
             yield {"error": f"invalid sampling parameters: {e}", "finished": True, "finish_reason": "error", "token_ids": []}
             return
+        async for item in self._stream(request_id, lambda: self.engine.add_request(prompt_ids, sp, request_id)):
+            yield item
+
+    async def generate_imported(self, handoff: dict):
+        """Take over a request exported by another replica and stream the rest of it. The
+        first item acknowledges the import: {"imported": result, "token_ids": []}."""
+        rid = handoff["request"]["id"]
+        results = []
+        async for item in self._stream(rid, lambda: results.append(self.engine.import_request(handoff))):
+            if results:
+                yield {"token_ids": [], "finished": False, "finish_reason": None, "imported": results.pop()}
+            yield item
+
+    async def _stream(self, request_id: str, admit):
+        q: asyncio.Queue = asyncio.Queue()
         with self.lock:
             self.streams[request_id] = (asyncio.get_running_loop(), q)
             try:
-                self.engine.add_request(prompt_ids, sp, request_id)
+                admit()
             except HyraxInputError as e:
                 del self.streams[request_id]
                 yield {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
                 return
         self.wake.set()
+        handed_off = False
         try:
             while True:
                 item = await q.get()
+                handed_off = "handoff" in item
                 yield item
-                if item["finished"]:
+                if item["finished"] or handed_off:
                     return
         finally:
             self.streams.pop(request_id, None)
             with self.lock:
-                if request_id in self.engine.requests:
+                if request_id in self.engine.requests and not handed_off:
                     self.engine.abort(request_id)
                     self.engine.step_outputs_flush()
                 self.engine.finished_requests.pop(request_id, None)
+
+    def migrate_out(self, request_id: str) -> bool:
+        """Export a running request; its stream ends with the hand-off for the new replica."""
+        with self.lock:
+            req = self.engine.requests.get(request_id)
+            if req is None or request_id not in self.streams:
+                return False
+            if req.state.value != "running":
+                raise HyraxInputError(f"request {request_id} is {req.state.value}; only running requests migrate")
+            handoff = self.engine.export_running(request_id)
+            loop, q = self.streams[request_id]
+        loop.call_soon_threadsafe(q.put_nowait, {"token_ids": [], "finished": False, "finish_reason": None,
+                                                 "handoff": handoff})
+        return True
+
+    def release(self, request_id: str) -> bool:
+        with self.lock:
+            return self.engine.release_handoff(request_id)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
