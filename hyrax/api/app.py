@@ -7,12 +7,15 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from hyrax import __version__
 from hyrax.api import admin_routes, openai_routes
 from hyrax.api.errors import error_response, install_handlers
+from hyrax.api.metrics import GatewayMetrics
+from hyrax.api.metrics import render as render_metrics
 
 
 @dataclass
@@ -69,6 +72,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     app.state.ready = False
     app.state.health = {"ready": False, "replicas": []}
     app.state.started = int(time.time())
+    app.state.metrics = GatewayMetrics()
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     install_handlers(app)
     app.include_router(openai_routes.router)
@@ -81,6 +85,10 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         if not h["ready"]:
             return error_response(503, "not ready: some replica is unhealthy", headers={"Retry-After": "5"})
         return {"status": "ok", **h}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await render_metrics(client, app.state.metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():

@@ -198,7 +198,7 @@ class EngineClient:
 
     async def pools(self) -> list[dict]:
         res = await self._each("pools")
-        return [r if "components" in r else {"role": b.role, "replica": b.index, "components": r}
+        return [r if "components" in r else {"role": b.role, "replica": b.index, "tp_size": 1, "components": r}
                 for b, r in zip(self.backends, res)]
 
     async def stats(self) -> list[dict]:

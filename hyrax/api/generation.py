@@ -23,9 +23,10 @@ class Choice:
     error: str | None = None
 
 
-async def run_choices(client, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str, bool]]:
+async def run_choices(client, choices: list[Choice], metrics=None) -> AsyncIterator[tuple[Choice, str, bool]]:
     """Yields (choice, text delta, finished) as tokens arrive, from all choices interleaved."""
     q: asyncio.Queue = asyncio.Queue()
+    timers = {c.index: metrics.timer() for c in choices} if metrics is not None else {}
 
     async def pump(c: Choice):
         try:
@@ -42,6 +43,10 @@ async def run_choices(client, choices: list[Choice]) -> AsyncIterator[tuple[Choi
             c, item = await q.get()
             if item.get("error"):
                 c.error = item["error"]
+            if timers:
+                timers[c.index].tokens(len(item.get("token_ids", [])))
+                if item.get("finished"):
+                    timers[c.index].done()
             delta = c.text.feed(item.get("token_ids", []))
             c.token_ids.extend(item.get("token_ids", []))
             if item.get("finished"):

@@ -85,8 +85,8 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _collect(client, choices: list[Choice]) -> None:
-    async for c, _, finished in run_choices(client, choices):
+async def _collect(client, choices: list[Choice], metrics) -> None:
+    async for c, _, finished in run_choices(client, choices, metrics):
         if finished and c.error and not c.token_ids:
             raise APIError(400, c.error)
 
@@ -118,7 +118,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         async def events():
             sent_echo = set()
-            async for c, delta, finished in run_choices(client, choices):
+            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics):
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
                 if delta or finished:
@@ -129,7 +129,7 @@ async def completions(body: CompletionRequest, request: Request):
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    await _collect(client, choices)
+    await _collect(client, choices, request.app.state.metrics)
     texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
     return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "text": texts[c.index], "logprobs": None,
@@ -161,7 +161,7 @@ async def chat(body: ChatRequest, request: Request):
     if body.stream:
         async def events():
             started = set()
-            async for c, delta, finished in run_choices(client, choices):
+            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics):
                 if c.index not in started:
                     started.add(c.index)
                     yield _sse(chunk(c, {"role": "assistant", "content": ""}, None))
@@ -175,7 +175,7 @@ async def chat(body: ChatRequest, request: Request):
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    await _collect(client, choices)
+    await _collect(client, choices, request.app.state.metrics)
     return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "message": {"role": "assistant",
                                                        "content": c.text.emitted},

@@ -172,8 +172,12 @@ class Engine:
             self.step_count, self.running, self.waiting, self._make_room, self._no_room,
             admit_new=not any(not r.hold for r in self.retracted),
         )
+        now = time.monotonic()
         for r in admitted:
             self.running.append(r)
+            if r.first_scheduled_at is None:
+                r.first_scheduled_at = now
+                self.stats.queue_seconds.append(now - r.arrival)
         if plan.entries:
             tokens = self.executor.execute(plan)
             self.commit(plan, tokens)
@@ -334,7 +338,9 @@ class Engine:
         self.requests[req.id] = req
         self.retracted.append(req)
         req._retracted_at = -1
+        t0 = time.perf_counter()
         result = self._restore(req)
+        self.stats.transfer_seconds.append(time.perf_counter() - t0)
         self.stats.transfers_in[result] += 1
         return result
 

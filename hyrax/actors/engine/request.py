@@ -62,6 +62,7 @@ class Request:
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    first_scheduled_at: float | None = None
     finished_at: float | None = None
 
     @property

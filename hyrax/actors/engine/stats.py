@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from hyrax.actors.engine.histogram import Histogram
+
 
 @dataclass
 class EngineStats:
@@ -18,9 +20,10 @@ class EngineStats:
     bytes_transferred: Counter = field(default_factory=Counter)  # imported from another replica
     transfers_in: Counter = field(default_factory=Counter)  # import result -> n
     transfers_out: int = 0  # requests handed to another replica (PD or migration)
-    transfer_seconds: list[float] = field(default_factory=list)
-    backup_seconds: list[float] = field(default_factory=list)
-    restore_seconds: list[float] = field(default_factory=list)
+    transfer_seconds: Histogram = field(default_factory=Histogram)  # export + import, per side
+    backup_seconds: Histogram = field(default_factory=Histogram)
+    restore_seconds: Histogram = field(default_factory=Histogram)
+    queue_seconds: Histogram = field(default_factory=Histogram)  # arrival -> first scheduled
     checksum_failures: int = 0
     restore_fallbacks: int = 0
     host_pool_full: int = 0
@@ -45,6 +48,12 @@ class EngineStats:
             "bytes_transferred": dict(self.bytes_transferred),
             "transfers_in": dict(self.transfers_in),
             "transfers_out": self.transfers_out,
-            "backup_seconds_total": round(sum(self.backup_seconds), 6),
-            "restore_seconds_total": round(sum(self.restore_seconds), 6),
+            "backup_seconds_total": round(self.backup_seconds.sum, 6),
+            "restore_seconds_total": round(self.restore_seconds.sum, 6),
+            "histograms": {
+                "backup_duration_seconds": self.backup_seconds.to_dict(),
+                "restore_duration_seconds": self.restore_seconds.to_dict(),
+                "pd_transfer_duration_seconds": self.transfer_seconds.to_dict(),
+                "queue_time_seconds": self.queue_seconds.to_dict(),
+            },
         }

@@ -1,0 +1,300 @@
+"""Helpers for the end-to-end tests: a gateway served by uvicorn on 127.0.0.1 in a
+background thread, a transparent engine-client wrapper that records the token ids of every
+request, SSE parsing, the OpenAI error-shape check, and the scenarios that run over both
+the in-process engine and the Ray-backed client.
+
+Imported by the test modules next to it (pytest puts this folder on sys.path).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from hyrax.actors.engine.config import EngineConfig
+
+DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
+MODEL = "hyrax-demo"
+ADMIN_TOKEN = "e2e-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+# Greedy outputs must not depend on which requests share a batch: that is what lets a
+# stream that was retracted be compared with one that was not.
+E2E_CONFIG = EngineConfig(deterministic=True, mamba_slots=12)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- the gateway ---------------------------------------------------------------------------
+class Gateway:
+    """create_app(...) served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.port}", daemon=True)
+        self.thread.start()
+
+        def healthy():
+            if not self.thread.is_alive():
+                raise AssertionError("the gateway thread died while starting")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 60, what=f"{self.url}/health")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+class RecordingClient:
+    """The engine client, passed through unchanged, remembering each request's prompt and
+    token ids (the text of the random demo model loses bytes to U+FFFD, token ids do not)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.requests: dict[str, dict] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
+        rec = {"prompt": tuple(prompt_ids), "tokens": [], "finish_reason": None, "params": dict(params)}
+        self.requests[request_id] = rec
+        async for item in self._inner.generate(request_id, prompt_ids, params):
+            rec["tokens"].extend(item.get("token_ids", []))
+            if item.get("finished"):
+                rec["finish_reason"] = item.get("finish_reason")
+            yield item
+
+
+@dataclass
+class LocalStack:
+    url: str
+    app: object
+    client: RecordingClient  # what the gateway talks to: the EngineClient, recorded
+    loop: object  # the EngineLoop running the in-process engine
+    engine: object
+
+    def is_idle(self) -> bool:
+        return self.loop.is_idle_clean()
+
+
+@contextlib.contextmanager
+def local_gateway(config: EngineConfig, **settings):
+    """The gateway over an in-process engine (one rank, no Ray)."""
+    from hyrax.actors.engine.local import load_engine
+    from hyrax.actors.engine.loop import EngineLoop
+    from hyrax.api.app import GatewaySettings, create_app
+    from hyrax.api.client import EngineClient, LocalBackend
+    from hyrax.cluster.ray_client import model_info
+
+    info = model_info(DEMO_MODEL, MODEL)
+    engine = load_engine(DEMO_MODEL, config, decode=info.tokenizer.decode)
+    loop = EngineLoop(engine, "e2e")
+    client = RecordingClient(EngineClient(info, [LocalBackend(loop)]))
+    settings.setdefault("admin_token", ADMIN_TOKEN)
+    app = create_app(client, GatewaySettings(**settings))
+    gw = Gateway(app)
+    try:
+        yield LocalStack(gw.url, app, client, loop, engine)
+    finally:
+        gw.close()
+        loop.shutdown()
+
+
+# ---- HTTP helpers --------------------------------------------------------------------------
+def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error shape, the right status, and no server internals in the body."""
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    for leak in ("Traceback", 'File "', "site-packages", "/hyrax/"):
+        assert leak not in resp.text, resp.text
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def sse_data(lines) -> list:
+    """The JSON payloads of an SSE stream, up to and including the "[DONE]" marker."""
+    out = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            out.append("[DONE]")
+            break
+        out.append(json.loads(data))
+    return out
+
+
+def admin_requests(url: str) -> list[dict]:
+    r = httpx.get(f"{url}/admin/requests", headers=ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["requests"]
+
+
+def admin_pools_clean(url: str) -> bool:
+    r = httpx.get(f"{url}/admin/pools", headers=ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+    return all(c["used"] == 0 and c["host_used"] == 0
+               for rep in r.json()["replicas"] for c in rep["components"].values())
+
+
+def gateway_is_idle(url: str) -> bool:
+    return not admin_requests(url) and admin_pools_clean(url)
+
+
+# ---- scenario: concurrent streams while the admin API retracts -----------------------------
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, Hyrax!",
+    "0123456789" * 7,  # crosses 16-token page boundaries
+    "def retract(request):\n    return backup(request.state)\n" * 2,
+]
+STREAM_MAX_TOKENS = 28
+# (mode, hold), taken in turn so every kind of retraction happens in every run
+RETRACTIONS = [("cpu_tensor", False), ("host_pool", True), ("host_pool", False), ("cpu_tensor", True)]
+
+
+def reference_outputs(url: str, client: RecordingClient, max_tokens: int = STREAM_MAX_TOKENS) -> dict:
+    """Greedy output of each prompt run alone, without retraction: prompt ids -> (tokens, text)."""
+    out = {}
+    for p in PROMPTS:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        rec = client.requests[_newest(client)]
+        assert len(rec["tokens"]) == max_tokens
+        out[p] = (list(rec["tokens"]), r.json()["choices"][0]["text"], rec["prompt"])
+    return out
+
+
+def _newest(client: RecordingClient) -> str:
+    return next(reversed(client.requests))
+
+
+async def _stream(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        lines = [line async for line in r.aiter_lines()]
+    events = sse_data(lines)
+    assert events and events[-1] == "[DONE]", lines[-3:]
+    chunks = [e for e in events[:-1] if e["choices"]]
+    usage = [e["usage"] for e in events[:-1] if not e["choices"]]
+    return {"prompt": prompt, "text": "".join(c["choices"][0]["text"] for c in chunks),
+            "finish_reason": chunks[-1]["choices"][0]["finish_reason"], "usage": usage}
+
+
+async def _retract_randomly(http: httpx.AsyncClient, url: str, done: asyncio.Event, rng: random.Random) -> Counter:
+    """Until `done`: retract 1-4 random running requests per round (modes and hold in turn),
+    and resume the held ones in the following round."""
+    seen: Counter = Counter()
+    held: list[str] = []
+    turn = 0
+    while not done.is_set() or held:
+        if held:
+            r = await http.post(f"{url}/admin/resume", headers=ADMIN, json={"request_ids": held})
+            assert r.status_code == 200, r.text
+            assert all(not str(v).startswith("error") for v in r.json()["results"].values()), r.json()
+            seen["resumed"] += len(held)
+            held = []
+            continue
+        r = await http.get(f"{url}/admin/requests", headers=ADMIN)
+        assert r.status_code == 200, r.text
+        running = [q["id"] for q in r.json()["requests"] if q["state"] == "running"]
+        if running:
+            mode, hold = RETRACTIONS[turn % len(RETRACTIONS)]
+            victims = rng.sample(running, min(len(running), rng.randint(1, 4)))
+            r = await http.post(f"{url}/admin/retract", headers=ADMIN,
+                                json={"request_ids": victims, "mode": mode, "hold": hold})
+            assert r.status_code == 200, r.text
+            res = r.json()
+            for rid in res["retracted"]:
+                seen[res["results"][rid]] += 1
+            if hold:
+                held = list(res["retracted"])
+                seen["held"] += len(held)
+            if res["retracted"]:
+                turn += 1
+        await asyncio.sleep(rng.uniform(0.0, 0.02))
+    return seen
+
+
+async def streams_under_retraction(url: str, n_streams: int, seed: int,
+                                   max_tokens: int = STREAM_MAX_TOKENS) -> tuple[list[dict], Counter]:
+    rng = random.Random(seed)
+    done = asyncio.Event()
+    limits = httpx.Limits(max_connections=n_streams + 8, max_keepalive_connections=n_streams + 8)
+    async with httpx.AsyncClient(timeout=180, limits=limits) as http:
+        chaos = asyncio.create_task(_retract_randomly(http, url, done, rng))
+        try:
+            results = await asyncio.gather(*(_stream(http, url, PROMPTS[i % len(PROMPTS)], max_tokens)
+                                             for i in range(n_streams)))
+        finally:
+            done.set()
+        seen = await chaos
+    return results, seen
+
+
+def check_streams_match_reference(results: list[dict], ref: dict, client: RecordingClient, since: int,
+                                  max_tokens: int = STREAM_MAX_TOKENS) -> None:
+    for res in results:
+        tokens, text, _ = ref[res["prompt"]]
+        assert res["finish_reason"] == "length", res
+        assert res["usage"] and res["usage"][0]["completion_tokens"] == max_tokens, res
+        assert res["text"] == text, (res["prompt"], res["text"], text)
+    by_prompt = {r[2]: r[0] for r in ref.values()}
+    recorded = list(client.requests.values())[since:]
+    assert len(recorded) == len(results)
+    for rec in recorded:
+        assert rec["tokens"] == by_prompt[rec["prompt"]], "a retracted stream's tokens differ from the reference"

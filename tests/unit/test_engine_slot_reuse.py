@@ -1,0 +1,146 @@
+"""Restore after slot reuse (the first seed's bug) and the mutation checks that prove these
+tests can see broken backups and restores.
+
+The scenario (engine_helpers.slot_reuse_scenario): A decodes, is retracted and held; B is
+admitted into A's freed indices (allocators are LIFO) and decodes, overwriting them; A is
+resumed while B still runs. Float64 models, so a recompute fallback reproduces greedy
+outputs too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import (
+    HYBRID, HYBRID_COMPONENTS, make_engine, make_prompts, per_step_checks, reference_a_b,
+    reference_outputs, run_requests, greedy, slot_reuse_scenario, tiny_model,
+)
+from hyrax.actors.engine.config import UnsafeFaults
+from hyrax.actors.model.errors import HyraxInputError
+
+DTYPE = torch.float64
+SLOTS = ("mamba_conv", "mamba_ssm")
+PAGED = ("full_kv", "swa_kv")
+
+
+def _hybrid():
+    return tiny_model(HYBRID, DTYPE)
+
+
+def _unsafe(**faults) -> dict:
+    return dict(faults=UnsafeFaults(**faults), allow_unsafe=True)
+
+
+def _assert_b_took_a_s_indices(r) -> None:
+    for c in SLOTS:
+        assert r.b_indices[c] == r.a_old[c], (c, r.b_indices[c], r.a_old[c])
+    for c in PAGED:
+        assert set(r.b_indices[c]) & {p for p in r.a_old[c] if p >= 0}, (c, r.b_indices[c], r.a_old[c])
+
+
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool", "recompute"])
+def test_restore_after_slot_reuse_matches_uninterrupted_run(mode):
+    ref_a, ref_b = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), retraction_backup=mode)
+    assert r.retract_mode == mode
+    _assert_b_took_a_s_indices(r)
+    assert r.out_a == ref_a
+    assert r.out_b == ref_b  # restoring A did not touch B's state
+    s = r.engine.stats.summary()
+    assert s["retractions_by"] == {f"admin/{mode}": 1}, s
+    if mode == "recompute":
+        assert r.resume_result == "recompute" and s["restores_by"] == {"recompute": 1}, s
+    else:
+        assert r.resume_result == "verified" and s["restores"] == 1, s
+        for c in SLOTS:  # restored into a new slot, not the one B now owns
+            assert r.a_new[c] != r.a_old[c] and r.a_new[c] != r.b_indices[c], c
+    assert s["restore_fallbacks"] == 0 and s["checksum_failures"] == 0, s
+
+
+def test_slot_reuse_scenario_without_verification_alone_is_still_correct():
+    # Control for the mutation checks below: turning verification off does not by itself
+    # change the output, so a wrong output there comes from the injected fault.
+    ref_a, ref_b = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), **_unsafe(disable_verification=True))
+    assert r.resume_result == "verified"
+    assert (r.out_a, r.out_b) == (ref_a, ref_b)
+
+
+# ---- skip one component in backup ----------------------------------------------------------
+
+@pytest.mark.parametrize("component", HYBRID_COMPONENTS)
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
+def test_backup_missing_a_component_is_detected_at_restore_and_recomputed(component, mode):
+    ref_a, ref_b = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), retraction_backup=mode, **_unsafe(skip_backup_component=component))
+    assert r.resume_result == "fallback"
+    s = r.engine.stats.summary()
+    assert s["restore_fallbacks"] == 1 and s["restores"] == 0, s
+    assert (r.out_a, r.out_b) == (ref_a, ref_b)
+
+
+@pytest.mark.parametrize("component", HYBRID_COMPONENTS)
+def test_backup_missing_a_component_without_verification_gives_wrong_output(component):
+    # Mutation check: proves test_backup_missing_a_component_is_detected... can fail.
+    ref_a, _ = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), **_unsafe(skip_backup_component=component, disable_verification=True))
+    assert r.resume_result == "verified"  # trusted blindly
+    assert r.out_a != ref_a
+
+
+@pytest.mark.parametrize("component", HYBRID_COMPONENTS)
+def test_backup_missing_a_component_is_detected_under_forced_retraction(component):
+    prompts = make_prompts(8, seed=6)
+    ref = reference_outputs(HYBRID, DTYPE, prompts)
+    e = make_engine(_hybrid(), forced_retraction_interval=3, **_unsafe(skip_backup_component=component))
+    assert run_requests(e, prompts, greedy()) == ref
+    s = e.stats.summary()
+    assert s["retractions"] >= 3 and s["restore_fallbacks"] == s["retractions"] and s["restores"] == 0, s
+    assert s["restores_by"] == {"fallback": s["retractions"]}, s
+
+
+# ---- restore into the old indices ----------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
+def test_restore_into_old_indices_is_detected_and_recomputed(mode):
+    ref_a, ref_b = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), retraction_backup=mode, **_unsafe(restore_into_old_indices=True))
+    _assert_b_took_a_s_indices(r)
+    assert r.resume_result == "fallback"
+    s = r.engine.stats.summary()
+    assert s["restore_fallbacks"] == 1 and s["restores"] == 0, s
+    assert (r.out_a, r.out_b) == (ref_a, ref_b)  # B's state was not overwritten either
+
+
+def test_restore_into_old_indices_without_verification_gives_wrong_output():
+    # Mutation check: A's backup lands on B's indices (B took them), A runs on stale rows.
+    ref_a, ref_b = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), **_unsafe(restore_into_old_indices=True, disable_verification=True))
+    _assert_b_took_a_s_indices(r)
+    assert r.resume_result == "verified"
+    assert r.out_a != ref_a
+    assert r.out_b != ref_b
+
+
+# ---- corrupt a backup ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("component", HYBRID_COMPONENTS)
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
+def test_corrupted_backup_fails_its_checksum_and_is_recomputed(component, mode):
+    ref_a, ref_b = reference_a_b(HYBRID, DTYPE)
+    r = slot_reuse_scenario(_hybrid(), retraction_backup=mode, **_unsafe(corrupt_backup_component=component))
+    assert r.resume_result == "checksum_mismatch"
+    s = r.engine.stats.summary()
+    assert s["checksum_failures"] == 1 and s["restore_fallbacks"] == 1 and s["restores"] == 0, s
+    assert (r.out_a, r.out_b) == (ref_a, ref_b)
+
+
+def test_fault_injection_is_refused_without_the_unsafe_switch():
+    for faults in (UnsafeFaults(skip_backup_component="mamba_ssm"), UnsafeFaults(restore_into_old_indices=True),
+                   UnsafeFaults(corrupt_backup_component="full_kv"), UnsafeFaults(disable_verification=True)):
+        with pytest.raises(HyraxInputError):
+            make_engine(_hybrid(), faults=faults)
+
+
+def test_per_step_checks_only_disabled_for_the_known_host_pool_bug():
+    assert per_step_checks("cpu_tensor") and per_step_checks("recompute")
