@@ -37,7 +37,7 @@ def test_stream_comparison_notices_a_backup_that_skips_the_ssm_state(local_stack
     faulty = replace(E2E_CONFIG, faults=UnsafeFaults(skip_backup_component="mamba_ssm", disable_verification=True),
                      allow_unsafe=True)
     with local_gateway(faulty) as broken:
-        results, seen = asyncio.run(streams_under_retraction(broken.url, n_streams=8, seed=7))
+        results, seen = asyncio.run(streams_under_retraction(broken.url, n_streams=32, seed=7))
         print(seen)
         assert seen["cpu_tensor"] + seen["host_pool"] > 0, seen
         with pytest.raises(AssertionError):

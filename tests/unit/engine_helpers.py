@@ -61,13 +61,15 @@ def tiny_config(layout: str) -> ModelConfig:
 @functools.lru_cache(maxsize=None)
 def tiny_model(layout: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> HybridModel:
     """Random weights large enough that state mistakes change greedy tokens:
-    N(0, 0.3) everywhere, A_log ~ U(-1, 1)."""
+    N(0, 0.3) everywhere, norm weights 1 + N(0, 0.3), A_log ~ U(-1, 1)."""
     model = HybridModel(tiny_config(layout), dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 new = torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1
+            elif "norm" in name:
+                new = 1 + torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3
             else:
                 new = torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3
             p.copy_(new.to(p.dtype))

@@ -58,6 +58,6 @@ class GatedGroupRMSNorm(nn.Module):
             grp = self.first // self.group_size
             partial = torch.zeros(*h.shape[:-1], self.n_groups, dtype=f, device=h.device)
             partial[..., grp] = h.pow(2).sum(-1)
-            total = partial[..., grp : grp + 1]
+            total = self.allreduce(partial)[..., grp : grp + 1]
             h = h * torch.rsqrt(total / self.group_size + self.eps)
         return self.weight.to(f) * h

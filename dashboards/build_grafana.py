@@ -1,0 +1,103 @@
+"""Generates hyrax-grafana.json (Grafana 10+, Prometheus datasource variable).
+
+Run `python dashboards/build_grafana.py` after changing panels; a test checks that every
+PromQL expression names only metrics that /metrics exports, and k8s/ ships this file as
+a ConfigMap.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def q(expr: str, legend: str) -> dict:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": legend[:20] or "A"}
+
+
+def panel(pid: int, title: str, targets: list[dict], x: int, y: int, unit: str = "short", w: int = 12,
+          overrides: list | None = None) -> dict:
+    return {
+        "id": pid, "type": "timeseries", "title": title, "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": 8},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": overrides or []},
+        "targets": targets,
+    }
+
+
+def red(name_regex: str) -> dict:
+    return {"matcher": {"id": "byRegexp", "options": name_regex},
+            "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}]}
+
+
+def pct(metric: str, p: float, by: str = "") -> str:
+    grp = f"le{', ' + by if by else ''}"
+    return f"histogram_quantile({p}, sum by ({grp}) (rate({metric}_bucket[5m])))"
+
+
+def build() -> dict:
+    panels = [
+        panel(1, "Throughput (tokens/s)", [
+            q("sum by (role) (rate(hyrax_generation_tokens_total[1m]))", "generated {{role}}"),
+            q("sum by (role) (rate(hyrax_prompt_tokens_total[1m]))", "prompt {{role}}"),
+        ], 0, 0, "short"),
+        panel(2, "Latency percentiles", [
+            q(pct("hyrax_time_to_first_token_seconds", 0.5), "TTFT p50"),
+            q(pct("hyrax_time_to_first_token_seconds", 0.99), "TTFT p99"),
+            q(pct("hyrax_inter_token_latency_seconds", 0.5), "ITL p50"),
+            q(pct("hyrax_inter_token_latency_seconds", 0.99), "ITL p99"),
+            q(pct("hyrax_e2e_request_latency_seconds", 0.99), "E2E p99"),
+        ], 12, 0, "s"),
+        panel(3, "Queue", [
+            q("sum by (role) (hyrax_requests_running)", "running {{role}}"),
+            q("sum by (role) (hyrax_requests_waiting)", "waiting {{role}}"),
+            q("sum by (role) (hyrax_requests_retracted)", "retracted {{role}}"),
+            q(pct("hyrax_queue_time_seconds", 0.99), "queue time p99 (s)"),
+        ], 0, 8),
+        panel(4, "Pool usage per rank and component", [
+            q("hyrax_pool_usage_ratio", "{{role}}/{{replica}} r{{rank}} {{component}}"),
+            q("hyrax_host_pool_usage_ratio", "host {{role}}/{{replica}} r{{rank}} {{component}}"),
+        ], 12, 8, "percentunit"),
+        panel(5, "Retractions and restores (per s)", [
+            q("sum by (trigger, mode) (rate(hyrax_retractions_total[5m]))", "retract {{trigger}}/{{mode}}"),
+            q("sum by (result) (rate(hyrax_restores_total[5m]))", "restore {{result}}"),
+            q("sum (rate(hyrax_checksum_failures_total[5m]))", "checksum failures"),
+        ], 0, 16, "short", overrides=[red(".*(fallback|checksum).*")]),
+        panel(6, "Backup / restore duration", [
+            q(pct("hyrax_backup_duration_seconds", 0.99), "backup p99"),
+            q(pct("hyrax_restore_duration_seconds", 0.99), "restore p99"),
+            q("sum by (component) (rate(hyrax_state_bytes_backed_up_total[5m]))", "backed up B/s {{component}}"),
+        ], 12, 16, "s"),
+        panel(7, "PD transfer and migration", [
+            q("sum by (component) (rate(hyrax_state_bytes_transferred_total[5m]))", "bytes/s {{component}}"),
+            q("sum by (result) (rate(hyrax_transfers_in_total[5m]))", "imports {{result}}"),
+            q("sum (rate(hyrax_transfers_out_total[5m]))", "hand-offs"),
+        ], 0, 24, "Bps", overrides=[red(".*(fallback|checksum).*")]),
+        panel(8, "PD transfer duration", [
+            q(pct("hyrax_pd_transfer_duration_seconds", 0.5), "p50"),
+            q(pct("hyrax_pd_transfer_duration_seconds", 0.99), "p99"),
+        ], 12, 24, "s"),
+        panel(9, "Finished requests and replica health", [
+            q("sum by (finish_reason) (rate(hyrax_requests_finished_total[5m]))", "finished {{finish_reason}}"),
+            q("min by (role, replica) (hyrax_replica_healthy)", "healthy {{role}}/{{replica}}"),
+            q("sum (increase(hyrax_replica_recoveries_total[15m]))", "recoveries (15m)"),
+        ], 0, 32, "short", w=24),
+    ]
+    return {
+        "title": "Hyrax", "uid": "hyrax-overview", "schemaVersion": 39, "version": 1,
+        "time": {"from": "now-1h", "to": "now"}, "refresh": "10s", "tags": ["hyrax"],
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                 "label": "Prometheus", "current": {}}]},
+        "panels": panels,
+    }
+
+
+def main() -> None:
+    out = Path(__file__).with_name("hyrax-grafana.json")
+    out.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
