@@ -138,10 +138,6 @@ def test_packed_prefill_and_decode_sequences_sharing_a_pool_match_their_own_refe
         torch.testing.assert_close(torch.cat(outs[b]), dense(attn, model, xs[b]), atol=TOL, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "hyrax bug: padding keys of a shorter sequence gather pool row 0 (batch.py read_rows "
-    ".clamp(min=0)); masked weights are 0 but 0 * NaN = NaN, so a non-finite value in row 0 "
-    "(a page another request owns) corrupts unrelated sequences"))
 def test_padding_keys_never_read_rows_owned_by_other_requests():
     attn, model = attention_layer("full")
     pools = fresh_pools(model)

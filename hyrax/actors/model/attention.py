@@ -35,6 +35,8 @@ def visible_mask(positions: torch.Tensor, q_valid: torch.Tensor, idx: AttnIndex,
 def sdpa_paged(q: torch.Tensor, pool: torch.Tensor, idx: AttnIndex, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q: (B, T, H, D); pool: (rows, 2, KVH, D) -> (B, T, H, D)."""
     kv = pool[idx.read_rows]  # (B, K, 2, KVH, D)
+    # padding keys point at row 0, which may belong to another request: never let its bytes in
+    kv = torch.where(idx.key_valid[:, :, None, None, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     rep = q.shape[2] // kv.shape[3]
     k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
     v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)

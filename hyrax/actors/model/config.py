@@ -111,6 +111,8 @@ class ModelConfig:
     # ---- HF dict round trip --------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise HyraxInputError("config.json must hold a JSON object")
         try:
             return cls._from_hf_dict(d)
         except KeyError as e:
@@ -138,7 +140,10 @@ class ModelConfig:
             )
         hidden = int(d["hidden_size"])
         n_heads = int(d.get("num_attention_heads", 1))
-        kv_heads = d.get("num_key_value_heads") or n_heads
+        kv_heads = d.get("num_key_value_heads")
+        kv_heads = n_heads if kv_heads is None else int(kv_heads)
+        if n_heads < 1 or kv_heads < 1:
+            raise HyraxInputError("num_attention_heads and num_key_value_heads must be >= 1")
         head_dim = d.get("head_dim") or hidden // n_heads
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))

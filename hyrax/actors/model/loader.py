@@ -52,6 +52,8 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     if not files:
         raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
     model = HybridModel(cfg, tp, dtype, allreduce)
+    with torch.device("meta"):  # the unsharded shapes, to check the checkpoint against
+        full_shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, TP(), dtype).named_parameters()}
     rules = model.shard_rules()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -60,6 +62,11 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
             for name in h.keys():
                 if name not in params:
                     continue  # e.g. rotary buffers some exporters save
+                saved = tuple(h.get_slice(name).get_shape())
+                if saved != full_shapes[name]:
+                    raise HyraxInputError(
+                        f"weight {name}: checkpoint shape {saved} does not fit the config (expected {full_shapes[name]})"
+                    )
                 t = _read(h, name, rules.get(name))
                 target = params[name]
                 if tuple(t.shape) != tuple(target.shape):
