@@ -91,16 +91,6 @@ def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-# Engine.check_invariants() wrongly fails while a request is retracted into the host pool
-# (RankRuntime.backup records an empty cpu-backup entry for host-pool backups; see
-# test_engine_lifecycle.py::test_check_invariants_holds_while_a_request_is_retracted_to_the_host_pool,
-# xfail). Until that is fixed, host_pool scenarios check invariants only when idle.
-KNOWN_HOST_POOL_INVARIANT_BUG = True
-
-
-def per_step_checks(mode: str) -> bool:
-    return not (KNOWN_HOST_POOL_INVARIANT_BUG and mode == "host_pool")
-
 
 def assert_idle_clean(engine: Engine) -> None:
     """Every device and host pool is back to free + used == capacity with nothing owned,
@@ -176,13 +166,12 @@ class SlotReuse:
         return self.b.output_ids
 
 
-def _step_until(engine: Engine, cond, check: bool, limit: int = 200) -> None:
+def _step_until(engine: Engine, cond, limit: int = 200) -> None:
     for _ in range(limit):
         if cond():
             return
         engine.step()
-        if check:
-            engine.check_invariants()
+        engine.check_invariants()
     raise AssertionError("condition not reached")
 
 
@@ -191,16 +180,15 @@ def slot_reuse_scenario(model: HybridModel, **overrides) -> SlotReuse:
     (LIFO allocators hand freed indices out next) and decodes, overwriting them; A is
     resumed while B still runs; both run to completion. Ends with the idle-clean check."""
     e = make_engine(model, **overrides)
-    check = per_step_checks(e.config.retraction_backup)
     aid = e.add_request(PROMPT_A, greedy(MAX_A))
     a = e.requests[aid]
-    _step_until(e, lambda: len(a.output_ids) >= 3, check)
+    _step_until(e, lambda: len(a.output_ids) >= 3)
     a_old = copy.deepcopy(a.indices)
     mode = e.retract([aid], hold=True)[aid]
     assert a.state == State.RETRACTED and a.hold
     bid = e.add_request(PROMPT_B, greedy(MAX_B))
     b = e.requests[bid]
-    _step_until(e, lambda: len(b.output_ids) >= 2, check)
+    _step_until(e, lambda: len(b.output_ids) >= 2)
     assert a.state == State.RETRACTED  # held: not resumed automatically
     b_indices = copy.deepcopy(b.indices)
     resume_result = e.resume([aid])[aid]

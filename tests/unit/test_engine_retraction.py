@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_helpers import (
-    HYBRID, LAYOUTS, MAX_TOKENS, assert_idle_clean, greedy, make_engine, make_prompts, per_step_checks,
+    HYBRID, LAYOUTS, MAX_TOKENS, assert_idle_clean, greedy, make_engine, make_prompts,
     reference_outputs, run_requests, tiny_model,
 )
 
@@ -29,7 +29,7 @@ def test_forced_retraction_every_3_steps_matches_uninterrupted_run(layout, mode)
     prompts = make_prompts(9, seed=1)
     ref = reference_outputs(layout, dtype, prompts)
     e = make_engine(model, forced_retraction_interval=3, retraction_backup=mode)
-    out = run_requests(e, prompts, greedy(), check_every_step=per_step_checks(mode))
+    out = run_requests(e, prompts, greedy())
     assert out == ref
     assert all(len(o) == MAX_TOKENS for o in out)
 
@@ -73,7 +73,7 @@ def test_memory_pressure_retracts_and_every_request_completes_with_unpressured_o
     e = make_engine(tiny_model(layout, dtype), kv_capacity_tokens=96, retraction_backup=mode)
     total = sum(len(p) + 12 for p in prompts)
     assert total > 2 * 96
-    out = run_requests(e, prompts, greedy(12), check_every_step=per_step_checks(mode))
+    out = run_requests(e, prompts, greedy(12))
     assert out == ref
     s = e.stats.summary()
     assert s["retractions_by"].get(f"memory/{mode}", 0) > 0, s
@@ -112,8 +112,7 @@ def test_admin_retraction_of_every_request_in_prefill_and_decode_matches_uninter
     done: set[tuple[str, str]] = set()
     while e.has_unfinished():
         e.step()
-        if per_step_checks(mode):
-            e.check_invariants()
+        e.check_invariants()
         for r in sorted(e.running, key=lambda r: r.arrival):
             phase = "prefill" if r.num_computed < len(r.prompt_ids) else "decode"
             if (r.id, phase) not in done:
@@ -128,3 +127,11 @@ def test_admin_retraction_of_every_request_in_prefill_and_decode_matches_uninter
     assert s["retractions_by"] == {f"admin/{mode}": len(done)}, s
     restored = "recompute" if mode == "recompute" else "verified"
     assert s["restores_by"] == {restored: len(done)} and s["restore_fallbacks"] == 0, s
+
+
+def test_forced_retraction_never_retracts_the_last_running_request():
+    prompt = make_prompts(1, seed=15)[0]
+    ref = reference_outputs(HYBRID, torch.float32, [prompt])
+    e = make_engine(tiny_model(HYBRID), forced_retraction_interval=1)
+    assert run_requests(e, [prompt], greedy()) == ref
+    assert e.stats.summary()["retractions"] == 0

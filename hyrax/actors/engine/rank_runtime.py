@@ -87,7 +87,8 @@ class RankRuntime:
                 self.host[c.name][:, host_rows[c.name]] = data
             else:
                 kept[c.name] = data
-        self.backups[req_id] = kept
+        if host_rows is None:
+            self.backups[req_id] = kept
         return sums
 
     def restore(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
