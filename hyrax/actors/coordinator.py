@@ -79,7 +79,7 @@ class RoleCoordinator:
         """A rank failed: replace the ranks, rebuild every request by recompute."""
         self.healthy = self.loop.healthy = False
         self.last_error = str(err)
-        while self.restarts < self.max_rank_restarts and not self.stopping:
+        while self.restarts < self.max_rank_restarts and not self.loop.stopping:
             self.restarts += 1
             try:
                 self._start_ranks()

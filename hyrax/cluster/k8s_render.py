@@ -57,8 +57,18 @@ def _inside(root: Path, path: Path, what: str) -> Path:
     return real
 
 
+def _yaml(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise K8sRenderError(f"{where}: not valid YAML: {e}") from None
+
+
 def load_documents(text: str, where: str = "") -> list[dict]:
-    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise K8sRenderError(f"{where}: not valid YAML: {e}") from None
     for d in docs:
         if not isinstance(d, dict) or "kind" not in d or "apiVersion" not in d:
             raise K8sRenderError(f"{where}: every document needs apiVersion and kind")
@@ -204,7 +214,7 @@ def _apply_patch(resources: list[dict], entry: dict, root: Path) -> list[dict]:
     if ("path" in entry) == ("patch" in entry):
         raise K8sRenderError("a patch needs exactly one of path and patch")
     text = (_inside(root, root / entry["path"], "patch").read_text() if "path" in entry else entry["patch"])
-    body = yaml.safe_load(text)
+    body = _yaml(text, "patch")
     target = entry.get("target")
     if isinstance(body, list):
         if not target:
@@ -330,7 +340,7 @@ def render(path: str | Path, _stack: tuple = ()) -> list[dict]:
         raise K8sRenderError(f"no kustomization file in {root}")
     if root.resolve() in _stack:
         raise K8sRenderError(f"kustomization cycle through {root}")
-    k = yaml.safe_load(kfile.read_text()) or {}
+    k = _yaml(kfile.read_text(), str(kfile)) or {}
     unsupported = set(k) - SUPPORTED_FIELDS
     if unsupported:
         raise K8sRenderError(f"{kfile}: fields not supported by this renderer: {sorted(unsupported)}")

@@ -30,7 +30,7 @@ MIN_DISTANCE = 24  # tokens from the asked key to the end of the prompt (> the d
 HELDOUT_MOD = 10  # 1 in 10 possible prompts is held out
 HELDOUT_SEED = 20240501
 MAX_TOKENS = MAX_DIGITS + 2  # generation budget: the value, its terminator, one spare
-_ANSWER = re.compile(r"[0-9]+")
+_ANSWER = re.compile(rf"[0-9]{{{MIN_DIGITS},{MAX_DIGITS}}}")
 
 
 @dataclass(frozen=True)
@@ -46,27 +46,51 @@ def split_of(prompt: str) -> str:
     return "heldout" if h % HELDOUT_MOD == 0 else "train"
 
 
+def _context(rng: random.Random) -> tuple[str, list[str], list[str], list[int]]:
+    """A list of pairs: (body text, keys, values, keys' offsets in the body)."""
+    n = rng.randint(MIN_PAIRS, MAX_PAIRS)
+    keys = rng.sample(KEYS, n)
+    values = ["".join(rng.choice(string.digits) for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
+              for _ in range(n)]
+    pairs = [f"{k}{v}" for k, v in zip(keys, values)]
+    starts, off = [], 0
+    for p in pairs:
+        starts.append(off)
+        off += len(p) + 1
+    return ";".join(pairs), keys, values, starts
+
+
+def _far(body: str, starts: list[int]) -> list[int]:
+    """Pairs that may be asked: more than MIN_DISTANCE tokens before the end of the prompt."""
+    end = len(body) + 2  # the prompt ends with "?<key>"
+    return [i for i, s in enumerate(starts) if end - s > MIN_DISTANCE]
+
+
 def make_problem(rng: random.Random) -> Problem:
     """One problem drawn from `rng` (either split)."""
     while True:
-        n = rng.randint(MIN_PAIRS, MAX_PAIRS)
-        keys = rng.sample(KEYS, n)
-        values = ["".join(rng.choice(string.digits) for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
-                  for _ in range(n)]
-        pairs = [f"{k}={v}" for k, v in zip(keys, values)]
-        body = ";".join(pairs)
-        # offset of each key in the body; the prompt ends with "?<key>="
-        starts, off = [], 0
-        for p in pairs:
-            starts.append(off)
-            off += len(p) + 1
-        end = len(body) + 3
-        far = [i for i in range(n) if end - starts[i] > MIN_DISTANCE]
-        if not far:
-            continue
-        i = rng.choice(far)
-        prompt = f"{body}?{keys[i]}="
-        return Problem(prompt, values[i], len(prompt) - starts[i])
+        body, keys, values, starts = _context(rng)
+        far = _far(body, starts)
+        if far:
+            i = rng.choice(far)
+            prompt = f"{body}?{keys[i]}"
+            return Problem(prompt, values[i], len(prompt) - starts[i])
+
+
+def training_sequence(rng: random.Random, n_queries: int, near: bool = True) -> list[Problem]:
+    """Several training-split problems sharing one context, for one training sequence:
+    `body?k1v1<eos>?k2v2<eos>...`. The first is exactly a problem's prompt + answer; each
+    problem's own prompt (`body?ki`) is in the training split, so no held-out prompt is
+    ever trained on, not even as a prefix. `near` also asks pairs inside the sliding window
+    (never asked at evaluation): they are learnt first, by the local layers, and teach the
+    copy circuit that full attention then needs for the far ones."""
+    while True:
+        body, keys, values, starts = _context(rng)
+        cand = range(len(keys)) if near else _far(body, starts)
+        ok = [i for i in cand if split_of(f"{body}?{keys[i]}") == "train"]
+        if ok:
+            picked = rng.sample(ok, min(n_queries, len(ok)))
+            return [Problem(f"{body}?{keys[i]}", values[i], len(body) + 2 - starts[i]) for i in picked]
 
 
 def generate(split: str, n: int, seed: int) -> list[Problem]:
@@ -87,16 +111,19 @@ def heldout(n: int = 1000) -> list[Problem]:
     return generate("heldout", n, HELDOUT_SEED)
 
 
-def parse_answer(text: str) -> str | None:
-    """The answer in a completion, or None when it is not a well-formed answer (invalid)."""
-    t = text.strip()
-    return t if _ANSWER.fullmatch(t) else None
+def parse_answer(text: str, terminated: bool = True) -> str | None:
+    """The answer in a completion (text before the terminator), or None when it is not a
+    well-formed answer: not MIN_DIGITS..MAX_DIGITS digits, or no terminator was emitted."""
+    if not terminated or not _ANSWER.fullmatch(text):
+        return None
+    return text
 
 
-def score(problems: list[Problem], completions: list[str]) -> dict:
-    """{"accuracy", "invalid_rate", "n"} of completions (text without the terminator)."""
+def score(problems: list[Problem], completions: list[tuple[str, bool]]) -> dict:
+    """{"accuracy", "invalid_rate", "n"} of completions: (text without the terminator,
+    whether the model emitted the terminator)."""
     n = len(problems)
-    parsed = [parse_answer(c) for c in completions]
+    parsed = [parse_answer(text, term) for text, term in completions]
     correct = sum(1 for p, a in zip(problems, parsed) if a == p.answer)
     invalid = sum(1 for a in parsed if a is None)
     return {"accuracy": correct / n if n else 0.0, "invalid_rate": invalid / n if n else 0.0, "n": n}

@@ -13,19 +13,10 @@ import os
 # traffic on 127.0.0.1. init_ray sets the same default.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-from contextlib import contextmanager  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hyrax.actors.engine.config import EngineConfig  # noqa: E402
-from ray_harness import DEMO_MODEL  # noqa: E402
-
-# The shared demo deployment: one TP=1 and one TP=2 replica, deterministic float32.
-DEMO_CONFIG = EngineConfig(deterministic=True)
-# The tiny SWA+Mamba2 deployment: small pages and chunks, so prompts cross pages, the
-# window (8 tokens) and prefill-chunk boundaries.
-SWA_CONFIG = EngineConfig(deterministic=True, page_size=4, prefill_chunk=16, kv_capacity_tokens=2048)
+from ray_harness import DEMO_CONFIG, DEMO_MODEL, call, deployed, replica  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -41,26 +32,6 @@ def ray_session():
         ray.shutdown()
 
 
-@contextmanager
-def deployed(model_dir: str, roles, config: EngineConfig, rank_timeout_s: float = 60.0):
-    """Start a Deployment and always shut it down (placement groups included).
-
-    Placement groups, coordinators and ranks are named after the role (hyrax/<role>/<i>),
-    so deployments alive at the same time need distinct role names."""
-    from hyrax.cluster.deployment import Deployment
-
-    d = Deployment(model_dir, roles, config, rank_timeout_s=rank_timeout_s)
-    try:
-        d.start(timeout_s=300)
-        yield d
-    finally:
-        d.shutdown()
-
-
-def replica(d, role: str):
-    return next(r for r in d.replicas if r.role == role)
-
-
 @pytest.fixture(scope="session")
 def demo_deployment(ray_session):
     """demo checkpoint (full + sliding + mamba2): roles "tp1" (TP=1) and "tp2" (TP=2)."""
@@ -73,8 +44,6 @@ def demo_deployment(ray_session):
 @pytest.fixture
 def demo_tp2(demo_deployment):
     """The demo TP=2 replica's coordinator; forced retraction is off again afterwards."""
-    from ray_harness import call
-
     c = replica(demo_deployment, "tp2").coordinator
     yield c
     call(c.set_forced_retraction, 0)

@@ -9,6 +9,7 @@ import random
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,6 +20,12 @@ from hyrax.actors.engine.local import load_engine, run_to_completion
 from hyrax.actors.engine.request import SamplingParams
 
 DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
+
+# The shared demo deployment: one TP=1 and one TP=2 replica, deterministic float32.
+DEMO_CONFIG = EngineConfig(deterministic=True)
+# The tiny SWA+Mamba2 deployment: small pages and chunks, so prompts cross pages, the
+# window (8 tokens) and prefill-chunk boundaries.
+SWA_CONFIG = EngineConfig(deterministic=True, page_size=4, prefill_chunk=16, kv_capacity_tokens=2048)
 
 # Every test request ignores EOS, so output lengths (and the number of steps in which
 # retraction can strike) are fixed by max_tokens alone.
@@ -32,6 +39,27 @@ def uid(prefix: str) -> str:
 def prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, vocab) for _ in range(length)]
+
+
+# ---- deployments -------------------------------------------------------------------------
+@contextmanager
+def deployed(model_dir: str, roles, config: EngineConfig, rank_timeout_s: float = 60.0):
+    """Start a Deployment and always shut it down (placement groups included).
+
+    Placement groups, coordinators and ranks are named after the role (hyrax/<role>/<i>),
+    so deployments alive at the same time need distinct role names."""
+    from hyrax.cluster.deployment import Deployment
+
+    d = Deployment(model_dir, roles, config, rank_timeout_s=rank_timeout_s)
+    try:
+        d.start(timeout_s=300)
+        yield d
+    finally:
+        d.shutdown()
+
+
+def replica(d, role: str):
+    return next(r for r in d.replicas if r.role == role)
 
 
 # ---- reference ---------------------------------------------------------------------------

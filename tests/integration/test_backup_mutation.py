@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import deployed, replica
 from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
-from ray_harness import (DEMO_MODEL, Stream, assert_clean, assert_manifest_from_every_rank, call, prompt,
-                         reference, request_info, run_all, stats_delta, uid)
+from ray_harness import (DEMO_MODEL, Stream, assert_clean, assert_manifest_from_every_rank, call, deployed, prompt,
+                         reference, replica, request_info, run_all, stats_delta, uid)
 
 pytestmark = pytest.mark.timeout(300)
 

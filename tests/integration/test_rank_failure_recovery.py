@@ -8,9 +8,8 @@ import time
 import pytest
 import ray
 
-from conftest import deployed, replica
 from hyrax.actors.engine.config import EngineConfig
-from ray_harness import DEMO_MODEL, Stream, assert_clean, call, prompt, reference, run_all, uid
+from ray_harness import DEMO_MODEL, Stream, assert_clean, call, deployed, prompt, reference, replica, run_all, uid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,6 +39,11 @@ def test_killed_rank_mid_generation_recovers_every_in_flight_request(kill_tp2):
     ray.kill(old[1], no_restart=True)
 
     t0 = time.monotonic()
+    # The failure surfaces on the next step (the dead rank's call errors at once) and recovery
+    # counts a restart before it starts new ranks: fail fast if it never begins.
+    while call(coord.health)["restarts"] < 1:
+        assert time.monotonic() - t0 < 20, f"no recovery started 20 s after the kill: {call(coord.health)}"
+        time.sleep(0.1)
     for s in streams:
         s.wait_done(timeout=max(1.0, 120 - (time.monotonic() - t0)))  # none hangs
     reasons = [s.finish_reason for s in streams]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DEMO_CONFIG, SWA_CONFIG, deployed, replica
-from ray_harness import DEMO_MODEL, assert_clean, prompt, reference, run_all
+from ray_harness import DEMO_CONFIG, DEMO_MODEL, SWA_CONFIG, assert_clean, deployed, prompt, reference, replica, run_all
 
 pytestmark = pytest.mark.timeout(300)
 

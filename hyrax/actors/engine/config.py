@@ -52,6 +52,7 @@ class EngineConfig:
     faults: UnsafeFaults = field(default_factory=UnsafeFaults)
     allow_unsafe: bool = False
     role: str = "colocated"  # "prefill": hand requests off after their first token
+    overlap: bool = False  # plan step N+1 while the ranks run step N
 
     def __post_init__(self):
         def positive(name):

@@ -7,6 +7,7 @@ happen in one place (`_finish`). Ray-free: the same engine drives an in-process 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -63,6 +64,12 @@ class Engine:
         self._ids = itertools.count()
         self.finished_requests: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}
+        # overlap scheduling: the step the ranks are running, frees waiting for it, and
+        # requests whose last token the ranks may forget
+        self._inflight: tuple[StepPlan, object] | None = None
+        self._deferred: list[tuple[str, dict[str, list[int]]]] = []
+        self._forget: list[str] = []
+        self._pressure = False
 
     # ---- request API -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -113,6 +120,7 @@ class Engine:
         """Retract running requests by id. Returns id -> mode used, or an error string."""
         if mode is not None and mode not in ("cpu_tensor", "host_pool", "recompute"):
             raise HyraxInputError("mode must be cpu_tensor, host_pool or recompute")
+        self.sync()  # a retracted request has no step in flight
         out = {}
         for rid in req_ids:
             req = self.requests.get(rid)
@@ -172,17 +180,93 @@ class Engine:
             self.step_count, self.running, self.waiting, self._make_room, self._no_room,
             admit_new=not any(not r.hold for r in self.retracted),
         )
+        self._admitted(admitted)
+        plan = self._with_forget(plan)
+        if plan.entries:
+            tokens = self.executor.execute(plan)
+            self.commit(plan, tokens)
+        out, self._outputs = self._outputs, []
+        return out
+
+    def _admitted(self, admitted: list[Request]) -> None:
         now = time.monotonic()
         for r in admitted:
             self.running.append(r)
             if r.first_scheduled_at is None:
                 r.first_scheduled_at = now
                 self.stats.queue_seconds.append(now - r.arrival)
-        if plan.entries:
-            tokens = self.executor.execute(plan)
-            self.commit(plan, tokens)
+
+    def _with_forget(self, plan: StepPlan) -> StepPlan:
+        if self._forget and plan.entries:
+            plan = dataclasses.replace(plan, forget=tuple(self._forget))
+            self._forget = []
+        return plan
+
+    # ---- overlap scheduling ------------------------------------------------------------
+    def has_inflight(self) -> bool:
+        return self._inflight is not None
+
+    def sync(self) -> None:
+        """Collect and commit the step in flight, then run the frees that waited for it."""
+        if self._inflight is None:
+            return
+        plan, handle = self._inflight
+        self._inflight = None
+        tokens = self.executor.collect(handle)
+        self.commit(plan, tokens)
+        for owner, indices in self._deferred:
+            for name, idx in indices.items():
+                live = [i for i in idx if i >= 0]
+                if live:
+                    self.alloc[name].free(owner, live)
+        self._deferred = []
+
+    def step_overlap(self) -> list[StepOutput]:
+        """Plan and submit step N+1, then commit step N. Retractions, restores and memory
+        pressure need a request with no step in flight: those steps sync first."""
+        self.step_count += 1
+        self.stats.steps += 1
+        forced = bool(self.forced_interval) and self.step_count % self.forced_interval == 0
+        resumable = any(not r.hold for r in self.retracted)
+        if forced or resumable or self._pressure:
+            self.sync()
+            self._pressure = False
+        self._auto_resume()
+        if forced:
+            for v in pick_victims(self.running, 1):
+                self._retract(v, "forced", None, False)
+        prev = self._inflight
+        if prev is not None:
+            self.scheduler.ahead = {
+                e.req_id: (e.end, len(self.requests[e.req_id].output_ids) + (e.sample is not None))
+                for e in prev[0].entries if e.req_id in self.requests
+            }
+        try:
+            plan, admitted = self.scheduler.schedule(
+                self.step_count, self.running, self.waiting, self._make_room, self._no_room,
+                admit_new=not any(not r.hold for r in self.retracted),
+            )
+        finally:
+            self.scheduler.ahead = {}
+        self._admitted(admitted)
+        plan = self._with_forget(plan)
+        handle = self.executor.submit(plan) if plan.entries else None
+        self.sync()  # commits step N (prev), if any, while the ranks run N+1
+        if handle is not None:
+            self._inflight = (plan, handle)
         out, self._outputs = self._outputs, []
         return out
+
+    def _inflight_ids(self) -> set[str]:
+        return {e.req_id for e in self._inflight[0].entries} if self._inflight else set()
+
+    def _free_device(self, req: Request) -> None:
+        """Free now, or — if the step in flight still writes these indices — after it."""
+        if req.id in self._inflight_ids():
+            self._deferred.append((req.id, {k: list(v) for k, v in req.indices.items()}))
+            req.indices = {}
+        else:
+            self.retractor.free_device(req)
 
     def commit(self, plan: StepPlan, tokens: list[int]) -> None:
         """Apply a step's results using the step's own plan snapshot."""
@@ -243,8 +327,9 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         """The one place a request's indices and backups are released."""
+        self._forget.append(req.id)
         if req.state == State.RUNNING:
-            self.retractor.free_device(req)
+            self._free_device(req)
             self.running.remove(req)
         elif req.state == State.RETRACTED:
             self.retractor.release_backup(req)
@@ -252,7 +337,7 @@ class Engine:
         elif req.state == State.WAITING:
             self.waiting.remove(req)
         elif req.state == State.HANDOFF:
-            self.retractor.free_device(req)
+            self._free_device(req)
             del self.handoffs[req.id]
         req.state = State.FINISHED
         req.finish_reason = reason
@@ -276,8 +361,9 @@ class Engine:
         while True:
             if all(self.alloc[k].can_allocate(n) for k, n in need.items()):
                 return True
-            victims = pick_victims(self.running, 1, exclude=planned | {needy.id})
+            victims = pick_victims(self.running, 1, exclude=planned | {needy.id} | self._inflight_ids())
             if not victims:
+                self._pressure = self._inflight is not None  # retry after the step in flight
                 return False
             self._retract(victims[0], "memory", None, False)
             self.scheduler.reserve_ratio = 1.0
@@ -289,6 +375,7 @@ class Engine:
     def export_running(self, req_id: str) -> dict:
         """Export a running request's state for another replica. Its indices stay allocated
         (state HANDOFF) until `release_handoff` — after the importer acknowledged."""
+        self.sync()  # the exported state is exactly the committed tokens
         req = self.requests.get(req_id)
         if req is None or req.state != State.RUNNING:
             raise HyraxInputError(f"request {req_id!r} is not running here")
@@ -313,7 +400,8 @@ class Engine:
         req = self.handoffs.pop(req_id, None)
         if req is None:
             return False
-        self.retractor.free_device(req)
+        self._forget.append(req_id)
+        self._free_device(req)
         req.state = State.FINISHED
         req.finish_reason = "transferred"
         del self.requests[req_id]
@@ -351,7 +439,9 @@ class Engine:
     def reset_for_recovery(self) -> list[str]:
         """After the ranks were lost and restarted with empty pools: every request keeps its
         tokens and is rebuilt by prefill (recompute). Returns the ids affected."""
-        live = sorted(self.running + self.retracted, key=lambda r: r.arrival)
+        self._inflight, self._deferred, self._forget, self._pressure = None, [], [], False
+        live = sorted(self.running + self.retracted + list(self.handoffs.values()), key=lambda r: r.arrival)
+        self.handoffs = {}
         for req in live:
             req.indices, req.backup, req.num_computed = {}, None, 0
             req.state, req.hold = State.WAITING, False
@@ -364,6 +454,11 @@ class Engine:
 
     def fail_all(self, reason: str = "error") -> list[str]:
         """Finish every unfinished request (ranks gone for good); nothing stays queued."""
+        self._inflight, self._deferred, self._pressure = None, [], False
+        for req in list(self.handoffs.values()):
+            req.state = State.RUNNING
+            self.running.append(req)
+        self.handoffs = {}
         ids = list(self.requests)
         for rid in ids:
             req = self.requests[rid]
@@ -402,7 +497,8 @@ class Engine:
         for a in list(self.alloc.values()) + list(self.host_alloc.values()):
             a.check()
         for c in self.components:
-            for owner in self.alloc[c.name].owners():
+            deferred = {o for o, _ in self._deferred}
+            for owner in self.alloc[c.name].owners() - deferred:
                 req = self.requests.get(owner)
                 if req is None or req.state not in (State.RUNNING, State.HANDOFF):
                     raise AssertionError(f"{c.name}: index owned by {owner}, which is not running")

@@ -17,6 +17,13 @@ class LocalExecutor:
     def execute(self, plan: StepPlan) -> list[int]:
         return self.rank.execute(plan)
 
+    def submit(self, plan: StepPlan):
+        """Start a step; `collect` returns its tokens. In-process, it simply runs now."""
+        return self.rank.execute(plan)
+
+    def collect(self, handle) -> list[int]:
+        return handle
+
     def backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[int, dict[str, int]]:
         return {0: self.rank.backup(req_id, rows, host_rows)}
 

@@ -33,14 +33,14 @@ class EngineLoop:
     # ---- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self.stopping:
-            if not self.healthy or not self.engine.has_unfinished():
+            if not self.healthy or not (self.engine.has_unfinished() or self.engine.has_inflight()):
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
             with self.lock:
                 t0 = time.perf_counter()
                 try:
-                    outs = self.engine.step()
+                    outs = self.engine.step_overlap() if self.engine.config.overlap else self.engine.step()
                 except RankFailure as e:
                     if self.on_rank_failure is None:
                         raise
@@ -136,7 +136,10 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
-            return self.engine.abort(request_id)
+            ok = self.engine.abort(request_id)
+            outs = self.engine.step_outputs_flush()
+        self._deliver(outs)  # the stream ends now, even if the loop has nothing left to step
+        return ok
 
     def retract(self, request_ids: list[str] | None = None, count: int | None = None, all_: bool = False,
                 mode: str | None = None, hold: bool = False) -> dict:
@@ -175,7 +178,8 @@ class EngineLoop:
 
     def is_idle_clean(self) -> bool:
         with self.lock:
-            return not self.engine.has_unfinished() and self.engine.is_idle_clean()
+            return (not self.engine.has_unfinished() and not self.engine.has_inflight()
+                    and self.engine.is_idle_clean())
 
     def stats(self) -> dict:
         with self.lock:

@@ -37,6 +37,7 @@ class StepPlan:
     entries: tuple[PlanEntry, ...]
     zero_slots: dict[str, tuple[int, ...]]  # freshly allocated slots, zeroed before the forward
     deterministic: bool = False
+    forget: tuple[str, ...] = ()  # requests that left the replica: ranks drop their last token
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@ Rows = dict[str, list[int]]
 
 class RankRuntime:
     def __init__(self, model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
-                 faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu"):
+                 faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None):
         self.model = model
         self.rank = rank
         self.device = torch.device(device)
@@ -33,6 +33,10 @@ class RankRuntime:
         }
         self.backups: dict[str, dict[str, torch.Tensor]] = {}
         self.faults = faults if faults.applies_to(rank) else UnsafeFaults()
+        # tokens sampled last for each request, so a plan made before they were known can
+        # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
+        self.last_token: dict[str, int] = {}
+        self.broadcast = broadcast
 
     # ---- forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -41,17 +45,29 @@ class RankRuntime:
         for name, slots in plan.zero_slots.items():
             if slots:
                 self.pools[name][:, list(slots)] = 0
-        seqs = [SeqSlice(list(e.token_ids), e.start, {k: list(v) for k, v in e.page_tables.items()}, e.slots)
+        seqs = [SeqSlice(self._resolve(e), e.start, {k: list(v) for k, v in e.page_tables.items()}, e.slots)
                 for e in plan.entries]
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself
             logits = torch.cat([self._forward([s]) for s in seqs])
         else:
             logits = self._forward(seqs)
-        if self.rank != 0:
-            return []
         rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]
-        return sample(logits[rows], [plan.entries[i].sample for i in rows])
+        tokens = sample(logits[rows], [plan.entries[i].sample for i in rows]) if self.rank == 0 else [0] * len(rows)
+        if self.broadcast is not None and rows:
+            tokens = self.broadcast(tokens)
+        for i, tok in zip(rows, tokens):
+            self.last_token[plan.entries[i].req_id] = tok
+        for rid in plan.forget:
+            self.last_token.pop(rid, None)
+        return tokens if self.rank == 0 else []
+
+    def _resolve(self, e) -> list[int]:
+        """Token ids of an entry, with the in-flight step's token filled in."""
+        ids = list(e.token_ids)
+        if ids and ids[-1] < 0:
+            ids[-1] = self.last_token[e.req_id]
+        return ids
 
     def _forward(self, seqs: list[SeqSlice]) -> torch.Tensor:
         batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device)

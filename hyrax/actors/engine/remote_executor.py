@@ -30,6 +30,16 @@ class RemoteExecutor:
     def execute(self, plan: StepPlan) -> list[int]:
         return self._all("execute", plan)[0]
 
+    def submit(self, plan: StepPlan) -> list:
+        """Send a step to every rank without waiting (ranks run calls in submission order)."""
+        return [r.execute.remote(plan) for r in self.ranks]
+
+    def collect(self, refs: list) -> list[int]:
+        try:
+            return self._get(refs, timeout=self.timeout_s)[0]
+        except Exception as e:
+            raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
+
     def backup(self, req_id, rows, host_rows) -> dict[int, dict[str, int]]:
         return dict(enumerate(self._all("backup", req_id, rows, host_rows)))
 

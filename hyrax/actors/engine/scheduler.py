@@ -17,6 +17,9 @@ from hyrax.actors.engine.request import Request, State
 from hyrax.actors.model.state import ComponentSpec
 
 
+PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
+
+
 class Scheduler:
     def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig,
                  allocators: dict[str, IndexAllocator]):
@@ -24,15 +27,34 @@ class Scheduler:
         self.config = config
         self.alloc = allocators
         self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
+        # overlap scheduling: req id -> (computed, outputs) once the in-flight step commits.
+        # Read here instead of advancing the requests' own fields ahead of their results.
+        self.ahead: dict[str, tuple[int, int]] = {}
+
+    # ---- a request as the next step will find it --------------------------------------
+    def computed(self, req: Request) -> int:
+        a = self.ahead.get(req.id)
+        return a[0] if a else req.num_computed
+
+    def n_outputs(self, req: Request) -> int:
+        a = self.ahead.get(req.id)
+        return a[1] if a else len(req.output_ids)
+
+    def pending(self, req: Request) -> int:
+        return len(req.prompt_ids) + self.n_outputs(req) - self.computed(req)
 
     # ---- sizing ----------------------------------------------------------------------
     def chunk_len(self, req: Request, budget: int) -> int:
-        pending = req.pending
-        if pending <= 1:
+        pending = self.pending(req)
+        if pending <= 0 or self.n_outputs(req) >= req.params.max_tokens:
+            return 0  # nothing to run, or it finishes with the step in flight
+        if self.config.role == "prefill" and self.n_outputs(req) >= 1:
+            return 0  # a prefill replica never decodes: the request is handed off
+        if pending == 1:
             return 1 if budget >= 1 else 0
         c = self.config.prefill_chunk
         if self.config.deterministic:
-            n = min(pending, c - req.num_computed % c)
+            n = min(pending, c - self.computed(req) % c)
             return n if n <= budget else 0
         return min(pending, c, budget)
 
@@ -44,7 +66,7 @@ class Scheduler:
             if not c.paged:
                 continue
             table = req.indices.get(c.name, [])
-            first = req.num_computed // ps
+            first = self.computed(req) // ps
             out[c.name] = [n for n in range(first, -(-end // ps)) if n >= len(table) or table[n] < 0]
         return out
 
@@ -65,7 +87,7 @@ class Scheduler:
         if self.reserve_ratio <= 0.0:
             return True
         ps = self.config.page_size
-        growth = sum(max(r.params.max_tokens - len(r.output_ids), 0) for r in running) / ps
+        growth = sum(max(r.params.max_tokens - self.n_outputs(r), 0) for r in running) / ps
         for c in self.components:
             if c.kind == "token":
                 if self.alloc[c.name].num_free - add.get(c.name, 0) < self.reserve_ratio * growth:
@@ -81,13 +103,13 @@ class Scheduler:
         entries: list[PlanEntry] = []
         planned: set[str] = set()
         zero: dict[str, list[int]] = {c.name: [] for c in self.components if not c.paged}
-        for req in sorted(running, key=lambda r: (r.in_prefill, r.arrival)):
+        for req in sorted(running, key=lambda r: (self.pending(r) > 1, r.arrival)):
             if req.state != State.RUNNING:
                 continue  # retracted as a victim earlier in this loop
             n = self.chunk_len(req, budget)
             if n == 0:
                 continue
-            add = self._pages_to_add(req, req.num_computed + n)
+            add = self._pages_to_add(req, self.computed(req) + n)
             need = {k: len(v) for k, v in add.items()}
             if not self._fits(need) and not make_room(req, need, planned):
                 if len([r for r in running if r.state == State.RUNNING]) == 1 and not entries:
@@ -104,7 +126,7 @@ class Scheduler:
             n = self.chunk_len(req, budget)
             if n == 0:
                 break
-            add = self._pages_to_add(req, req.num_computed + n)
+            add = self._pages_to_add(req, self.computed(req) + n)
             need = {k: len(v) for k, v in add.items()}
             for c in self.components:
                 if not c.paged:
@@ -126,12 +148,13 @@ class Scheduler:
         return plan, admitted
 
     def _entry(self, req: Request, n: int) -> PlanEntry:
-        start = req.num_computed
-        ids = req.all_ids
+        start = self.computed(req)
+        n_out = self.n_outputs(req)
+        ids = req.all_ids + [PLACEHOLDER] * (n_out - len(req.output_ids))
         sample = None
         if start + n == len(ids):
             p = req.params
-            sample = SamplingSpec(p.temperature, p.top_p, p.top_k, req.seed, len(req.output_ids))
+            sample = SamplingSpec(p.temperature, p.top_p, p.top_k, req.seed, n_out)
         return PlanEntry(
             req_id=req.id, token_ids=tuple(ids[start : start + n]), start=start,
             page_tables={c.name: tuple(req.indices[c.name]) for c in self.components if c.paged},

@@ -1,0 +1,49 @@
+"""`hyrax eval`: accuracy of a live server on the held-out recall split (the demo task)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from hyrax.actors.model.errors import HyraxInputError
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="score a live server on the demo task's held-out split",
+                       description="Run the held-out recall problems against a live server through the "
+                                   "official openai client (completions, temperature 0, stop at EOS) and "
+                                   "print accuracy and invalid-answer rate.")
+    p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    p.add_argument("--limit", type=int, default=200, help="held-out problems to run (default 200)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    p.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, else none)")
+    p.add_argument("--json", action="store_true", help='print {"accuracy", "invalid_rate", "n"} as JSON')
+    p.set_defaults(func=run)
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
+    from hyrax.tasks import recall
+    from hyrax.tasks.evaluate import run_server
+
+    if a.limit < 1:
+        raise HyraxInputError("--limit must be >= 1")
+    if a.concurrency < 1:
+        raise HyraxInputError("--concurrency must be >= 1")
+    problems = recall.heldout(a.limit)
+    t0 = time.perf_counter()
+    completions, errors = run_server(a.base_url, problems, a.concurrency, a.model,
+                                     a.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY")
+    result = recall.score(problems, completions)
+    if a.json:
+        print(json.dumps({**result, "errors": errors}))
+    else:
+        print(f"accuracy     {result['accuracy']:.3f}  ({round(result['accuracy'] * result['n'])}/{result['n']})")
+        print(f"invalid rate {result['invalid_rate']:.3f}")
+        if errors:
+            print(f"errors       {errors} request(s) failed (counted invalid)")
+        print(f"# {time.perf_counter() - t0:.1f}s, concurrency {a.concurrency}", file=sys.stderr)
+    return 0
