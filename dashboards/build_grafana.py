@@ -94,9 +94,14 @@ def build() -> dict:
 
 
 def main() -> None:
-    out = Path(__file__).with_name("hyrax-grafana.json")
-    out.write_text(json.dumps(build(), indent=2) + "\n")
-    print(f"wrote {out}")
+    text = json.dumps(build(), indent=2) + "\n"
+    here = Path(__file__).resolve().parent
+    # kustomize reads files only under its own folder, so k8s/ keeps a generated twin;
+    # both are written here, from one source (a test checks they are byte-identical)
+    for out in (here / "hyrax-grafana.json", here.parent / "k8s" / "monitoring" / "dashboards" / "hyrax-grafana.json"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from hyrax.actors.model.sharding import TP
 from hyrax.env import apply_torch_threads
 
 
-@ray.remote(num_cpus=1, max_restarts=0, max_concurrency=2)
+@ray.remote(num_cpus=1, max_restarts=0)  # one call at a time: steps run in submission order
 class RankWorker:
     def __init__(self, role: str, replica: int, tp_rank: int, tp_size: int):
         apply_torch_threads()
@@ -37,20 +37,20 @@ class RankWorker:
             return f"{ip}:{s.getsockname()[1]}"
 
     def setup(self, model_dir: str, config: EngineConfig, dist_address: str | None) -> dict:
-        allreduce = _identity
+        allreduce, broadcast = _identity, None
         if self.tp.size > 1:
             import torch.distributed as dist
 
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{dist_address}",
                                     rank=self.tp.rank, world_size=self.tp.size)
-            allreduce = _dist_allreduce
+            allreduce, broadcast = _dist_allreduce, _dist_broadcast_tokens
         model = load_model(model_dir, self.tp, DTYPES[config.dtype], allreduce, self.device)
         comps = model.components
         sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                            config.swa_capacity_tokens)
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
-        self.runtime = RankRuntime(model, sizes, host, self.tp.rank, config.faults, self.device)
+        self.runtime = RankRuntime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast)
         return {"rank": self.tp.rank, "device": str(self.device),
                 "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
 
@@ -81,6 +81,15 @@ class RankWorker:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _dist_broadcast_tokens(tokens: list[int]) -> list[int]:
+    """Rank 0's sampled tokens, on every rank (they feed the next step's placeholders)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(tokens, dtype=torch.long)
+    dist.broadcast(t, src=0)
+    return t.tolist()
 
 
 def _dist_allreduce(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-pool-mb", type=float, default=256.0, help="host pool size for host_pool backups")
     g.add_argument("--forced-retraction-interval", type=int, default=0, metavar="N",
                    help="testing hook: retract one request every N steps (0 = off)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="do not plan step N+1 while step N runs (overlap scheduling is on by default)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: outputs independent of batch composition")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
@@ -48,4 +50,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
+        overlap=not a.no_overlap,
     )
