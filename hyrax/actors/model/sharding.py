@@ -46,15 +46,20 @@ def q_heads(cfg: ModelConfig, tp: TP) -> range:
     return _split(cfg.num_attention_heads, tp, "num_attention_heads")
 
 
+def _split_or_replicate(n: int, tp: TP, what: str) -> range:
+    """Split n items over the ranks when there are at least tp_size of them; otherwise each
+    rank holds one item, shared by a block of tp_size / n consecutive ranks."""
+    if n >= tp.size:
+        return _split(n, tp, what)
+    if tp.size % n:
+        raise HyraxInputError(f"tp_size={tp.size} must be a multiple of {what}={n}")
+    i = tp.rank // (tp.size // n)
+    return range(i, i + 1)
+
+
 def kv_heads(cfg: ModelConfig, tp: TP) -> range:
     """KV heads split when there are at least tp_size of them, else replicated in blocks."""
-    n = cfg.num_key_value_heads
-    if n >= tp.size:
-        return _split(n, tp, "num_key_value_heads")
-    if tp.size % n:
-        raise HyraxInputError(f"tp_size={tp.size} must be a multiple of num_key_value_heads={n}")
-    h = tp.rank // (tp.size // n)
-    return range(h, h + 1)
+    return _split_or_replicate(cfg.num_key_value_heads, tp, "num_key_value_heads")
 
 
 def mlp_columns(cfg: ModelConfig, tp: TP) -> range:
@@ -67,13 +72,7 @@ def mamba_heads(cfg: ModelConfig, tp: TP) -> range:
 
 def mamba_groups(cfg: ModelConfig, tp: TP) -> range:
     """Groups split when there are at least tp_size of them, else the one group of this rank's heads."""
-    g = cfg.mamba_n_groups
-    if g >= tp.size:
-        return _split(g, tp, "mamba_n_groups")
-    if tp.size % g:
-        raise HyraxInputError(f"tp_size={tp.size} must be a multiple of mamba_n_groups={g}")
-    grp = tp.rank // (tp.size // g)
-    return range(grp, grp + 1)
+    return _split_or_replicate(cfg.mamba_n_groups, tp, "mamba_n_groups")
 
 
 def mamba_inner_channels(cfg: ModelConfig, tp: TP) -> list[int]:
