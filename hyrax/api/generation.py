@@ -21,6 +21,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[dict] = field(default_factory=list)  # one per token, when asked for
 
 
 async def run_choices(client, choices: list[Choice], metrics=None) -> AsyncIterator[tuple[Choice, str, bool]]:
@@ -49,6 +50,7 @@ async def run_choices(client, choices: list[Choice], metrics=None) -> AsyncItera
                     timers[c.index].done()
             delta = c.text.feed(item.get("token_ids", []))
             c.token_ids.extend(item.get("token_ids", []))
+            c.logprobs.extend(item.get("logprobs", []))
             if item.get("finished"):
                 delta += c.text.finish()
                 c.finish_reason = "stop" if c.text.stopped else item.get("finish_reason")

@@ -53,7 +53,7 @@ def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
 
 
 def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_tokens: int | None,
-             default_max: int | None) -> list[Choice]:
+             default_max: int | None, logprobs: int | None = None) -> list[Choice]:
     info = request.app.state.client.model
     out = []
     for pi, ids in enumerate(prompts):
@@ -69,7 +69,7 @@ def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_to
             params = {
                 "max_tokens": mt, "temperature": body.temperature, "top_p": body.top_p,
                 "top_k": max(body.top_k, 0), "seed": None if body.seed is None else body.seed + k,
-                "stop": body.stop_list(), "ignore_eos": body.ignore_eos,
+                "stop": body.stop_list(), "ignore_eos": body.ignore_eos, "logprobs": logprobs,
             }
             out.append(Choice(pi * body.n + k, ids, params, TextStream(info.tokenizer.decode, body.stop_list())))
     return out
@@ -79,6 +79,28 @@ def _usage(choices: list[Choice]) -> dict:
     prompt = sum(len(c.prompt_ids) for c in choices)  # counted per choice
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(c: Choice, tok, start: int, end: int, offset: int) -> dict:
+    """OpenAI completions format for tokens [start, end) of a choice."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        s = tok.decode([t])
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp["logprob"])
+        out["top_logprobs"].append({tok.decode([a]): v for a, v in lp["top"]})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def _chat_logprobs(c: Choice, tok, start: int, end: int) -> dict:
+    def entry(t: int, v: float) -> dict:
+        s = tok.decode([t])
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [dict(entry(t, lp["logprob"]), top_logprobs=[entry(a, v) for a, v in lp["top"]])
+                        for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end])]}
 
 
 def _sse(obj) -> str:
@@ -101,28 +123,34 @@ async def models(request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     _check_model(request, body)
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
+    if body.logprobs is not None and body.echo:
+        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
     info = request.app.state.client.model
     prompts = _prompts(body, info.tokenizer, info.vocab_size)
-    choices = _choices(request, body, prompts, body.max_tokens, 16)
+    choices = _choices(request, body, prompts, body.max_tokens, 16, body.logprobs)
     _check_capacity(request)
     client = request.app.state.client
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = {c.index: info.tokenizer.decode(c.prompt_ids) if body.echo else "" for c in choices}
 
-    def chunk(c, text, finish):
+    want_lp = body.logprobs is not None
+
+    def chunk(c, text, finish, lp=None):
         return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
-                "choices": [{"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
     if body.stream:
         async def events():
-            sent_echo = set()
+            sent_echo, sent_lp = set(), {c.index: 0 for c in choices}
             async for c, delta, finished in run_choices(client, choices, request.app.state.metrics):
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
                 if delta or finished:
-                    yield _sse(chunk(c, delta, c.finish_reason if finished else None))
+                    lp = None
+                    if want_lp:
+                        n0, n1 = sent_lp[c.index], len(c.logprobs)
+                        lp, sent_lp[c.index] = _completion_logprobs(c, info.tokenizer, n0, n1, 0), n1
+                    yield _sse(chunk(c, delta, c.finish_reason if finished else None, lp))
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices)})
@@ -132,7 +160,8 @@ async def completions(body: CompletionRequest, request: Request):
     await _collect(client, choices, request.app.state.metrics)
     texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
     return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
-            "choices": [{"index": c.index, "text": texts[c.index], "logprobs": None,
+            "choices": [{"index": c.index, "text": texts[c.index],
+                         "logprobs": _completion_logprobs(c, info.tokenizer, 0, len(c.logprobs), 0) if want_lp else None,
                          "finish_reason": c.finish_reason} for c in sorted(choices, key=lambda c: c.index)],
             "usage": _usage(choices)}
 
@@ -140,8 +169,9 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request):
     _check_model(request, body)
-    if body.logprobs or body.top_logprobs:
-        raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    want_lp = bool(body.logprobs)
     info = request.app.state.client.model
     try:
         prompt = render_chat(info.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages])
@@ -149,24 +179,29 @@ async def chat(body: ChatRequest, request: Request):
         raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
     ids = info.tokenizer.encode(prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    choices = _choices(request, body, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS)
+    choices = _choices(request, body, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
+                       (body.top_logprobs or 0) if want_lp else None)
     _check_capacity(request)
     client = request.app.state.client
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def chunk(c, delta, finish):
+    def chunk(c, delta, finish, lp=None):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
-                "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     if body.stream:
         async def events():
-            started = set()
+            started, sent_lp = set(), {c.index: 0 for c in choices}
             async for c, delta, finished in run_choices(client, choices, request.app.state.metrics):
                 if c.index not in started:
                     started.add(c.index)
                     yield _sse(chunk(c, {"role": "assistant", "content": ""}, None))
                 if delta:
-                    yield _sse(chunk(c, {"content": delta}, None))
+                    lp = None
+                    if want_lp:
+                        n0, n1 = sent_lp[c.index], len(c.logprobs)
+                        lp, sent_lp[c.index] = _chat_logprobs(c, info.tokenizer, n0, n1), n1
+                    yield _sse(chunk(c, {"content": delta}, None, lp))
                 if finished:
                     yield _sse(chunk(c, {}, c.finish_reason))
             if body.stream_options and body.stream_options.include_usage:
@@ -179,6 +214,7 @@ async def chat(body: ChatRequest, request: Request):
     return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "message": {"role": "assistant",
                                                        "content": c.text.emitted},
-                         "logprobs": None, "finish_reason": c.finish_reason}
+                         "logprobs": _chat_logprobs(c, info.tokenizer, 0, len(c.logprobs)) if want_lp else None,
+                         "finish_reason": c.finish_reason}
                         for c in sorted(choices, key=lambda c: c.index)],
             "usage": _usage(choices)}

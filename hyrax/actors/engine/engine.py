@@ -34,6 +34,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     handoff: dict | None = None  # set when the request was exported to another replica
+    logprobs: list[dict] | None = None  # one per new token, when the request asked for them
 
 
 class Engine:
@@ -268,14 +269,21 @@ class Engine:
         else:
             self.retractor.free_device(req)
 
-    def commit(self, plan: StepPlan, tokens: list[int]) -> None:
-        """Apply a step's results using the step's own plan snapshot."""
+    def commit(self, plan: StepPlan, tokens) -> None:
+        """Apply a step's results using the step's own plan snapshot. `tokens` is the list of
+        sampled ids, or (ids, {sampling row: logprobs}) when some request asked for logprobs."""
+        lps: dict[int, dict] = {}
+        if isinstance(tokens, tuple):
+            tokens, lps = tokens
+        row = iter(range(len(tokens)))
         it = iter(tokens)
         new: dict[str, list[int]] = {}
+        new_lps: dict[str, list[dict]] = {}
         done: list[tuple[Request, str]] = []
         now = time.monotonic()
         for e in plan.entries:
             tok = next(it) if e.sample is not None else None
+            lp = lps.get(next(row)) if e.sample is not None else None
             req = self.requests.get(e.req_id)
             if req is None or req.state != State.RUNNING:
                 continue  # aborted or retracted while the step ran
@@ -288,6 +296,8 @@ class Engine:
             if req.first_token_at is None:
                 req.first_token_at = now
             new.setdefault(req.id, []).append(tok)
+            if lp is not None:
+                new_lps.setdefault(req.id, []).append(lp)
             reason = self._stop_reason(req, tok)
             if reason:
                 done.append((req, reason))
@@ -296,7 +306,7 @@ class Engine:
             handoff = None
             if self.config.role == "prefill" and rid not in finishing:
                 handoff = self.export_running(rid)
-            self._outputs.append(StepOutput(rid, toks, False, None, handoff))
+            self._outputs.append(StepOutput(rid, toks, False, None, handoff, new_lps.get(rid)))
         for req, reason in done:
             self._finish(req, reason)
 

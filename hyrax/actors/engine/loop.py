@@ -60,6 +60,8 @@ class EngineLoop:
             item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
             if o.handoff is not None:
                 item["handoff"] = o.handoff
+            if o.logprobs:
+                item["logprobs"] = o.logprobs
             if o.finished:
                 req = self.engine.finished_requests.pop(o.req_id, None)
                 if req is not None:

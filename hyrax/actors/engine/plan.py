@@ -15,6 +15,7 @@ class SamplingSpec:
     top_k: int
     seed: int
     draw: int  # index of the token being drawn (number of outputs so far)
+    logprobs: int | None = None  # also report logprobs: the chosen token's and this many top ones
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from hyrax.actors.engine.config import UnsafeFaults
 from hyrax.actors.engine.manifest import checksum
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
-from hyrax.actors.engine.sampler import sample
+from hyrax.actors.engine.sampler import logprobs_of, sample
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
 
@@ -60,7 +60,12 @@ class RankRuntime:
             self.last_token[plan.entries[i].req_id] = tok
         for rid in plan.forget:
             self.last_token.pop(rid, None)
-        return tokens if self.rank == 0 else []
+        if self.rank != 0:
+            return []
+        specs = [plan.entries[i].sample for i in rows]
+        if any(sp.logprobs is not None for sp in specs):
+            return tokens, logprobs_of(logits[rows], tokens, specs)
+        return tokens
 
     def _resolve(self, e) -> list[int]:
         """Token ids of an entry, with the in-flight step's token filled in."""

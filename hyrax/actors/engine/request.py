@@ -19,6 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # return the chosen token's logprob and this many alternatives
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -29,6 +30,8 @@ class SamplingParams:
             raise HyraxInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise HyraxInputError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise HyraxInputError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise HyraxInputError("stop strings must be non-empty")
 

@@ -43,3 +43,17 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
         probs = torch.softmax(row, dim=-1)
         out[i] = torch.multinomial(probs.cpu(), 1, generator=_generator(s.seed, s.draw))[0]
     return out.tolist()
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], specs: list[SamplingSpec]) -> dict[int, dict]:
+    """For rows whose spec asks: {row: {"logprob": float, "top": [[token, logprob], ...]}},
+    from the model's distribution (before temperature and filtering, as vLLM reports)."""
+    out: dict[int, dict] = {}
+    for i, s in enumerate(specs):
+        if s.logprobs is None:
+            continue
+        lp = torch.log_softmax(logits[i].double(), dim=-1)
+        top = torch.topk(lp, s.logprobs) if s.logprobs else None
+        out[i] = {"logprob": float(lp[tokens[i]]),
+                  "top": [[int(t), float(v)] for v, t in zip(top.values, top.indices)] if top else []}
+    return out
