@@ -75,8 +75,8 @@ def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_to
     return out
 
 
-def _usage(choices: list[Choice]) -> dict:
-    prompt = sum(len(c.prompt_ids) for c in choices)  # counted per choice
+def _usage(choices: list[Choice], n: int) -> dict:
+    prompt = sum(len(c.prompt_ids) for c in choices if c.index % n == 0)  # each prompt once, as OpenAI does
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -153,7 +153,7 @@ async def completions(body: CompletionRequest, request: Request):
                     yield _sse(chunk(c, delta, c.finish_reason if finished else None, lp))
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": info.name,
-                            "choices": [], "usage": _usage(choices)})
+                            "choices": [], "usage": _usage(choices, body.n)})
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -163,7 +163,7 @@ async def completions(body: CompletionRequest, request: Request):
             "choices": [{"index": c.index, "text": texts[c.index],
                          "logprobs": _completion_logprobs(c, info.tokenizer, 0, len(c.logprobs), 0) if want_lp else None,
                          "finish_reason": c.finish_reason} for c in sorted(choices, key=lambda c: c.index)],
-            "usage": _usage(choices)}
+            "usage": _usage(choices, body.n)}
 
 
 @router.post("/v1/chat/completions")
@@ -206,7 +206,7 @@ async def chat(body: ChatRequest, request: Request):
                     yield _sse(chunk(c, {}, c.finish_reason))
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
-                            "choices": [], "usage": _usage(choices)})
+                            "choices": [], "usage": _usage(choices, body.n)})
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -217,4 +217,4 @@ async def chat(body: ChatRequest, request: Request):
                          "logprobs": _chat_logprobs(c, info.tokenizer, 0, len(c.logprobs)) if want_lp else None,
                          "finish_reason": c.finish_reason}
                         for c in sorted(choices, key=lambda c: c.index)],
-            "usage": _usage(choices)}
+            "usage": _usage(choices, body.n)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -148,8 +149,12 @@ def run(a: argparse.Namespace) -> int:
               f"  metrics         {base}/metrics\n"
               f"  Ray dashboard   {dashboard_url() or 'n/a'}\n"
               f"  admin token     {where}", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
-                    timeout_graceful_shutdown=int(a.grace_period))
+        try:
+            uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
+                        timeout_graceful_shutdown=int(a.grace_period))
+        except SystemExit as e:  # uvicorn re-raises SIGTERM/SIGINT after draining; Ray maps it to exit
+            if e.code not in (None, 0, signal.SIGTERM, signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT):
+                raise
     finally:
         print("hyrax: stopping replicas ...", file=sys.stderr)
         dep.shutdown()

@@ -26,8 +26,10 @@ DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "dem
 MODEL = "hyrax-demo"
 ADMIN_TOKEN = "e2e-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-# Greedy outputs must not depend on which requests share a batch: that is what lets a
-# stream that was retracted be compared with one that was not.
+# deterministic: greedy outputs must not depend on which requests share a batch, which is
+# what lets a stream that was retracted be compared with one that was not.
+# mamba_slots=12 < 32 streams: requests wait for slots, so a held request's slot is reused
+# by another and its restore lands in different indices.
 E2E_CONFIG = EngineConfig(deterministic=True, mamba_slots=12)
 
 
@@ -98,7 +100,7 @@ class RecordingClient:
         return getattr(self._inner, name)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
-        rec = {"prompt": tuple(prompt_ids), "tokens": [], "finish_reason": None, "params": dict(params)}
+        rec = {"prompt": tuple(prompt_ids), "tokens": [], "finish_reason": None}
         self.requests[request_id] = rec
         async for item in self._inner.generate(request_id, prompt_ids, params):
             rec["tokens"].extend(item.get("token_ids", []))
@@ -143,6 +145,11 @@ def local_gateway(config: EngineConfig, **settings):
 
 
 # ---- HTTP helpers --------------------------------------------------------------------------
+def routes(app) -> list[tuple[str, str]]:
+    """(METHOD, path) of every documented route of the gateway app."""
+    return sorted((m.upper(), p) for p, ops in app.openapi()["paths"].items() for m in ops)
+
+
 def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
     """OpenAI's error shape, the right status, and no server internals in the body."""
     assert resp.status_code == status, (resp.status_code, resp.text)
@@ -205,7 +212,8 @@ RETRACTIONS = [("cpu_tensor", False), ("host_pool", True), ("host_pool", False),
 
 
 def reference_outputs(url: str, client: RecordingClient, max_tokens: int = STREAM_MAX_TOKENS) -> dict:
-    """Greedy output of each prompt run alone, without retraction: prompt ids -> (tokens, text)."""
+    """Greedy output of each prompt run alone, without retraction:
+    prompt -> (token ids, text, prompt token ids)."""
     out = {}
     for p in PROMPTS:
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
@@ -276,14 +284,19 @@ async def streams_under_retraction(url: str, n_streams: int, seed: int,
     done = asyncio.Event()
     limits = httpx.Limits(max_connections=n_streams + 8, max_keepalive_connections=n_streams + 8)
     async with httpx.AsyncClient(timeout=180, limits=limits) as http:
-        chaos = asyncio.create_task(_retract_randomly(http, url, done, rng))
+        streams = asyncio.ensure_future(asyncio.gather(
+            *(_stream(http, url, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(n_streams))))
+        streams.add_done_callback(lambda _: done.set())
+        chaos = asyncio.ensure_future(_retract_randomly(http, url, done, rng))
         try:
-            results = await asyncio.gather(*(_stream(http, url, PROMPTS[i % len(PROMPTS)], max_tokens)
-                                             for i in range(n_streams)))
+            # a failing admin loop ends the run at once (held streams would wait forever)
+            await asyncio.wait({streams, chaos}, return_when=asyncio.FIRST_EXCEPTION)
+            if chaos.done() and chaos.exception() is not None:
+                chaos.result()
+            return await streams, await chaos
         finally:
-            done.set()
-        seen = await chaos
-    return results, seen
+            for t in (streams, chaos):
+                t.cancel()
 
 
 def check_streams_match_reference(results: list[dict], ref: dict, client: RecordingClient, since: int,
@@ -298,3 +311,36 @@ def check_streams_match_reference(results: list[dict], ref: dict, client: Record
     assert len(recorded) == len(results)
     for rec in recorded:
         assert rec["tokens"] == by_prompt[rec["prompt"]], "a retracted stream's tokens differ from the reference"
+
+
+# ---- scenario: the client goes away mid-stream ---------------------------------------------
+DISCONNECT_MAX_TOKENS = 1000  # far more than is generated before the disconnect is noticed
+
+
+def disconnect_mid_stream(url: str, path: str, n: int, chunks: int = 3) -> None:
+    """Open a streaming request with `n` choices, read a few events, check the engine runs
+    it, then drop the connection."""
+    body = {"model": MODEL, "max_tokens": DISCONNECT_MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "n": n}
+    if path == "/v1/completions":
+        body["prompt"] = "Tell me everything."
+    else:
+        body["messages"] = [{"role": "user", "content": "Tell me everything."}]
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}{path}", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept referenced: dropping a half-read iterator closes the connection
+            seen = 0
+            while seen < chunks:
+                seen += next(lines).startswith("data: ")
+            live = [q for q in admin_requests(url) if q["state"] in ("running", "waiting")]
+            assert len(live) == n, live
+        # leaving the block closes the connection with the body unread
+
+
+def finished_count(stats: dict, reason: str) -> int:
+    return stats.get("finished", {}).get(reason, 0)
+
+
+def admin_retractions(stats: dict, mode: str) -> int:
+    return stats.get("retractions_by", {}).get(f"admin/{mode}", 0)

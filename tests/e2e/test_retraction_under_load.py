@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from e2e_harness import (
-    E2E_CONFIG, check_streams_match_reference, local_gateway, reference_outputs, streams_under_retraction,
+    E2E_CONFIG, admin_retractions, check_streams_match_reference, local_gateway, reference_outputs,
+    streams_under_retraction,
 )
 from hyrax.actors.engine.config import UnsafeFaults
 
@@ -25,20 +26,22 @@ def test_32_streams_under_admin_retraction_match_the_uninterrupted_run(local):
     after = local.loop.stats()
     assert seen["cpu_tensor"] > 0 and seen["host_pool"] > 0, seen
     assert seen["held"] > 0 and seen["resumed"] == seen["held"], seen
-    assert after["retractions"] - before["retractions"] == seen["cpu_tensor"] + seen["host_pool"]
+    for mode in ("cpu_tensor", "host_pool"):
+        assert admin_retractions(after, mode) - admin_retractions(before, mode) == seen[mode]
     assert after["checksum_failures"] == before["checksum_failures"]
     assert after["restore_fallbacks"] == before["restore_fallbacks"]
 
 
-def test_stream_comparison_notices_a_backup_that_skips_the_ssm_state(local_stack):
+def test_stream_comparison_notices_a_backup_that_skips_the_conv_state(local_stack):
     """Mutation check for the test above: with a backup that silently leaves out the Mamba
-    SSM state (and restore verification off), the retracted streams must differ."""
+    conv state (and restore verification off), retracted streams must differ from the
+    reference. (Not the SSM state: the demo checkpoint's SSM state is so small that greedy
+    outputs do not depend on it.)"""
     ref = reference_outputs(local_stack.url, local_stack.client)
-    faulty = replace(E2E_CONFIG, faults=UnsafeFaults(skip_backup_component="mamba_ssm", disable_verification=True),
+    faulty = replace(E2E_CONFIG, faults=UnsafeFaults(skip_backup_component="mamba_conv", disable_verification=True),
                      allow_unsafe=True)
     with local_gateway(faulty) as broken:
         results, seen = asyncio.run(streams_under_retraction(broken.url, n_streams=32, seed=7))
-        print(seen)
         assert seen["cpu_tensor"] + seen["host_pool"] > 0, seen
         with pytest.raises(AssertionError):
             check_streams_match_reference(results, ref, broken.client, 0)

@@ -6,6 +6,7 @@ use) uses one directly. Ray-free.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Callable
@@ -15,6 +16,8 @@ from hyrax.actors.engine.remote_executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.engine.retraction import pick_victims
 from hyrax.actors.model.errors import HyraxInputError
+
+log = logging.getLogger("hyrax.engine")
 
 
 class EngineLoop:
@@ -26,6 +29,7 @@ class EngineLoop:
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopping = False
         self.healthy = True
+        self.last_error: str | None = None
         self.step_seconds: list[float] = []
         self.thread = threading.Thread(target=self._run, name=f"hyrax-{name}-loop", daemon=True)
         self.thread.start()
@@ -45,6 +49,14 @@ class EngineLoop:
                     if self.on_rank_failure is None:
                         raise
                     self.on_rank_failure(e)
+                    outs = self.engine.step_outputs_flush()
+                except Exception as e:  # noqa: BLE001 - an engine bug must not wedge every stream
+                    log.exception("engine step failed; failing the replica's requests")
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    if self.on_rank_failure is not None:
+                        self.on_rank_failure(e)  # replace the ranks: their state is suspect
+                    else:
+                        self.engine.fail_all("error")
                     outs = self.engine.step_outputs_flush()
                 else:
                     self.step_seconds.append(time.perf_counter() - t0)

@@ -10,6 +10,9 @@ import torch
 from hyrax.actors.engine.plan import SamplingSpec
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 def _generator(seed: int, draw: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed((seed * 1_000_003 + draw * 7919 + 17) % (2**63 - 1))
@@ -26,6 +29,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass before it already reaches top_p (always keep the first)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     return logits
@@ -37,10 +41,12 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
         return []
     out = torch.argmax(logits, dim=-1)
     for i, s in enumerate(specs):
-        if s.temperature == 0.0:
-            continue
-        row = filter_logits(logits[i].float() / s.temperature, s.top_k, s.top_p)
+        if s.temperature < GREEDY_BELOW:
+            continue  # greedy: also for temperatures so small the division would overflow
+        row = filter_logits(logits[i].double() / s.temperature, s.top_k, s.top_p)
         probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            continue  # degenerate distribution: the most likely token
         out[i] = torch.multinomial(probs.cpu(), 1, generator=_generator(s.seed, s.draw))[0]
     return out.tolist()
 

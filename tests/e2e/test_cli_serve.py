@@ -1,0 +1,140 @@
+"""The real `hyrax serve` command in a subprocess (its own local Ray cluster): it serves
+completions and the admin API on 127.0.0.1, and stops cleanly on SIGTERM.
+
+One server run is shared by the tests below; the fixture records what happened at each
+stage and the tests judge it, so one failure does not hide the others.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e_harness import MODEL, free_port, port_is_free, sse_data, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+HYRAX = Path(sys.executable).with_name("hyrax")
+TOKEN = "cli-e2e-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+STREAM_TOKENS = 400
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("cli") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
+    env["HYRAX_ADMIN_TOKEN"] = TOKEN
+    out: dict = {"url": url, "port": port}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(port), "--num-cpus", "4"], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    out["pgid"] = proc.pid
+    try:
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"hyrax serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, 120, interval=0.5, what=f"{url}/health")
+        out["banner"] = log_path.read_text()
+
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hello from the CLI test", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        out["completion"] = (r.status_code, r.json())
+
+        # a long stream, retracted by the admin API while it runs
+        stream: dict = {}
+
+        def read_stream():
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                    "model": MODEL, "prompt": "A long one", "max_tokens": STREAM_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                stream["status"] = r.status_code
+                stream["events"] = sse_data(r.iter_lines())
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+
+        def running():
+            reqs = httpx.get(f"{url}/admin/requests", headers=ADMIN, timeout=10).json()["requests"]
+            return [q for q in reqs if q["state"] == "running" and q["output_tokens"] > 0]
+
+        wait_until(running, 60, interval=0.05, what="the long stream to run")
+        out["wrong_token"] = httpx.post(f"{url}/admin/retract", headers={"Authorization": "Bearer nope"},
+                                        json={"all": True}, timeout=30).status_code
+        r = httpx.post(f"{url}/admin/retract", headers=ADMIN, json={"all": True, "mode": "cpu_tensor"}, timeout=30)
+        out["retract"] = (r.status_code, r.json())
+        reader.join(timeout=120)
+        out["stream"] = stream
+        time.sleep(0.5)
+        out["requests_after"] = httpx.get(f"{url}/admin/requests", headers=ADMIN, timeout=10).json()["requests"]
+
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out["returncode"] = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            out["returncode"] = None
+        out["stop_seconds"] = time.monotonic() - t0
+        out["log"] = log_path.read_text()
+        yield out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        if _group_alive(proc.pid):  # Ray processes the server left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_cli_serves_completions_and_admin_then_stops_on_sigterm(served):
+    url = served["url"]
+    assert f"{url}/v1" in served["banner"] and "admin token" in served["banner"]
+    assert "from HYRAX_ADMIN_TOKEN" in served["banner"]
+    assert TOKEN not in served["banner"]  # the token itself is never printed
+
+    status, body = served["completion"]
+    assert status == 200, body
+    assert body["model"] == MODEL and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+
+    assert served["wrong_token"] == 401
+    status, body = served["retract"]
+    assert status == 200, body
+    assert len(body["retracted"]) == 1, body  # the running stream was retracted ...
+    events = served["stream"]["events"]
+    assert served["stream"]["status"] == 200 and events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == STREAM_TOKENS  # ... and still completed
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert served["requests_after"] == []
+
+    assert served["returncode"] is not None, f"still running 60 s after SIGTERM:\n{served['log'][-3000:]}"
+    assert served["stop_seconds"] < 60
+    assert "Traceback" not in served["log"], served["log"][-3000:]
+    assert port_is_free(served["port"])
+    wait_until(lambda: not _group_alive(served["pgid"]), 30, interval=0.5,
+               what="the server's Ray processes to exit")
+
+
+def test_cli_exits_with_code_0_on_sigterm(served):
+    assert served["returncode"] == 0
