@@ -9,13 +9,14 @@ from hyrax.actors.model.errors import HyraxInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyrax.cluster import generate, serve
+    from hyrax.cluster import admin_cli, generate, serve
 
     p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
     serve.add_parser(sub)
+    admin_cli.add_parser(sub)
     return p
 
 

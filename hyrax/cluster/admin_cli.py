@@ -1,0 +1,94 @@
+"""`hyrax admin`: a small client for the admin API (retract, resume, migrate, inspect)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from hyrax.actors.model.errors import HyraxInputError
+
+DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("admin", help="call the admin API of a running server",
+                       description="Inspect and control a running Hyrax server through its admin API.")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    p.add_argument("--token-file", default=None,
+                   help=f"file holding the admin token (default: $HYRAX_ADMIN_TOKEN, else {DEFAULT_TOKEN_FILE})")
+    acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    acts.add_parser("requests", help="list requests with state, indices and checksums")
+    acts.add_parser("pools", help="pool usage per replica and component")
+    r = acts.add_parser("retract", help="retract requests")
+    sel = r.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--id", action="append", dest="ids", help="request id (repeatable)")
+    sel.add_argument("--count", type=int)
+    sel.add_argument("--all", action="store_true")
+    r.add_argument("--mode", choices=["cpu_tensor", "host_pool", "recompute"])
+    r.add_argument("--hold", action="store_true", help="keep them retracted until resumed")
+    s = acts.add_parser("resume", help="resume held requests")
+    s.add_argument("ids", nargs="+")
+    f = acts.add_parser("forced-retraction", help="retract one request every N steps (0 = off)")
+    f.add_argument("interval", type=int)
+    m = acts.add_parser("migrate", help="move a running request to another replica")
+    m.add_argument("id")
+    m.add_argument("--to", default=None, metavar="ROLE/REPLICA", help="e.g. decode/1 (default: least loaded)")
+    d = acts.add_parser("drain", help="migrate everything off a replica and stop admitting to it")
+    d.add_argument("replica", metavar="ROLE/REPLICA")
+    p.set_defaults(func=run)
+
+
+def _token(a) -> str:
+    if a.token_file:
+        path = Path(a.token_file)
+    elif os.environ.get("HYRAX_ADMIN_TOKEN"):
+        return os.environ["HYRAX_ADMIN_TOKEN"]
+    else:
+        path = DEFAULT_TOKEN_FILE
+    try:
+        return path.read_text().strip()
+    except OSError:
+        raise HyraxInputError(f"no admin token: set HYRAX_ADMIN_TOKEN or pass --token-file ({path} unreadable)") from None
+
+
+def _replica(text: str) -> dict:
+    role, _, idx = text.partition("/")
+    if not idx.isdigit():
+        raise HyraxInputError(f"expected ROLE/REPLICA such as decode/0, got {text!r}")
+    return {"role": role, "replica": int(idx)}
+
+
+def _request(a) -> tuple[str, str, dict | None]:
+    if a.action == "requests":
+        return "GET", "/admin/requests", None
+    if a.action == "pools":
+        return "GET", "/admin/pools", None
+    if a.action == "retract":
+        body = {"request_ids": a.ids} if a.ids else {"count": a.count} if a.count is not None else {"all": True}
+        body.update({k: v for k, v in (("mode", a.mode), ("hold", a.hold or None)) if v})
+        return "POST", "/admin/retract", body
+    if a.action == "resume":
+        return "POST", "/admin/resume", {"request_ids": a.ids}
+    if a.action == "forced-retraction":
+        return "POST", "/admin/forced-retraction", {"interval": a.interval}
+    if a.action == "migrate":
+        body = {"request_id": a.id}
+        if a.to:
+            body["to"] = _replica(a.to)
+        return "POST", "/admin/migrate", body
+    return "POST", "/admin/drain", _replica(a.replica)
+
+
+def run(a: argparse.Namespace) -> int:
+    import httpx
+
+    method, path, body = _request(a)
+    try:
+        r = httpx.request(method, a.url.rstrip("/") + path, json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {_token(a)}"})
+    except httpx.HTTPError as e:
+        raise HyraxInputError(f"cannot reach {a.url}: {e}") from None
+    print(json.dumps(r.json(), indent=2))
+    return 0 if r.is_success else 1
