@@ -46,9 +46,9 @@ def split_of(prompt: str) -> str:
     return "heldout" if h % HELDOUT_MOD == 0 else "train"
 
 
-def _context(rng: random.Random) -> tuple[str, list[str], list[str], list[int]]:
+def _context(rng: random.Random, min_pairs: int = MIN_PAIRS) -> tuple[str, list[str], list[str], list[int]]:
     """A list of pairs: (body text, keys, values, keys' offsets in the body)."""
-    n = rng.randint(MIN_PAIRS, MAX_PAIRS)
+    n = rng.randint(min_pairs, MAX_PAIRS)
     keys = rng.sample(KEYS, n)
     values = ["".join(rng.choice(string.digits) for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
               for _ in range(n)]
@@ -77,7 +77,8 @@ def make_problem(rng: random.Random) -> Problem:
             return Problem(prompt, values[i], len(prompt) - starts[i])
 
 
-def training_sequence(rng: random.Random, n_queries: int, near: bool = True) -> list[Problem]:
+def training_sequence(rng: random.Random, n_queries: int, near: bool = True, min_pairs: int = MIN_PAIRS
+                      ) -> list[Problem]:
     """Several training-split problems sharing one context, for one training sequence:
     `body?k1v1<eos>?k2v2<eos>...`. The first is exactly a problem's prompt + answer; each
     problem's own prompt (`body?ki`) is in the training split, so no held-out prompt is
@@ -85,7 +86,7 @@ def training_sequence(rng: random.Random, n_queries: int, near: bool = True) -> 
     (never asked at evaluation): they are learnt first, by the local layers, and teach the
     copy circuit that full attention then needs for the far ones."""
     while True:
-        body, keys, values, starts = _context(rng)
+        body, keys, values, starts = _context(rng, min_pairs)
         cand = range(len(keys)) if near else _far(body, starts)
         ok = [i for i in cand if split_of(f"{body}?{keys[i]}") == "train"]
         if ok:

@@ -43,6 +43,8 @@ class TrainConfig:
     seed: int = 0
     queries: int = 8  # answered queries per training sequence (one shared context)
     near: bool = True  # also ask pairs inside the sliding window (see recall.training_sequence)
+    min_pairs: int = 2  # training contexts hold min_pairs..MAX_PAIRS pairs: short ones are learnt first
+    init_std: float = 0.02
     eval_every: int = 250
     eval_n: int = 256
     threads: int = 2
@@ -106,7 +108,7 @@ def loss_and_exact(model: HybridModel, problems: list[list[recall.Problem]]) -> 
     return ce, right.all(dim=1)
 
 
-def init_weights(model: HybridModel, seed: int) -> None:
+def init_weights(model: HybridModel, seed: int, std: float = 0.02) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -120,7 +122,7 @@ def init_weights(model: HybridModel, seed: int) -> None:
             elif "conv1d.weight" in name:
                 p.normal_(0.0, 0.2)
             elif p.dim() >= 2:
-                p.normal_(0.0, 0.02)
+                p.normal_(0.0, std)
             else:
                 p.zero_()
 
@@ -166,7 +168,7 @@ def train(out: Path, tc: TrainConfig, cfg: ModelConfig = DEMO_CONFIG, log=print)
     """Train, save the checkpoint + tokenizer + loss curve into `out`; returns a summary."""
     torch.set_num_threads(tc.threads)
     model = HybridModel(cfg, dtype=torch.float32)
-    init_weights(model, tc.seed)
+    init_weights(model, tc.seed, tc.init_std)
     model.requires_grad_(True)
     params = list(model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -180,7 +182,7 @@ def train(out: Path, tc: TrainConfig, cfg: ModelConfig = DEMO_CONFIG, log=print)
     bar = _progress(tc.steps)
     t0 = time.perf_counter()
     for step in range(tc.steps):
-        problems = [recall.training_sequence(rng, tc.queries, tc.near) for _ in range(tc.batch_size)]
+        problems = [recall.training_sequence(rng, tc.queries, tc.near, tc.min_pairs) for _ in range(tc.batch_size)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         loss, _ = loss_and_exact(model, problems)

@@ -493,6 +493,7 @@ class Engine:
                 "id": req.id, "state": req.state.value, "hold": req.hold,
                 "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
                 "computed_tokens": req.num_computed, "retractions": req.retractions,
+                "transferred_bytes": dict(req.transferred_bytes),
                 "indices": {k: list(v) for k, v in req.indices.items()},
             }
             if req.backup is not None:

@@ -61,6 +61,7 @@ class Request:
     hold: bool = False  # retracted and held until resumed explicitly
     backup: object | None = None  # a Backup while retracted with state kept
     retractions: int = 0
+    transferred_bytes: dict[str, int] = field(default_factory=dict)  # imported state, per component
     finish_reason: str | None = None
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)

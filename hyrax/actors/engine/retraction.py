@@ -187,6 +187,8 @@ class Retractor:
         moved = self.stats.bytes_transferred if backup.payload is not None else self.stats.bytes_restored
         for name, rec in m.components.items():
             moved[name] += rec.bytes * len(rec.checksums)
+            if backup.payload is not None:
+                req.transferred_bytes[name] = req.transferred_bytes.get(name, 0) + rec.bytes * len(rec.checksums)
         self.release_backup(req)
         req.num_computed = m.num_tokens
         req.state = State.RUNNING
