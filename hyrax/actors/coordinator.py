@@ -29,7 +29,7 @@ from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.actors.rank import RankWorker
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=64)
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)  # one coroutine per open stream
 class RoleCoordinator:
     def __init__(self, role: str, replica: int, model_dir: str, tp_size: int, config: EngineConfig,
                  placement_group=None, rank_timeout_s: float = 60.0, max_rank_restarts: int = 3):

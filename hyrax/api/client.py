@@ -131,8 +131,9 @@ class EngineClient:
             return "error: request is not running on its replica"
         return f"migrating to {target.role}/{target.index}"
 
-    async def drain(self, backend) -> dict:
-        """Stop admitting to `backend` and migrate its running requests elsewhere."""
+    async def drain(self, backend, wait_s: float = 30.0) -> dict:
+        """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
+        to `wait_s`) until it holds nothing; `remaining` is what it still holds then."""
         self.draining.add(id(backend))
         reqs = await backend.call("list_requests")
         moved = {}
@@ -140,6 +141,10 @@ class EngineClient:
             if r["state"] == "running" and r["id"] in self.owner:
                 moved[r["id"]] = await self.migrate(r["id"])
         remaining = await backend.call("load")
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while remaining and asyncio.get_running_loop().time() < deadline:  # until the targets took them
+            await asyncio.sleep(0.05)
+            remaining = await backend.call("load")
         return {"draining": f"{backend.role}/{backend.index}", "migrations": moved, "remaining": remaining}
 
     async def undrain(self, backend) -> None:

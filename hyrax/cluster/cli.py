@@ -9,7 +9,7 @@ from hyrax.actors.model.errors import HyraxInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyrax.cluster import admin_cli, generate, serve
+    from hyrax.cluster import admin_cli, bench_cli, generate, serve
 
     p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     serve.add_parser(sub)
     admin_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     return p
 
 

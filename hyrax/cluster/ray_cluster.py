@@ -8,6 +8,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
              quiet: bool = True) -> bool:
     """Join `address`, or start a local single-node cluster. Returns True if started here."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # must precede `import ray`
+    # Ray starts workers at niceness 15; rank actors are the serving hot path, not background work
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     if ray.is_initialized():

@@ -115,6 +115,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Something a step can advance: running or waiting requests, a retracted one that
+        may resume, or a step in flight. Held and handed-off requests wait for a call."""
+        return bool(self.running or self.waiting or self._inflight is not None
+                    or any(not r.hold for r in self.retracted))
+
     # ---- retraction API (admin) --------------------------------------------------------
     def retract(self, req_ids: list[str], mode: str | None = None, hold: bool = False,
                 trigger: str = "admin") -> dict[str, str]:

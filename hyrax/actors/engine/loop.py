@@ -37,7 +37,7 @@ class EngineLoop:
     # ---- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self.stopping:
-            if not self.healthy or not (self.engine.has_unfinished() or self.engine.has_inflight()):
+            if not self.healthy or not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
@@ -139,7 +139,10 @@ class EngineLoop:
             if req.state.value != "running":
                 raise HyraxInputError(f"request {request_id} is {req.state.value}; only running requests migrate")
             handoff = self.engine.export_running(request_id)
+            # tokens the export's sync committed go out first: the stream ends with the hand-off
+            outs = self.engine.step_outputs_flush()
             loop, q = self.streams[request_id]
+        self._deliver(outs)
         loop.call_soon_threadsafe(q.put_nowait, {"token_ids": [], "finished": False, "finish_reason": None,
                                                  "handoff": handoff})
         return True
@@ -206,7 +209,7 @@ class EngineLoop:
     def load(self) -> int:
         """Requests queued or running: the router's measure of how busy this replica is."""
         c = self.engine.counts()
-        return c["running"] + c["waiting"] + c["retracted"]
+        return c["running"] + c["waiting"] + c["retracted"] + c["handoff"]
 
     def shutdown(self) -> None:
         self.stopping = True

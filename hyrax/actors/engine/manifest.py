@@ -21,7 +21,7 @@ def checksum(t: torch.Tensor) -> int:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return zlib.crc32(memoryview(t.contiguous().view(torch.uint8).numpy()) if t.numel() else b"")
 
 
 @dataclass

@@ -51,7 +51,7 @@ class RankRuntime:
             # batch-invariant: each request runs alone, with shapes that depend only on itself
             logits = torch.cat([self._forward([s]) for s in seqs])
         else:
-            logits = self._forward(seqs)
+            logits = self._forward_grouped(seqs)
         rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]
         tokens = sample(logits[rows], [plan.entries[i].sample for i in rows]) if self.rank == 0 else [0] * len(rows)
         if self.broadcast is not None and rows:
@@ -74,11 +74,28 @@ class RankRuntime:
             ids[-1] = self.last_token[e.req_id]
         return ids
 
+    def _forward_grouped(self, seqs: list[SeqSlice]) -> torch.Tensor:
+        """Decode tokens (one per sequence) in one batch, prompt chunks in another: padding
+        every decode token to the longest chunk would multiply a mixed step's work."""
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        if len(decode) in (0, len(seqs)):
+            return self._forward(seqs)
+        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        out = [None] * len(seqs)
+        for group in (decode, prefill):
+            for i, row in zip(group, self._forward([seqs[i] for i in group])):
+                out[i] = row
+        return torch.stack(out)
+
     def _forward(self, seqs: list[SeqSlice]) -> torch.Tensor:
         batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device)
         return self.model(batch, self.pools)
 
     # ---- backup / restore ----------------------------------------------------------------
+    def _idx(self, rows: list[int]) -> torch.Tensor:
+        """Row indices as a tensor: indexing with one is ~15x faster than with a Python list."""
+        return torch.as_tensor(rows, dtype=torch.long, device=self.device)
+
     def _sync(self) -> None:
         # the stream that produced the state must finish before bytes are read or freed
         if self.device.type == "cuda":
@@ -95,7 +112,7 @@ class RankRuntime:
         for c in self.components:
             if c.name == self.faults.skip_backup_component:
                 continue
-            data = self.pools[c.name][:, rows[c.name]]
+            data = self.pools[c.name].index_select(1, self._idx(rows[c.name]))
             if self.device.type == "cuda":
                 host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
                 host.copy_(data, non_blocking=True)
@@ -105,7 +122,7 @@ class RankRuntime:
             if c.name == self.faults.corrupt_backup_component and data.numel():
                 data.view(torch.uint8).view(-1)[0] ^= 0xFF
             if host_rows is not None:
-                self.host[c.name][:, host_rows[c.name]] = data
+                self.host[c.name].index_copy_(1, torch.as_tensor(host_rows[c.name], dtype=torch.long), data)
             else:
                 kept[c.name] = data
         if host_rows is None:
@@ -121,15 +138,15 @@ class RankRuntime:
             if host_rows is not None:
                 if c.name not in host_rows:
                     continue
-                data = self.host[c.name][:, host_rows[c.name]]
+                data = self.host[c.name].index_select(1, torch.as_tensor(host_rows[c.name], dtype=torch.long))
             elif c.name in kept:
                 data = kept[c.name]
             else:
                 continue
-            target = self.pools[c.name]
-            target[:, rows[c.name]] = data.to(self.device, non_blocking=True)
+            target, idx = self.pools[c.name], self._idx(rows[c.name])
+            target.index_copy_(1, idx, data.to(self.device, non_blocking=True))
             self._sync()
-            sums[c.name] = checksum(target[:, rows[c.name]])
+            sums[c.name] = checksum(target.index_select(1, idx))
         return sums
 
     # ---- transfer (PD hand-off, migration) -------------------------------------------------
@@ -144,7 +161,7 @@ class RankRuntime:
         for c in self.components:
             if c.name == self.faults.skip_backup_component:
                 continue
-            t = self.pools[c.name][:, rows[c.name]].cpu()
+            t = self.pools[c.name].index_select(1, self._idx(rows[c.name])).cpu()
             sums[c.name] = checksum(t)
             if c.name == self.faults.corrupt_backup_component and t.numel():
                 t.view(torch.uint8).view(-1)[0] ^= 0xFF
@@ -176,10 +193,10 @@ class RankRuntime:
             for s in shards:
                 full.index_copy_(dim, torch.tensor(s["layout"][c.name]), s["data"][c.name])
             mine = full.index_select(dim, torch.tensor(c.shard_index)).contiguous()
-            target = self.pools[c.name]
-            target[:, rows[c.name]] = mine.to(self.device)
+            target, idx = self.pools[c.name], self._idx(rows[c.name])
+            target.index_copy_(1, idx, mine.to(self.device))
             self._sync()
-            out[c.name] = [checksum(target[:, rows[c.name]]), checksum(mine)]
+            out[c.name] = [checksum(target.index_select(1, idx)), checksum(mine)]
         return out
 
     def discard(self, req_id: str) -> None:

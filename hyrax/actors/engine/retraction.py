@@ -193,8 +193,9 @@ class Retractor:
         req.num_computed = m.num_tokens
         req.state = State.RUNNING
         req.hold = False
-        self.stats.restores["verified"] += 1
-        self.stats.restore_seconds.append(time.perf_counter() - t0)
+        if backup.payload is None:  # imports are counted as transfers by the engine
+            self.stats.restores["verified"] += 1
+            self.stats.restore_seconds.append(time.perf_counter() - t0)
         return "verified"
 
     def _rows_from_old(self, m: Manifest) -> dict[str, list[int]]:
@@ -222,6 +223,11 @@ class Retractor:
                 raise AllocationError(f"{req.id}: restore target of {c.name} is not owned by the request")
 
     def _to_recompute(self, req: Request, result: str, count: bool = True) -> str:
+        if req.backup is not None and req.backup.payload is not None:
+            count = False  # a failed import: counted as a transfer result, not a restore
+            transfer = True
+        else:
+            transfer = False
         self.release_backup(req)
         req.num_computed = 0
         req.indices = {}
@@ -229,5 +235,6 @@ class Retractor:
         req.hold = False
         if count:
             self.stats.restore_fallbacks += 1
-        self.stats.restores[result] += 1
+        if not transfer:
+            self.stats.restores[result] += 1
         return result

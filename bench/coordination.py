@@ -1,0 +1,170 @@
+"""Suite 2 — coordination overhead per decode step: coordinator wall time vs the time the
+ranks spend in the model step (`RankRuntime.execute`: batch build + forward + sampling).
+
+In-process (TP=1): an `Engine` over one in-process `RankRuntime`; `Engine.step()` is timed
+around, `RankRuntime.execute` inside (wrapped on the instance). The difference is the
+coordinator's own work: scheduling, plan building, result commit.
+
+Ray (TP=1, TP=2): the same `Engine` + `RemoteExecutor` the `RoleCoordinator` actor runs,
+driven from this process over rank actors. The rank actors are `hyrax.actors.rank.RankWorker`
+with one addition made here, in the benchmark: a timer around `execute` (a subclass of the
+actor's class, `RankWorker.__ray_actor_class__`; setup, model, pools and all-reduce are
+RankWorker's own). Per step, forward = the slowest rank's execute time (a TP step waits for
+all of them; it includes the row-parallel all-reduces); overhead = step - forward, which is
+the plan fan-out and result gather over Ray plus the coordinator's own work.
+
+Ray rows run twice: plain steps (`Engine.step`: plan, run, commit) and with overlap scheduling
+(`Engine.step_overlap`, `hyrax serve`'s default: step N+1 is planned and sent before step N
+is committed; the per-step pairing of wall time and forward time is then approximate, which
+is fine in the steady decode state timed here).
+
+Rows: median step ms (hyrax), median forward ms (baseline), ratio = the median over steps of
+(step - forward) / step. Target: overhead <= 15% of the step at batch 32.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+from bench.common import BENCH_SEED, Profile, demo_model_dir, ensure_ray, median, progress, prompt_ids, run_until
+from bench.report import Row
+
+PROMPT = 16
+
+
+def _config(batch: int, overlap: bool = False):
+    from hyrax.actors.engine.config import EngineConfig
+
+    return EngineConfig(kv_capacity_tokens=16384, mamba_slots=batch + 4, max_running=max(batch, 8), overlap=overlap)
+
+
+def _timed_decode(engine, batch: int, steps: int, forward_of_step) -> tuple[list[float], list[float]]:
+    """Admit `batch` requests, finish their prefill, then time `steps` decode-only steps
+    (`step_overlap` when the engine's config says so, as the coordinator's loop does).
+    Returns (step seconds, forward seconds) per timed step."""
+    from hyrax.actors.engine.request import SamplingParams
+
+    rng = random.Random(BENCH_SEED)
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    ids = [engine.add_request(prompt_ids(rng, PROMPT), params) for _ in range(batch)]
+    run_until(engine, lambda: all(len(engine.requests[i].output_ids) >= 2 for i in ids))  # in decode
+    step = engine.step_overlap if engine.config.overlap else engine.step
+    step_s = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        step_s.append(time.perf_counter() - t0)
+    engine.sync()  # overlap: the last submitted step completes (untimed)
+    fwd = forward_of_step(engine.step_count - steps + 1, engine.step_count)
+    for i in ids:
+        engine.abort(i)
+    engine.step_outputs_flush()
+    engine.check_invariants()
+    return step_s, fwd
+
+
+def _in_process(batch: int, steps: int) -> tuple[list[float], list[float]]:
+    from bench.common import load_demo_engine
+
+    engine = load_demo_engine(_config(batch))
+    rank = engine.executor.rank
+    inner = rank.execute
+    record: dict[int, float] = {}
+
+    def timed(plan):
+        t0 = time.perf_counter()
+        out = inner(plan)
+        record[plan.step] = time.perf_counter() - t0
+        return out
+
+    rank.execute = timed  # instance attribute: this engine only
+    return _timed_decode(engine, batch, steps, lambda a, b: [record[s] for s in range(a, b + 1)])
+
+
+def _timed_rank_class():
+    import ray
+
+    from hyrax.actors.rank import RankWorker
+
+    base = RankWorker.__ray_actor_class__
+
+    class TimedRankWorker(base):
+        """RankWorker with a timer around `execute` (benchmark only)."""
+
+        def execute(self, plan):
+            t0 = time.perf_counter()
+            out = base.execute(self, plan)
+            self.__dict__.setdefault("_bench_times", {})[plan.step] = time.perf_counter() - t0
+            return out
+
+        def bench_times(self) -> dict:
+            """Execute seconds by plan step since the last call."""
+            return self.__dict__.pop("_bench_times", {})
+
+    return ray.remote(**RankWorker._default_options)(TimedRankWorker)  # RankWorker's own actor options
+
+
+def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool, int], tuple[list, list]]:
+    """One set of TP rank actors; per (overlap, batch), a fresh Engine over them (the engine
+    owns every index, so a new engine starts from empty pools as far as it knows)."""
+    from hyrax.actors.engine.engine import Engine
+    from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+    from hyrax.actors.engine.remote_executor import RemoteExecutor
+    from hyrax.actors.model.config import ModelConfig
+    from hyrax.actors.model.hybrid import DTYPES
+    from hyrax.actors.model.sharding import TP
+    from hyrax.actors.model.state import derive_components
+
+    ray = ensure_ray()
+    model_dir = demo_model_dir()
+    cfg = ModelConfig.from_dir(model_dir)
+    rank_config = _config(max(batches))
+    cls = _timed_rank_class()
+    ranks = [cls.remote("bench", 0, k, tp) for k in range(tp)]
+    out = {}
+    try:
+        addr = ray.get(ranks[0].dist_address.remote()) if tp > 1 else None
+        ray.get([r.setup.remote(model_dir, rank_config, addr) for r in ranks], timeout=300)
+
+        def forward(a: int, b: int) -> list[float]:
+            per_rank = ray.get([r.bench_times.remote() for r in ranks])
+            return [max(t[s] for t in per_rank) for s in range(a, b + 1)]
+
+        for overlap in (False, True):
+            for batch in batches:
+                where = f"Ray TP={tp}" + (" overlap" if overlap else "")
+                progress(f"coordination: {where}, batch {batch}, {steps} decode steps")
+                config = _config(max(batches), overlap)
+                comps = derive_components(cfg, TP(0, tp), DTYPES[config.dtype])
+                sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
+                                   config.swa_capacity_tokens)
+                engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb),
+                                RemoteExecutor(ranks, ray.get, 120.0), config, cfg.vocab_size,
+                                cfg.max_position_embeddings, cfg.eos_token_id)
+                ray.get([r.bench_times.remote() for r in ranks])  # drop the previous engine's timings
+                out[(overlap, batch)] = _timed_decode(engine, batch, steps, forward)
+    finally:
+        for r in ranks:
+            ray.kill(r, no_restart=True)
+    return out
+
+
+def _row(where: str, batch: int, step_s: list[float], fwd_s: list[float], profile: Profile) -> Row:
+    share = median((s - f) / s for s, f in zip(step_s, fwd_s))  # per step, so a preempted step counts once
+    target = profile.target("<= 0.15") if batch >= 32 else ""
+    return Row(f"coordination {where}, batch {batch}: step ms vs rank forward ms (ratio: overhead share)",
+               median(step_s) * 1e3, median(fwd_s) * 1e3, share, target)
+
+
+def run(profile: Profile) -> list[Row]:
+    rows = []
+    steps = profile.coord_steps
+    for batch in profile.coord_batches:
+        progress(f"coordination: in-process TP=1, batch {batch}, {steps} decode steps")
+        rows.append(_row("in-process TP=1", batch, *_in_process(batch, steps), profile))
+    ray_rows = []
+    for tp in profile.coord_tps:
+        for (overlap, batch), (step_s, fwd_s) in _over_ray(tp, profile.coord_batches, steps).items():
+            ray_rows.append((overlap, tp, _row(f"Ray TP={tp}" + (" overlap" if overlap else ""), batch, step_s,
+                                               fwd_s, profile)))
+    return rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])]

@@ -1,0 +1,87 @@
+"""Closed-loop HTTP load generator for the serving suite, run as its own process
+(`python -m bench.loadgen` with a JSON job on stdin, JSON results on stdout) so that the
+client's work never holds the gateway process's GIL while latencies are measured.
+
+Each of `concurrency` workers takes the next request and streams it from
+`POST /v1/completions` (prompt token ids, greedy, ignore_eos, include_usage). Per request it
+records TTFT (send -> first SSE chunk with text), the gaps between text chunks (ITL), the
+end-to-end latency and the number of output tokens (from `usage`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+
+async def _one(client, url: str, model: str, req: dict) -> dict:
+    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    chunks: list[tuple[float, int]] = []  # (arrival, characters of text) per chunk with text
+    usage = None
+    error = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                error = obj["error"]
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices", []):
+                if ch.get("text"):
+                    chunks.append((time.perf_counter(), len(ch["text"])))
+    t1 = time.perf_counter()
+    if not chunks:
+        return {"error": error or "no tokens streamed"}
+    times = [t for t, _ in chunks]
+    return {
+        "ttft": times[0] - t0,
+        "itl": [b - a for a, b in zip(times, times[1:])],
+        "latency": t1 - t0,
+        "tokens": usage["completion_tokens"] if usage else sum(n for _, n in chunks),
+        "chunk_chars": sum(n for _, n in chunks),
+        "expected": req["max_tokens"],
+        "error": error,
+    }
+
+
+async def run(job: dict) -> dict:
+    import httpx
+
+    reqs = list(job["requests"])
+    c = int(job["concurrency"])
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        for w in job.get("warmup", []):  # not timed: first requests pay one-off costs
+            await _one(client, job["url"], job["model"], w)
+        results: list[dict | None] = [None] * len(reqs)
+        queue = list(enumerate(reqs))[::-1]
+
+        async def worker():
+            while queue:
+                i, req = queue.pop()
+                results[i] = await _one(client, job["url"], job["model"], req)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(c, len(reqs)))))
+        wall = time.perf_counter() - t0
+    return {"wall": wall, "results": results}
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    json.dump(asyncio.run(run(job)), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

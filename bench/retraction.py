@@ -1,0 +1,137 @@
+"""Suite 3 — retraction cost, in-process (one `RankRuntime`, demo checkpoint: full_kv, swa_kv,
+mamba_conv, mamba_ssm — every component kind).
+
+Throughput: requests with long prompts run until they decode; then, round after round, each
+is retracted (`Engine.retract(..., mode="cpu_tensor", hold=True)`: backup of every component
+on the rank, CRC32 checksums, manifest, device indices freed) and resumed
+(`Engine.resume`: new indices, restore, read-back checksums verified). Bytes = the manifest's
+bytes of all components. Per request, the median over rounds; summed over requests.
+Baseline in the same process: `torch.empty(n, dtype=uint8).copy_(src)` for the same n bytes
+per request (contiguous, no checksum), median of repetitions.
+Rows: backup GB/s, restore GB/s, and the round trip (bytes / (backup + restore) vs
+bytes / (2 copies)); target: round trip >= 0.5 of the plain copy.
+
+Restore vs recompute: for prompt length L, time restoring a retracted request (the resume
+above) vs prefilling L tokens from scratch (a fresh request's steps up to its first token:
+what a `recompute` resume has to redo). The crossover row gives the smallest swept L from
+which restoring is faster at every longer swept L (hyrax = L; no baseline: informational).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from bench.common import BENCH_SEED, Profile, load_demo_engine, median, progress, prompt_ids, run_until, time_call
+from bench.report import Row, ratio
+
+
+def _config():
+    from hyrax.actors.engine.config import EngineConfig
+
+    return EngineConfig(kv_capacity_tokens=32768, mamba_slots=32, max_running=32, retraction_backup="cpu_tensor")
+
+
+def _start(engine, lengths, rng) -> list[str]:
+    from hyrax.actors.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    ids = [engine.add_request(prompt_ids(rng, n), params) for n in lengths]
+    run_until(engine, lambda: all(len(engine.requests[i].output_ids) >= 1 for i in ids))
+    return ids
+
+
+def _cycle(engine, rid: str) -> tuple[float, float, int]:
+    """Retract (backup) and resume (restore) one running request: (backup s, restore s, bytes)."""
+    t0 = time.perf_counter()
+    mode = engine.retract([rid], mode="cpu_tensor", hold=True)[rid]
+    t1 = time.perf_counter()
+    req = engine.requests[rid]
+    if mode != "cpu_tensor" or req.backup is None:
+        raise RuntimeError(f"retraction: backup of {rid} fell back to {mode}")
+    nbytes = sum(rec.bytes * len(rec.checksums) for rec in req.backup.manifest.components.values())
+    t2 = time.perf_counter()
+    result = engine.resume([rid])[rid]
+    t3 = time.perf_counter()
+    if result != "verified":
+        raise RuntimeError(f"retraction: restore of {rid} gave {result!r}")
+    return t1 - t0, t3 - t2, nbytes
+
+
+def copy_seconds(nbytes: int, reps: int = 7) -> float:
+    """Median seconds of one contiguous copy of `nbytes` bytes into a fresh tensor."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    return time_call(lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(src), reps=reps, warmup=2)
+
+
+def _throughput(profile: Profile) -> list[Row]:
+    engine = load_demo_engine(_config())
+    rng = random.Random(BENCH_SEED)
+    ids = _start(engine, profile.retract_prompts, rng)
+    for rid in ids:  # warm-up round
+        _cycle(engine, rid)
+    cycles = {rid: [_cycle(engine, rid) for _ in range(profile.retract_rounds)] for rid in ids}
+    engine.check_invariants()
+    for rid in ids:
+        engine.abort(rid)
+    engine.step_outputs_flush()
+    # per request: median over rounds (one preemption by another process must not decide a row)
+    moved = sum(runs[0][2] for runs in cycles.values())
+    back = sum(median(r[0] for r in runs) for runs in cycles.values())
+    rest = sum(median(r[1] for r in runs) for runs in cycles.values())
+    base = sum(copy_seconds(runs[0][2]) for runs in cycles.values())
+    gb = 1e9
+    return [
+        Row("retraction backup GB/s vs contiguous torch copy", moved / back / gb, moved / base / gb,
+            ratio(base, back)),
+        Row("retraction restore GB/s vs contiguous torch copy", moved / rest / gb, moved / base / gb,
+            ratio(base, rest)),
+        Row("retraction backup+restore round trip GB/s vs 2 contiguous copies", moved / (back + rest) / gb,
+            moved / (2 * base) / gb, ratio(2 * base, back + rest), profile.target(">= 0.5")),
+    ]
+
+
+def _prefill_seconds(engine, n: int, rng) -> float:
+    from hyrax.actors.engine.request import SamplingParams
+
+    rid = engine.add_request(prompt_ids(rng, n), SamplingParams(max_tokens=1, ignore_eos=True))
+    t0 = time.perf_counter()
+    run_until(engine, lambda: rid not in engine.requests)
+    dt = time.perf_counter() - t0
+    engine.finished_requests.pop(rid, None)
+    return dt
+
+
+def _crossover(profile: Profile) -> list[Row]:
+    engine = load_demo_engine(_config())
+    rng = random.Random(BENCH_SEED + 1)
+    rows, wins = [], []
+    _prefill_seconds(engine, 64, rng)  # warm-up
+    for n in profile.crossover_lengths:
+        [rid] = _start(engine, [n], rng)
+        _cycle(engine, rid)
+        restore = median(_cycle(engine, rid)[1] for _ in range(profile.crossover_reps))
+        engine.abort(rid)
+        engine.step_outputs_flush()
+        prefill = median(_prefill_seconds(engine, n, rng) for _ in range(profile.crossover_reps))
+        wins.append((n, restore < prefill))
+        rows.append(Row(f"restore vs recompute, prompt {n}: restore ms vs prefill ms", restore * 1e3,
+                        prefill * 1e3, ratio(restore, prefill)))
+    engine.check_invariants()
+    # the smallest L from which restoring wins at every larger swept L
+    cross = None
+    for n, win in reversed(wins):
+        if not win:
+            break
+        cross = n
+    rows.append(Row(f"restore beats recompute from prompt length (smallest of {wins[0][0]}..{wins[-1][0]} swept "
+                    "from which restore always wins)", cross, None, None))
+    return rows
+
+
+def run(profile: Profile) -> list[Row]:
+    progress(f"retraction: backup/restore throughput, prompts {list(profile.retract_prompts)}")
+    rows = _throughput(profile)
+    progress(f"retraction: restore vs recompute, prompts {list(profile.crossover_lengths)}")
+    return rows + _crossover(profile)

@@ -1,0 +1,265 @@
+"""Suite 1 — serving throughput and latency over HTTP, full stack, vs transformers.
+
+Hyrax: the gateway (uvicorn, in this process, 127.0.0.1:<free port>) over a Ray deployment of
+one colocated TP=1 replica (`hyrax serve`'s engine defaults, pools sized so that nothing is
+retracted), serving a random Bamba checkpoint written by transformers' `save_pretrained`. A
+separate load-generator process (bench/loadgen.py) drives a fixed synthetic workload (seeded:
+prompt token ids of 32..512 tokens, greedy, `ignore_eos`, exact output lengths) in a closed
+loop at each concurrency, streaming every completion.
+
+Baseline, same weights, same run, same torch thread budget as one Hyrax rank: transformers
+`BambaForCausalLM.generate` (a) one request at a time over the target concurrency's
+workload, timing each new token with a streamer, and (b) in static left-padded batches of
+`target concurrency` requests (a batch decodes until its longest request is done; only the
+requested tokens count).
+
+Rows: output tok/s at each concurrency vs sequential transformers (target >= 3x at
+concurrency 16) and vs static batches; the full stack vs the same workload through an
+in-process engine (no HTTP, no Ray: what the stack costs); TTFT and ITL p50/p99 (client-side,
+from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import (BENCH_SEED, Profile, ensure_ray, make_bamba_checkpoint, percentile, progress, prompt_ids,
+                          quiet_transformers)
+from bench.report import Row, ratio
+
+MODEL_NAME = "bench-bamba"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def workload(profile: Profile, concurrency: int) -> list[dict]:
+    rng = random.Random(BENCH_SEED + concurrency)
+    lo, hi = profile.serving_prompt_range
+    olo, ohi = profile.serving_out_range
+    return [{"prompt": prompt_ids(rng, rng.randint(lo, hi)), "max_tokens": rng.randint(olo, ohi)}
+            for _ in range(profile.serving_requests[concurrency])]
+
+
+# ---- baseline: transformers generate -------------------------------------------------------
+class _Transformers:
+    """transformers `generate` on the checkpoint; accumulates tokens and seconds over calls."""
+
+    def __init__(self, path: Path):
+        import torch
+        import transformers
+
+        quiet_transformers()
+        self.torch = torch
+        self.model = transformers.BambaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.seq = {"tokens": 0, "seconds": 0.0, "ttft": [], "itl": []}
+        self.static = {"tokens": 0, "seconds": 0.0}
+        self._gen([list(range(32))], 4)  # warm-up
+
+    def _gen(self, ids: list[list[int]], new: int, streamer=None) -> None:
+        torch = self.torch
+        width = max(len(p) for p in ids)
+        x = torch.zeros(len(ids), width, dtype=torch.long)  # left padding with pad id 0
+        mask = torch.zeros(len(ids), width, dtype=torch.long)
+        for i, p in enumerate(ids):
+            x[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                      streamer=streamer, pad_token_id=0)
+        if out.shape[1] - width != new:
+            raise RuntimeError("serving: transformers stopped before max_new_tokens")
+
+    def sequential(self, reqs: list[dict]) -> None:
+        """One request at a time; a streamer stamps every new token (TTFT, ITL)."""
+        from transformers.generation.streamers import BaseStreamer
+
+        class Stamps(BaseStreamer):
+            def __init__(self):
+                self.times: list[float] = []
+
+            def put(self, value):  # the first call carries the prompt, then one call per new token
+                self.times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        for r in reqs:
+            s = Stamps()
+            t0 = time.perf_counter()
+            self._gen([r["prompt"]], r["max_tokens"], s)
+            self.seq["seconds"] += time.perf_counter() - t0
+            self.seq["tokens"] += r["max_tokens"]
+            self.seq["ttft"].append(s.times[1] - t0)
+            self.seq["itl"] += [b - a for a, b in zip(s.times[1:], s.times[2:])]
+
+    def static_batches(self, batches: list[list[dict]]) -> None:
+        """Left-padded batches decoded to their longest request; only requested tokens count."""
+        for group in batches:
+            t0 = time.perf_counter()
+            self._gen([r["prompt"] for r in group], max(r["max_tokens"] for r in group))
+            self.static["seconds"] += time.perf_counter() - t0
+            self.static["tokens"] += sum(r["max_tokens"] for r in group)
+
+    def run_share(self, reqs: list[dict], batch: int, part: int) -> None:
+        """Half `part` (0 or 1) of the baseline: every other request, every other batch. The
+        halves run before and after Hyrax's runs, so both sides see the same machine load."""
+        batches = [reqs[k:k + batch] for k in range(0, len(reqs), batch)]
+        progress(f"serving: transformers baseline, part {part + 1}/2: sequential and static batches of {batch}")
+        self.sequential(reqs[part::2])
+        self.static_batches(batches[part::2])
+
+
+# ---- Hyrax: gateway + Ray deployment ---------------------------------------------------------
+def serve_defaults():
+    """The EngineConfig `hyrax serve` builds when given no engine options."""
+    from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config_from_args(p.parse_args([]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stack:
+    """Ray deployment + gateway served by uvicorn in a daemon thread of this process."""
+
+    def __init__(self, model_dir: Path, max_concurrency: int):
+        import httpx
+        import uvicorn
+
+        from hyrax.api.app import GatewaySettings, create_app
+        from hyrax.cluster.deployment import Deployment, RoleSpec
+        from hyrax.cluster.ray_client import client_for
+
+        ensure_ray()
+        # `hyrax serve`'s defaults, with pools sized so that the workload never retracts
+        self.config = config = dataclasses.replace(serve_defaults(), kv_capacity_tokens=65536,
+                                                   mamba_slots=max_concurrency + 8,
+                                                   max_running=max(64, max_concurrency))
+        progress("serving: starting the Ray deployment (colocated x1, tp=1) and the gateway")
+        self.dep = Deployment(str(model_dir), [RoleSpec("colocated", 1, 1)], config)
+        self.dep.start(timeout_s=300)
+        app = create_app(client_for(self.dep, MODEL_NAME), GatewaySettings(admin_token=secrets.token_urlsafe(16)))
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]),
+                                                    log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="bench-gateway", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the benchmark gateway did not become healthy")
+            time.sleep(0.1)
+
+    def load(self, reqs: list[dict], concurrency: int, warmup: list[dict]) -> dict:
+        job = {"url": self.url, "model": MODEL_NAME, "concurrency": concurrency, "requests": reqs, "warmup": warmup}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        p = subprocess.run([sys.executable, "-m", "bench.loadgen"], input=json.dumps(job), capture_output=True,
+                           text=True, cwd=REPO_ROOT, env=env, timeout=3600)
+        if p.returncode != 0:
+            raise RuntimeError(f"load generator failed: {p.stderr[-2000:]}")
+        return json.loads(p.stdout)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.dep.shutdown()
+
+
+def _in_process_tps(model_dir: Path, reqs: list[dict], concurrency: int, config) -> float:
+    """The same workload through an in-process engine (no HTTP, no Ray), closed loop: what the
+    engine alone sustains, to separate serving-stack costs from engine costs."""
+    from hyrax.actors.engine.local import load_engine
+    from hyrax.actors.engine.request import SamplingParams
+
+    engine = load_engine(str(model_dir), config)
+    queue, tokens = list(reqs)[::-1], 0
+    t0 = time.perf_counter()
+    while queue or engine.has_unfinished():
+        while queue and len(engine.requests) < concurrency:
+            r = queue.pop()
+            engine.add_request(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True))
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                engine.finished_requests.pop(out.req_id, None)
+    return tokens / (time.perf_counter() - t0)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000.0
+
+
+def run(profile: Profile) -> list[Row]:
+    conc = sorted(profile.serving_requests)
+    target_c = profile.serving_target_concurrency if profile.serving_target_concurrency in conc else conc[-1]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="hyrax-bench-bamba-") as tmp:
+        path = make_bamba_checkpoint(Path(tmp))
+        base_reqs = workload(profile, target_c)
+        stack = _Stack(path, max(conc))
+        try:
+            hf = _Transformers(path)
+            hf.run_share(base_reqs, target_c, 0)
+            warm = [{"prompt": list(range(40)), "max_tokens": 4}]
+            measured = {}
+            for c in conc:
+                reqs = workload(profile, c)
+                progress(f"serving: Hyrax over HTTP, concurrency {c} ({len(reqs)} requests)")
+                out = stack.load(reqs, c, warm)
+                warm = []
+                res = out["results"]
+                ok = [r for r in res if not r.get("error") and r["tokens"] == r["expected"]]
+                failed = [r for r in res if r.get("error") or r["tokens"] != r["expected"]]
+                if failed:
+                    progress(f"serving: concurrency {c}: {len(failed)} of {len(res)} requests failed or came back "
+                             f"short, e.g. {failed[0]}")
+                measured[c] = (sum(r["tokens"] for r in ok) / out["wall"], [r["ttft"] for r in ok],
+                               [x for r in ok for x in r["itl"]], len(failed), len(res))
+                progress(f"serving: concurrency {c}: {measured[c][0]:.1f} output tok/s")
+            progress(f"serving: the concurrency-{target_c} workload through an in-process engine (no HTTP, no Ray)")
+            engine_tps = _in_process_tps(path, base_reqs, target_c, stack.config)
+            hf.run_share(base_reqs, target_c, 1)
+        finally:
+            stack.close()
+    seq_tps = hf.seq["tokens"] / hf.seq["seconds"]
+    static_tps = hf.static["tokens"] / hf.static["seconds"]
+    progress(f"serving: transformers sequential {seq_tps:.1f} tok/s, static batches {static_tps:.1f} tok/s")
+    for c in conc:
+        tps, ttft, itl, failed, sent = measured[c]
+        rows.append(Row(f"serving c={c}: requests failed or short (of {sent}); ratio: share", failed, None,
+                        failed / sent, "== 0"))
+        target = profile.target(">= 3") if c == target_c else ""
+        rows.append(Row(f"serving c={c}: output tok/s vs transformers sequential", tps, seq_tps,
+                        ratio(tps, seq_tps), target))
+        if c == target_c:
+            rows.append(Row(f"serving c={c}: output tok/s vs transformers static batches of {target_c}", tps,
+                            static_tps, ratio(tps, static_tps)))
+            rows.append(Row(f"serving c={c}: output tok/s, full stack vs in-process engine (no HTTP, no Ray)", tps,
+                            engine_tps, ratio(tps, engine_tps)))
+        for name, xs, ref in (("TTFT", ttft, hf.seq["ttft"]), ("ITL", itl, hf.seq["itl"])):
+            for q in (50, 99):
+                h, b = _ms(percentile(xs, q)), _ms(percentile(ref, q))
+                rows.append(Row(f"serving c={c}: {name} p{q} ms (baseline: transformers, 1 request)", h, b,
+                                ratio(h, b)))
+    return rows

@@ -1,0 +1,70 @@
+"""Mutation checks for the PD checksum tests (test_pd_checksum.py): they could fail.
+
+With verification switched off on the importer, a corrupted transfer is accepted as
+"verified" and the output diverges from the reference. And the demo model's greedy output
+must depend on every component for output equality to protect it (it does not, for
+mamba_ssm: a strict xfail records that gap).
+"""
+from __future__ import annotations
+
+import pytest
+
+from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
+from pd_harness import Run, assert_all_clean, drive, pd_deployed, stats, stats_delta
+from ray_harness import DEMO_MODEL, prompt, reference, uid
+
+pytestmark = pytest.mark.timeout(300)
+
+LENGTHS, MAX = [20, 150], 12
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    return [prompt(n, seed=seed + n) for n in LENGTHS]
+
+
+def test_pd_corruption_goes_unnoticed_without_verification_mutation_check(ray_session):
+    """The corruption of test_pd_checksum.py is real: an importer that trusts the transfer resumes on a
+    component it never wrote, and the output diverges from the reference. (swa_kv, not
+    mamba_ssm: the demo model's greedy output barely depends on its SSM state, see below.)"""
+    from hyrax.cluster.deployment import RoleSpec
+
+    faults = UnsafeFaults(corrupt_backup_component="swa_kv", disable_verification=True)
+    config = EngineConfig(deterministic=True, faults=faults, allow_unsafe=True)
+    prompts = _prompts(700)
+    want = reference(DEMO_MODEL, config, prompts, MAX)
+    with pd_deployed([RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1)], config) as (d, client):
+        before = stats(d, "decode")
+        runs = drive(client, [Run(uid(f"mutant-{i}"), p, MAX) for i, p in enumerate(prompts)])
+        dd = stats_delta(before, stats(d, "decode"))
+        assert dd["transfers_in"] == {"verified": len(prompts)}, dd["transfers_in"]
+        assert dd["checksum_failures"] == 0
+        assert [r.finish_reason for r in runs] == ["length"] * len(prompts)
+        assert [r.tokens for r in runs] != want, "corrupted, unverified transfers still matched the reference"
+        assert_all_clean(d)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "demo checkpoint (hyrax/actors/model/demo.py build_random_demo: weights ~N(0, 0.05), D = 1): the "
+    "SSM readout C.state is negligible next to the D skip term; zeroing mamba_ssm after prefill moves "
+    "the logits by < 0.003 (their std is 0.56) and changes no greedy token, so output equality cannot "
+    "see a lost or corrupted mamba_ssm"))
+def test_demo_model_greedy_output_depends_on_mamba_ssm_state():
+    """Output-equality tests on the demo model protect a component only if losing that
+    component's state changes the output. In-process, no Ray: zero the state after prefill."""
+    from hyrax.actors.engine.local import load_engine
+    from hyrax.actors.engine.request import SamplingParams
+
+    def run(p, zero: str | None) -> list[int]:
+        e = load_engine(DEMO_MODEL, EngineConfig(deterministic=True))
+        rid = e.add_request(p, SamplingParams(max_tokens=MAX, ignore_eos=True))
+        e.step()  # the prompt
+        if zero:
+            e.executor.rank.pools[zero].zero_()
+        while e.has_unfinished():
+            e.step()
+        return e.finished_requests[rid].output_ids
+
+    for p in _prompts(700):
+        base = run(p, None)
+        assert run(p, "mamba_conv") != base  # the sanity half: conv state does matter
+        assert run(p, "mamba_ssm") != base
