@@ -1,15 +1,19 @@
-"""Key-value recall over a long context: the demo checkpoint's synthetic task.
+"""Delayed key-value recall: the demo checkpoint's synthetic task.
 
-A problem lists `key=value` pairs, then asks for one key; the answer is that key's value,
-which the model copies and ends with the EOS token:
+A prompt lists `key value` pairs and ends with a question `?<key>`. The model first recites a
+fixed delay line, then the asked key's value, then the EOS token:
 
-    prompt  "c=4071;q=918;x=55802;m=2236;...;k=380?q="
-    answer  "918" + <|eos|>
+    prompt      "c4071;x55802;q918;m2236;...;k380?q"
+    completion  "ABCDEFGHIJKLMNOPQRST" "918" <|eos|>
 
-Keys are distinct lowercase letters, values 3..5 random digits. The asked pair always sits
-more than `MIN_DISTANCE` tokens before the end of the prompt — farther back than the demo
-model's sliding window — so the answer can only come from full attention or Mamba state:
-lose either one (a retraction that drops or mixes up state) and the answer breaks.
+Keys are distinct lowercase letters, values MIN_DIGITS..MAX_DIGITS random digits; the asked
+pair sits more than MIN_DISTANCE tokens before the question. The delay line (DELAY, longer
+than the demo model's sliding window) puts the value's digits out of the window's reach of
+both the question and the asked pair. Producing them takes two long-range hops — recall the
+asked key, then find its pair — and the model has a single full-attention layer for one of
+them, so the other must go through Mamba's recurrent state, carried across the decode steps
+of the delay line. Lose or mix up either the full-attention K/V or the Mamba state of a
+request in the middle of its answer (what a faulty retraction does) and the answer breaks.
 
 Splits are defined by the problem text itself: a prompt belongs to the held-out split when
 its SHA-256 falls in a fixed 1/HELDOUT_MOD bucket. Training draws reject held-out prompts, so
@@ -26,18 +30,23 @@ from dataclasses import dataclass
 KEYS = string.ascii_lowercase
 MIN_PAIRS, MAX_PAIRS = 8, 12
 MIN_DIGITS, MAX_DIGITS = 3, 5
-MIN_DISTANCE = 24  # tokens from the asked key to the end of the prompt (> the demo sliding window)
+MIN_DISTANCE = 24  # tokens from the asked pair to the end of the prompt (> the demo sliding window)
+DELAY = "ABCDEFGHIJKLMNOPQRST"  # recited before the value (longer than the demo sliding window)
 HELDOUT_MOD = 10  # 1 in 10 possible prompts is held out
 HELDOUT_SEED = 20240501
-MAX_TOKENS = MAX_DIGITS + 2  # generation budget: the value, its terminator, one spare
-_ANSWER = re.compile(rf"[0-9]{{{MIN_DIGITS},{MAX_DIGITS}}}")
+MAX_TOKENS = len(DELAY) + MAX_DIGITS + 2  # generation budget: delay, value, terminator, one spare
+_ANSWER = re.compile(rf"{DELAY}([0-9]{{{MIN_DIGITS},{MAX_DIGITS}}})")
 
 
 @dataclass(frozen=True)
 class Problem:
     prompt: str
-    answer: str  # without the terminator
-    distance: int  # tokens (bytes) from the asked key to the end of the prompt
+    answer: str  # the value: the completion is DELAY + answer + EOS
+    distance: int  # tokens (bytes) from the asked pair to the end of the prompt
+
+    @property
+    def completion(self) -> str:
+        return DELAY + self.answer
 
 
 def split_of(prompt: str) -> str:
@@ -46,8 +55,8 @@ def split_of(prompt: str) -> str:
     return "heldout" if h % HELDOUT_MOD == 0 else "train"
 
 
-def _context(rng: random.Random, min_pairs: int = MIN_PAIRS) -> tuple[str, list[str], list[str], list[int]]:
-    """A list of pairs: (body text, keys, values, keys' offsets in the body)."""
+def _context(rng: random.Random, min_pairs: int) -> tuple[str, list[str], list[str], list[int]]:
+    """(body text, keys, values, offset of each pair in the body)."""
     n = rng.randint(min_pairs, MAX_PAIRS)
     keys = rng.sample(KEYS, n)
     values = ["".join(rng.choice(string.digits) for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS)))
@@ -60,42 +69,35 @@ def _context(rng: random.Random, min_pairs: int = MIN_PAIRS) -> tuple[str, list[
     return ";".join(pairs), keys, values, starts
 
 
-def _far(body: str, starts: list[int]) -> list[int]:
-    """Pairs that may be asked: more than MIN_DISTANCE tokens before the end of the prompt."""
-    end = len(body) + 2  # the prompt ends with "?<key>"
-    return [i for i, s in enumerate(starts) if end - s > MIN_DISTANCE]
+def _problem(body: str, key: str, value: str, start: int) -> Problem:
+    prompt = f"{body}?{key}"
+    return Problem(prompt, value, len(prompt) - start)
 
 
 def make_problem(rng: random.Random) -> Problem:
-    """One problem drawn from `rng` (either split)."""
+    """One evaluation-style problem drawn from `rng` (either split)."""
     while True:
-        body, keys, values, starts = _context(rng)
-        far = _far(body, starts)
+        body, keys, values, starts = _context(rng, MIN_PAIRS)
+        far = [i for i, s in enumerate(starts) if len(body) + 2 - s > MIN_DISTANCE]
         if far:
             i = rng.choice(far)
-            prompt = f"{body}?{keys[i]}"
-            return Problem(prompt, values[i], len(prompt) - starts[i])
+            return _problem(body, keys[i], values[i], starts[i])
 
 
-def training_sequence(rng: random.Random, n_queries: int, near: bool = True, min_pairs: int = MIN_PAIRS
-                      ) -> list[Problem]:
-    """Several training-split problems sharing one context, for one training sequence:
-    `body?k1v1<eos>?k2v2<eos>...`. The first is exactly a problem's prompt + answer; each
-    problem's own prompt (`body?ki`) is in the training split, so no held-out prompt is
-    ever trained on, not even as a prefix. `near` also asks pairs inside the sliding window
-    (never asked at evaluation): they are learnt first, by the local layers, and teach the
-    copy circuit that full attention then needs for the far ones."""
+def training_problem(rng: random.Random, min_pairs: int = 2) -> Problem:
+    """A training-split problem. Training contexts may be shorter (from `min_pairs` pairs) and
+    may ask any pair, also ones closer than MIN_DISTANCE: easier cases that are learnt first."""
     while True:
         body, keys, values, starts = _context(rng, min_pairs)
-        cand = range(len(keys)) if near else _far(body, starts)
-        ok = [i for i in cand if split_of(f"{body}?{keys[i]}") == "train"]
-        if ok:
-            picked = rng.sample(ok, min(n_queries, len(ok)))
-            return [Problem(f"{body}?{keys[i]}", values[i], len(body) + 2 - starts[i]) for i in picked]
+        i = rng.randrange(len(keys))
+        p = _problem(body, keys[i], values[i], starts[i])
+        if split_of(p.prompt) == "train":
+            return p
 
 
 def generate(split: str, n: int, seed: int) -> list[Problem]:
-    """`n` problems of `split` ('train' or 'heldout'), a pure function of (split, n, seed)."""
+    """`n` evaluation-style problems of `split` ('train' or 'heldout'), a pure function of
+    (split, n, seed)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     rng = random.Random(f"{split}:{seed}")
@@ -113,11 +115,10 @@ def heldout(n: int = 1000) -> list[Problem]:
 
 
 def parse_answer(text: str, terminated: bool = True) -> str | None:
-    """The answer in a completion (text before the terminator), or None when it is not a
-    well-formed answer: not MIN_DIGITS..MAX_DIGITS digits, or no terminator was emitted."""
-    if not terminated or not _ANSWER.fullmatch(text):
-        return None
-    return text
+    """The value in a completion (text before the terminator), or None when the completion is
+    not well formed: no terminator, a wrong delay line, or not MIN_DIGITS..MAX_DIGITS digits."""
+    m = _ANSWER.fullmatch(text) if terminated else None
+    return m.group(1) if m else None
 
 
 def score(problems: list[Problem], completions: list[tuple[str, bool]]) -> dict:

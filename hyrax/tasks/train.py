@@ -41,8 +41,6 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
-    queries: int = 8  # answered queries per training sequence (one shared context)
-    near: bool = True  # also ask pairs inside the sliding window (see recall.training_sequence)
     min_pairs: int = 2  # training contexts hold min_pairs..MAX_PAIRS pairs: short ones are learnt first
     init_std: float = 0.02
     eval_every: int = 250
@@ -50,19 +48,12 @@ class TrainConfig:
     threads: int = 2
 
 
-def encode(problems: list[recall.Problem]) -> tuple[list[int], list[int]]:
-    """Token ids of `prompt1 answer1 <eos> ?k2 answer2 <eos> ...` (problems sharing one
-    context, see recall.training_sequence), and the positions whose next token is scored
-    (every answer token and every terminator)."""
-    body = problems[0].prompt[:-2]
-    ids = list(body.encode("utf-8"))
-    scored: list[int] = []
-    for p in problems:
-        ids += list(p.prompt[len(body):].encode("utf-8"))
-        start = len(ids) - 1
-        ids += list(p.answer.encode("utf-8")) + [EOS]
-        scored += range(start, len(ids) - 1)
-    return ids, scored
+def encode(p: recall.Problem) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + completion (delay line + value) + EOS, and the positions whose
+    next token is scored (every completion token and the terminator)."""
+    prompt = list(p.prompt.encode("utf-8"))
+    ids = prompt + list(p.completion.encode("utf-8")) + [EOS]
+    return ids, list(range(len(prompt) - 1, len(ids) - 1))
 
 
 def forward_logits(model: HybridModel, seqs: list[list[int]]) -> torch.Tensor:
@@ -83,7 +74,7 @@ def forward_logits(model: HybridModel, seqs: list[list[int]]) -> torch.Tensor:
     return model(build_forward_batch(slices, comps, PAGE), pools, all_logits=True)
 
 
-def batch_tensors(problems: list[list[recall.Problem]]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+def batch_tensors(problems: list[recall.Problem]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
     """Sequences, next-token targets (B, T) and the scored mask (B, T)."""
     enc = [encode(p) for p in problems]
     T = max(len(ids) for ids, _ in enc)
@@ -96,11 +87,9 @@ def batch_tensors(problems: list[list[recall.Problem]]) -> tuple[list[list[int]]
     return [ids for ids, _ in enc], targets, mask
 
 
-def loss_and_exact(model: HybridModel, problems: list[list[recall.Problem]]) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_and_exact(model: HybridModel, problems: list[recall.Problem]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over answer tokens, and per-problem exact match under teacher
-    forcing (every answer token is the argmax — the same as greedy decoding getting it right).
-
-    problems: one list of problems sharing a context per sequence."""
+    forcing (every answer token is the argmax — the same as greedy decoding getting it right)."""
     seqs, targets, mask = batch_tensors(problems)
     logits = forward_logits(model, seqs)
     ce = torch.nn.functional.cross_entropy(logits[mask], targets[mask])
@@ -159,7 +148,7 @@ def evaluate_teacher_forced(model: HybridModel, problems: list[recall.Problem], 
     ok = 0
     with torch.no_grad():
         for i in range(0, len(problems), batch):
-            _, exact = loss_and_exact(model, [[p] for p in problems[i: i + batch]])
+            _, exact = loss_and_exact(model, problems[i: i + batch])
             ok += int(exact.sum())
     return ok / len(problems)
 
@@ -182,7 +171,7 @@ def train(out: Path, tc: TrainConfig, cfg: ModelConfig = DEMO_CONFIG, log=print)
     bar = _progress(tc.steps)
     t0 = time.perf_counter()
     for step in range(tc.steps):
-        problems = [recall.training_sequence(rng, tc.queries, tc.near, tc.min_pairs) for _ in range(tc.batch_size)]
+        problems = [recall.training_problem(rng, tc.min_pairs) for _ in range(tc.batch_size)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         loss, _ = loss_and_exact(model, problems)
