@@ -170,7 +170,8 @@ def test_drain_decode_replica_with_8_running_requests_finishes_them_elsewhere(pd
     s_after = all_stats(d)
     deltas = {id(b): stats_delta(result["before"][id(b)], s_after[(b.role, b.index)]) for b in (dec0, dec1, colo)}
     assert deltas[id(dec0)]["transfers_out"] == len(runs)
-    assert sum(deltas[id(b)]["transfers_in"].get("verified", 0) for b in (dec1, colo)) == len(runs)
+    ins = {f"{b.role}/{b.index}": deltas[id(b)]["transfers_in"] for b in (dec0, dec1, colo)}
+    assert sum(deltas[id(b)]["transfers_in"].get("verified", 0) for b in (dec1, colo)) == len(runs), ins
     assert all(set(deltas[id(b)]["transfers_in"]) <= {"verified"} for b in (dec1, colo)), deltas
     assert not any(deltas[id(dec0)]["transfers_in"].values()), deltas[id(dec0)]
 

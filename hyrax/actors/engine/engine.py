@@ -401,6 +401,9 @@ class Engine:
         manifest = self.retractor.make_manifest(req, rows, sums, "transfer")
         self.running.remove(req)
         req.state = State.HANDOFF
+        # the exported shards are objects this replica owns: hold their refs until the importer
+        # acknowledged (release_handoff), so they cannot be freed while it is still fetching them
+        req.export_payload = payload
         self.handoffs[req_id] = req
         self.stats.transfer_seconds.append(time.perf_counter() - t0)
         return {
@@ -416,6 +419,7 @@ class Engine:
         req = self.handoffs.pop(req_id, None)
         if req is None:
             return False
+        req.export_payload = None
         self._forget.append(req_id)
         self._free_device(req)
         req.state = State.FINISHED

@@ -62,6 +62,7 @@ class Request:
     backup: object | None = None  # a Backup while retracted with state kept
     retractions: int = 0
     transferred_bytes: dict[str, int] = field(default_factory=dict)  # imported state, per component
+    export_payload: list | None = None  # while handed off: the exported shards (kept alive until acked)
     finish_reason: str | None = None
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
