@@ -71,8 +71,11 @@ class RoleCoordinator:
                 opts["num_gpus"] = 1
             ranks.append(RankWorker.options(**opts).remote(self.role, self.replica, k, self.tp_size))
         addr = ray.get(ranks[0].dist_address.remote(), timeout=self.rank_timeout_s) if self.tp_size > 1 else None
-        ray.get([r.setup.remote(self.model_dir, self.config, addr) for r in ranks], timeout=max(self.rank_timeout_s, 300))
+        infos = ray.get([r.setup.remote(self.model_dir, self.config, addr) for r in ranks],
+                        timeout=max(self.rank_timeout_s, 300))
         self.ranks[:] = ranks
+        self.device = infos[0]["device"]
+        self.attention_backend = infos[0]["attention_backend"]
         self.healthy = True
 
     def _recover(self, err: Exception) -> None:
@@ -144,7 +147,8 @@ class RoleCoordinator:
 
     def health(self) -> dict:
         return {"role": self.role, "replica": self.replica, "healthy": self.healthy,
-                "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size}
+                "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
+                "device": self.device, "attention_backend": self.attention_backend}
 
     def stats(self) -> dict:
         return self.loop.stats()

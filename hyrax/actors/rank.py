@@ -45,13 +45,13 @@ class RankWorker:
             dist.init_process_group(backend, init_method=f"tcp://{dist_address}",
                                     rank=self.tp.rank, world_size=self.tp.size)
             allreduce, broadcast = _dist_allreduce, _dist_broadcast_tokens
-        model = load_model(model_dir, self.tp, DTYPES[config.dtype], allreduce, self.device)
+        model = load_model(model_dir, self.tp, DTYPES[config.dtype], allreduce, self.device, config.attention_backend)
         comps = model.components
         sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                            config.swa_capacity_tokens)
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
         self.runtime = RankRuntime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast)
-        return {"rank": self.tp.rank, "device": str(self.device),
+        return {"rank": self.tp.rank, "device": str(self.device), "attention_backend": model.attention_backend_name,
                 "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
 
     def ping(self) -> int:

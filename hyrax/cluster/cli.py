@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from hyrax import __version__
-from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except HyraxInputError as e:
         print(f"hyrax: error: {e}", file=sys.stderr)
         return 2
+    except StartupFailure as e:
+        print(f"hyrax: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

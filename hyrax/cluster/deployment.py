@@ -10,7 +10,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from hyrax.actors.coordinator import RoleCoordinator
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 
 
@@ -32,6 +32,21 @@ class Replica:
     tp: int
     coordinator: object
     pg: object
+
+
+_INPUT_ERROR = "HyraxInputError: "
+
+
+def startup_error(e: Exception) -> Exception:
+    """One line for a replica that failed to start: the HyraxInputError a rank or coordinator
+    raised (bad option for this cluster, e.g. a kernel its devices cannot run), else the
+    last line of the remote error."""
+    text = str(e)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _INPUT_ERROR in ln:
+            return HyraxInputError(ln.split(_INPUT_ERROR, 1)[1])
+    return StartupFailure(f"a replica failed to start: {lines[-1] if lines else type(e).__name__}")
 
 
 class Deployment:
@@ -56,7 +71,10 @@ class Deployment:
                 coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace="hyrax").remote(
                     spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s)
                 self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
-        ray.get([r.coordinator.health.remote() for r in self.replicas], timeout=timeout_s)
+        try:
+            ray.get([r.coordinator.health.remote() for r in self.replicas], timeout=timeout_s)
+        except ray.exceptions.RayError as e:
+            raise startup_error(e) from None
 
     def shutdown(self) -> None:
         for r in self.replicas:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hyrax.actors.engine.config import BACKUP_MODES, EngineConfig, UnsafeFaults
+from hyrax.actors.engine.config import ATTENTION_BACKENDS, BACKUP_MODES, EngineConfig, UnsafeFaults
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="testing hook: retract one request every N steps (0 = off)")
     g.add_argument("--no-overlap", action="store_true",
                    help="do not plan step N+1 while step N runs (overlap scheduling is on by default)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="attention kernel: auto = vllm_flash_attn on CUDA with float16/bfloat16 when the "
+                        "gpu extra imports, else torch SDPA (default auto)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: outputs independent of batch composition")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
@@ -50,5 +53,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
-        overlap=not a.no_overlap,
+        overlap=not a.no_overlap, attention_backend=a.attention_backend,
     )

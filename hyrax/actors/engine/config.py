@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hyrax.actors.model.attn_backends import BACKENDS as ATTENTION_BACKENDS
 from hyrax.actors.model.errors import HyraxInputError
 
 BACKUP_MODES = ("cpu_tensor", "host_pool", "recompute")
+
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class EngineConfig:
     allow_unsafe: bool = False
     role: str = "colocated"  # "prefill": hand requests off after their first token
     overlap: bool = False  # plan step N+1 while the ranks run step N
+    attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
 
     def __post_init__(self):
         def positive(name):
@@ -70,6 +73,8 @@ class EngineConfig:
             raise HyraxInputError("dtype must be float32, bfloat16 or float64")
         if self.faults.any and not self.allow_unsafe:
             raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise HyraxInputError(f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.role not in ("colocated", "prefill", "decode"):
             raise HyraxInputError("role must be colocated, prefill or decode")
         if self.prefill_chunk > self.max_batch_tokens:

@@ -25,7 +25,7 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
 
 
 def load_engine(model_dir: str, config: EngineConfig, decode=None, device: str = "cpu") -> Engine:
-    model = load_model(model_dir, dtype=DTYPES[config.dtype], device=device)
+    model = load_model(model_dir, dtype=DTYPES[config.dtype], device=device, attn_backend=config.attention_backend)
     return engine_for_model(model, config, decode, device)
 
 

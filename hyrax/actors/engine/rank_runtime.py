@@ -21,6 +21,8 @@ class RankRuntime:
     def __init__(self, model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
                  faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None):
         self.model = model
+        for backend in model.attention_backends:
+            backend.check_page_size(sizes.page_size)
         self.rank = rank
         self.device = torch.device(device)
         self.components = model.components

@@ -1,7 +1,7 @@
 """GQA attention (full or sliding-window) over paged K/V pools.
 
 Pool layout per layer: (rows, 2, kv_heads, head_dim) — K and V of one token in one row.
-The backend is chosen once at construction (STYLE: decide dispatch at construction):
+The kernel that reads the pool is chosen once at construction (attn_backends.py):
 `vllm_flash_attn` on CUDA when the `gpu` extra imports, else torch SDPA over gathered K/V,
 which is also the CPU path and the oracle the tests compare against.
 """
@@ -11,37 +11,11 @@ import torch
 from torch import nn
 
 from hyrax.actors.model import sharding
-from hyrax.actors.model.batch import AttnIndex, ForwardBatch
+from hyrax.actors.model.attn_backends import select_backend
+from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.norm import AllReduce
 from hyrax.actors.model.sharding import TP
-
-
-def visible_mask(positions: torch.Tensor, q_valid: torch.Tensor, idx: AttnIndex, window: int | None) -> torch.Tensor:
-    """(B, T, K) bool: key k is visible to query t (causal, within the window, valid).
-
-    Padding queries see key 0 only, so that softmax never runs over an empty row.
-    """
-    kp = idx.key_pos[:, None, :]
-    qp = positions[:, :, None]
-    m = idx.key_valid[:, None, :] & (kp <= qp)
-    if window is not None:
-        m = m & (kp > qp - window)
-    first = torch.zeros_like(m)
-    first[:, :, 0] = True
-    return m | ((~q_valid)[:, :, None] & first)
-
-
-def sdpa_paged(q: torch.Tensor, pool: torch.Tensor, idx: AttnIndex, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: (B, T, H, D); pool: (rows, 2, KVH, D) -> (B, T, H, D)."""
-    kv = pool[idx.read_rows]  # (B, K, 2, KVH, D)
-    # padding keys point at row 0, which may belong to another request: never let its bytes in
-    kv = torch.where(idx.key_valid[:, :, None, None, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    rep = q.shape[2] // kv.shape[3]
-    k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
-    v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)
-    out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale)
-    return out.transpose(1, 2)
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
@@ -65,7 +39,8 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP, layer_id: int, component: str, local_layer: int,
-                 window: int | None, dtype: torch.dtype, allreduce: AllReduce):
+                 window: int | None, dtype: torch.dtype, allreduce: AllReduce,
+                 device: torch.device | str = "cpu", backend: str = "auto"):
         super().__init__()
         hd = cfg.head_dim
         self.q_heads = list(sharding.q_heads(cfg, tp))
@@ -80,7 +55,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, len(self.kv_heads) * hd, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(len(self.q_heads) * hd, h, bias=bias and tp.rank == 0, dtype=dtype)
         self.allreduce = allreduce
-        self.backend = sdpa_paged
+        self.backend = select_backend(backend, device, dtype, hd)
 
     def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
         hd = self.head_dim
@@ -111,6 +86,5 @@ class Attention(nn.Module):
         rows = idx.write_rows[valid]
         pool[rows, 0] = k[valid].to(pool.dtype)
         pool[rows, 1] = v[valid].to(pool.dtype)
-        mask = visible_mask(batch.positions, batch.q_valid, idx, self.window)
-        out = self.backend(q, pool, idx, mask, self.scale)
+        out = self.backend(q, pool, idx, batch, self.window, self.scale)
         return self.allreduce(self.o_proj(out.reshape(B, T, -1)))

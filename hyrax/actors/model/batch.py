@@ -30,6 +30,9 @@ class AttnIndex:
     read_rows: torch.Tensor  # (B, K) pool row of each visible key, 0 where invalid
     key_pos: torch.Tensor  # (B, K) token position of each key
     key_valid: torch.Tensor  # (B, K) bool
+    page_table: torch.Tensor  # (B, P) long, -1 where a page is not held (paged kernels' block table)
+    page_size: int
+    max_context: int  # longest context (tokens, from position 0) of the step's requests
 
 
 @dataclass
@@ -99,6 +102,9 @@ def build_forward_batch(
             read_rows=read_rows.to(device),
             key_pos=key_pos.to(device),
             key_valid=key_valid.to(device),
+            page_table=pt.to(device),
+            page_size=page_size,
+            max_context=int(ctx.max()),
         )
     return ForwardBatch(
         input_ids=ids.to(device), positions=positions.to(device), q_valid=q_valid.to(device),

@@ -8,3 +8,8 @@ and exits non-zero instead of showing a traceback.
 
 class HyraxInputError(ValueError):
     """Bad input from a user: a clear one-line message, nothing changed."""
+
+
+class StartupFailure(RuntimeError):
+    """Something outside the user's input stopped a deployment from starting (a replica's
+    actor died, a rank could not load); the message is one line for the CLI."""

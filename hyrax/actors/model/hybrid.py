@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP, layer_id: int, components: tuple[ComponentSpec, ...],
-                 dtype: torch.dtype, allreduce: AllReduce):
+                 dtype: torch.dtype, allreduce: AllReduce, device: torch.device | str, attn_backend: str):
         super().__init__()
         ltype = cfg.layer_types[layer_id]
         self.layer_type = ltype
@@ -37,7 +37,8 @@ class DecoderLayer(nn.Module):
             self.mamba = Mamba2Mixer(cfg, tp, local, dtype, allreduce)
         else:
             window = cfg.sliding_window if ltype == "sliding_attention" else None
-            self.self_attn = Attention(cfg, tp, layer_id, owner.name, local, window, dtype, allreduce)
+            self.self_attn = Attention(cfg, tp, layer_id, owner.name, local, window, dtype, allreduce,
+                                       device, attn_backend)
 
     def forward(self, x, batch, pools, rope, cos_sin):
         h = self.input_layernorm(x)
@@ -50,27 +51,39 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg, tp, components, dtype, allreduce):
+    def __init__(self, cfg, tp, components, dtype, allreduce, device, attn_backend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, i, components, dtype, allreduce) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, tp, i, components, dtype, allreduce, device, attn_backend) for i in range(cfg.num_layers)
         )
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TP = TP(), dtype: torch.dtype = torch.float32,
-                 allreduce: AllReduce = identity_allreduce):
+                 allreduce: AllReduce = identity_allreduce, device: torch.device | str = "cpu",
+                 attn_backend: str = "auto"):
+        """`device` is where the model will run (it is built on the current default device and
+        moved by the caller); with `attn_backend` it picks each attention layer's kernel."""
         super().__init__()
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
         self.components = derive_components(cfg, tp, dtype)
-        self.model = _Backbone(cfg, tp, self.components, dtype, allreduce)
+        self.model = _Backbone(cfg, tp, self.components, dtype, allreduce, device, attn_backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, dtype)
         self.requires_grad_(False)
+
+    @property
+    def attention_backends(self) -> list:
+        return [layer.self_attn.backend for layer in self.model.layers if hasattr(layer, "self_attn")]
+
+    @property
+    def attention_backend_name(self) -> str | None:
+        names = sorted({b.name for b in self.attention_backends})
+        return ",".join(names) if names else None
 
     def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
         """Full parameter name -> (dim, global indices) for sharded params; absent = replicated."""

@@ -44,16 +44,17 @@ def _read(handle, name: str, rule) -> torch.Tensor:
 
 
 def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float32,
-               allreduce: AllReduce = identity_allreduce, device: str | torch.device = "cpu") -> HybridModel:
+               allreduce: AllReduce = identity_allreduce, device: str | torch.device = "cpu",
+               attn_backend: str = "auto") -> HybridModel:
     p = Path(path)
     cfg = ModelConfig.from_dir(p)
     check_tp(cfg, tp.size)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
-    model = HybridModel(cfg, tp, dtype, allreduce)
+    model = HybridModel(cfg, tp, dtype, allreduce, device, attn_backend)
     with torch.device("meta"):  # the unsharded shapes, to check the checkpoint against
-        full_shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, TP(), dtype).named_parameters()}
+        full_shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, TP(), dtype, attn_backend="sdpa").named_parameters()}
     rules = model.shard_rules()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()

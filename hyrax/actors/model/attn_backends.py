@@ -1,0 +1,156 @@
+"""Attention kernels over the paged K/V pool, and the one place that picks among them.
+
+Pool layout per layer: (rows, 2, kv_heads, head_dim) with rows = pages * page_size — K and V
+of one token in one row. Both backends read the same bytes, so a backup, a transfer or a
+migration never depends on which backend wrote them.
+
+- `sdpa`: gathers each request's visible rows and calls torch SDPA with an explicit mask.
+  The CPU path, the CUDA fallback, and the oracle the GPU tests compare against.
+- `vllm_flash_attn`: FlashAttention-2's varlen kernel with a paged cache (vllm-flash-attn
+  2.6.x, the `gpu` extra). K and V are strided views of the pool,
+  (pages, page_size, kv_heads, head_dim) each; the kernel finds a request's pages through
+  its block table and applies the causal mask and the sliding window itself.
+
+`select_backend` runs once per layer at construction (STYLE: decide dispatch at
+construction, never per step).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from hyrax.actors.model.batch import AttnIndex, ForwardBatch
+from hyrax.actors.model.errors import HyraxInputError
+
+BACKENDS = ("auto", "sdpa", "vllm_flash_attn")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_PAGE_MULTIPLE = 16  # vllm-flash-attn: "Paged KV cache block size must be divisible by 16"
+FLASH_MAX_HEAD_DIM = 256
+
+
+class PagedAttentionBackend(Protocol):
+    name: str
+
+    def __call__(self, q: torch.Tensor, pool: torch.Tensor, idx: AttnIndex, batch: ForwardBatch,
+                 window: int | None, scale: float) -> torch.Tensor:
+        """q: (B, T, H, D) of this step's queries (K/V already written) -> (B, T, H, D)."""
+
+    def check_page_size(self, page_size: int) -> None:
+        """Raise HyraxInputError when the engine's page size does not suit the kernel."""
+
+
+def visible_mask(positions: torch.Tensor, q_valid: torch.Tensor, idx: AttnIndex, window: int | None) -> torch.Tensor:
+    """(B, T, K) bool: key k is visible to query t (causal, within the window, valid).
+
+    Padding queries see key 0 only, so that softmax never runs over an empty row.
+    """
+    kp = idx.key_pos[:, None, :]
+    qp = positions[:, :, None]
+    m = idx.key_valid[:, None, :] & (kp <= qp)
+    if window is not None:
+        m = m & (kp > qp - window)
+    first = torch.zeros_like(m)
+    first[:, :, 0] = True
+    return m | ((~q_valid)[:, :, None] & first)
+
+
+class SdpaPaged:
+    name = "sdpa"
+
+    def __call__(self, q, pool, idx, batch, window, scale):
+        mask = visible_mask(batch.positions, batch.q_valid, idx, window)
+        kv = pool[idx.read_rows]  # (B, K, 2, KVH, D)
+        # padding keys point at row 0, which may belong to another request: never let its bytes in
+        kv = torch.where(idx.key_valid[:, :, None, None, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+        rep = q.shape[2] // kv.shape[3]
+        k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
+        v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale)
+        return out.transpose(1, 2)
+
+    def check_page_size(self, page_size: int) -> None:
+        return None
+
+
+VarlenKernel = Callable[..., torch.Tensor]
+
+
+class FlashPaged:
+    """FlashAttention-2 varlen over the paged pool. `kernel` has the signature of
+    `vllm_flash_attn.flash_attn_varlen_func` (2.6.x)."""
+
+    name = "vllm_flash_attn"
+
+    def __init__(self, kernel: VarlenKernel):
+        self.kernel = kernel
+
+    def __call__(self, q, pool, idx, batch, window, scale):
+        B, T, H, D = q.shape
+        page = idx.page_size
+        rows, _, kvh, _ = pool.shape
+        if rows % page:
+            raise RuntimeError(f"pool rows {rows} are not a whole number of {page}-row pages")
+        paged = pool.view(rows // page, page, 2, kvh, D)
+        k_cache, v_cache = paged[:, :, 0], paged[:, :, 1]  # strided views; last dim contiguous
+        # released pages (-1, SWA rows that left the window) lie before the window start; the
+        # kernel never reads them, but the address must stay inside the pool
+        block_table = idx.page_table.clamp(min=0).to(torch.int32)
+        q_lens = batch.q_lens.to(torch.int32)
+        k_lens = (batch.positions[:, 0] + batch.q_lens).to(torch.int32)  # context after this step
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+        cu_q = torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)])
+        cu_k = torch.cat([zero, k_lens.cumsum(0, dtype=torch.int32)])
+        packed = q[batch.q_valid]  # (total, H, D), request by request, in token order
+        out = self.kernel(
+            packed, k_cache, v_cache, cu_q, cu_k, T, idx.max_context,
+            softmax_scale=scale, causal=True,
+            window_size=(window - 1, 0) if window is not None else (-1, -1),
+            block_table=block_table,
+        )
+        full = q.new_zeros(B, T, H, D)
+        full[batch.q_valid] = out
+        return full
+
+    def check_page_size(self, page_size: int) -> None:
+        if page_size % FLASH_PAGE_MULTIPLE:
+            raise HyraxInputError(f"page-size must be a multiple of {FLASH_PAGE_MULTIPLE} with the vllm_flash_attn "
+                                  f"attention backend, got {page_size}")
+
+
+def _import_flash() -> VarlenKernel | None:
+    try:
+        from vllm_flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch/CUDA: fall back to SDPA
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_unsuitable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the flash kernel cannot run this layer, or None when it can."""
+    if device.type != "cuda":
+        return f"it needs CUDA (device is {device.type})"
+    if dtype not in FLASH_DTYPES:
+        return f"it needs float16 or bfloat16 (dtype is {str(dtype).removeprefix('torch.')})"
+    if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not a multiple of 8 up to {FLASH_MAX_HEAD_DIM}"
+    return None
+
+
+def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
+                   importer: Callable[[], VarlenKernel | None] = _import_flash) -> PagedAttentionBackend:
+    """`auto`: vllm_flash_attn when it imports and suits the layer, else SDPA.
+    `vllm_flash_attn`: that kernel or a clear error. `sdpa`: always SDPA."""
+    if requested not in BACKENDS:
+        raise HyraxInputError(f"attention backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested == "sdpa":
+        return SdpaPaged()
+    why = flash_unsuitable(torch.device(device), dtype, head_dim)
+    kernel = importer() if why is None else None
+    if kernel is not None:
+        return FlashPaged(kernel)
+    if requested == "vllm_flash_attn":
+        raise HyraxInputError("the vllm_flash_attn attention backend cannot be used: "
+                              + (why or "vllm_flash_attn does not import (pip install '.[gpu]')"))
+    return SdpaPaged()
