@@ -131,6 +131,18 @@ def test_allocating_more_than_is_free_fails_and_allocates_nothing():
     assert alloc.num_free == 1 and alloc.owners() == {"a"}
 
 
+def test_allocator_skips_avoided_indices_while_others_are_free():
+    a = IndexAllocator("slots", 4)
+    first = a.allocate("x", 2)  # [0, 1]
+    a.free("x", first)
+    assert a.allocate("y", 1) == [1]  # most recently freed first
+    a.free("y", [1])
+    assert a.allocate("z", 2, avoid={0, 1}) == [2, 3]  # others first, newest-freed order kept
+    assert a.allocate("w", 2, avoid={0, 1}) == [1, 0]  # only avoided ones left: taken anyway
+    a.check()
+    assert a.num_free == 0 and a.owned_by("z") == [2, 3] and a.owned_by("w") == [0, 1]
+
+
 def test_allocator_check_notices_a_corrupted_free_list():
     """Mutation check: check() must catch an index that is both free and owned."""
     alloc = IndexAllocator("pages", 5)

@@ -2,7 +2,7 @@
 tests can see broken backups and restores.
 
 The scenario (engine_helpers.slot_reuse_scenario): A decodes, is retracted and held; B is
-admitted into A's freed indices (allocators are LIFO) and decodes, overwriting them; A is
+admitted into A's freed indices (allocators hand out the most recently freed index first) and decodes, overwriting them; A is
 resumed while B still runs. Float64 models, so a recompute fallback reproduces greedy
 outputs too.
 """
@@ -16,6 +16,7 @@ from engine_helpers import (
     reference_outputs, run_requests, slot_reuse_scenario, tiny_model,
 )
 from hyrax.actors.engine.config import UnsafeFaults
+from hyrax.actors.engine.local import run_to_completion
 from hyrax.actors.model.errors import HyraxInputError
 
 DTYPE = torch.float64
@@ -160,3 +161,23 @@ def test_slot_of_a_finished_request_is_zeroed_before_reuse(layout):
     assert_idle_clean(e)
     assert slots == {0}
     assert [e.finished_requests[i].output_ids for i in ids] == ref
+
+
+def test_a_restore_lands_in_new_indices_whenever_the_pools_have_other_room():
+    """Retract and resume at once: the allocators hand out the most recently freed index
+    first, which would give the request its own old slot and pages back (still holding its
+    bytes, so a backup that dropped a component would look lossless). Restores avoid them."""
+    e = make_engine(_hybrid())
+    aid = e.add_request(make_prompts(1, 11)[0], greedy(12))
+    a = e.requests[aid]
+    while len(a.output_ids) < 4:
+        e.step()
+    old = {c: [i for i in v if i >= 0] for c, v in a.indices.items()}
+    assert e.retract([aid])[aid] == "cpu_tensor"
+    assert e.resume([aid])[aid] == "verified"
+    for c in HYBRID_COMPONENTS:
+        new = [i for i in a.indices[c] if i >= 0]
+        assert new and not set(new) & set(old[c]), (c, old[c], new)
+    run_to_completion(e)
+    assert_idle_clean(e)
+

@@ -35,10 +35,18 @@ class IndexAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, owner: str, n: int) -> list[int]:
+    def allocate(self, owner: str, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """`n` free indices for `owner`, most recently freed first, skipping the indices in
+        `avoid` while others are free (used by restores: see Retractor.restore)."""
         if n > len(self._free):
             raise AllocationError(f"{self.name}: need {n}, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        if not avoid:
+            out = [self._free.pop() for _ in range(n)]
+        else:
+            newest_first = self._free[::-1]
+            out = ([i for i in newest_first if i not in avoid] + [i for i in newest_first if i in avoid])[:n]
+            taken = set(out)
+            self._free = [i for i in self._free if i not in taken]
         for i in out:
             self._owner[i] = owner
         return out

@@ -54,15 +54,17 @@ class Retractor:
                 self.alloc[c.name].free(req.id, owned)
         req.indices = {}
 
-    def _allocate_live(self, req: Request, num_tokens: int) -> dict[str, list[int]] | None:
-        """New indices covering the live state of `num_tokens` tokens, or None if they do not fit."""
+    def _allocate_live(self, req: Request, num_tokens: int, avoid: dict[str, set[int]] | None = None
+                       ) -> dict[str, list[int]] | None:
+        """New indices covering the live state of `num_tokens` tokens, or None if they do not
+        fit; indices in `avoid` are taken only when nothing else is free."""
         ps = self.config.page_size
         need = {c.name: len(live_page_numbers(c, num_tokens, ps)) for c in self.components}
         if not all(self.alloc[c.name].can_allocate(need[c.name]) for c in self.components):
             return None
         out = {}
         for c in self.components:
-            got = self.alloc[c.name].allocate(req.id, need[c.name])
+            got = self.alloc[c.name].allocate(req.id, need[c.name], (avoid or {}).get(c.name, frozenset()))
             if c.paged:
                 table = [-1] * pages_needed(c, num_tokens, ps)
                 for n, page in zip(live_page_numbers(c, num_tokens, ps), got):
@@ -152,7 +154,13 @@ class Retractor:
         if backup is None:
             return self._to_recompute(req, "recompute", count=False)
         m = backup.manifest
-        new = self._allocate_live(req, m.num_tokens)
+        # New memory, really: the allocator hands out the most recently freed index first,
+        # which after a retract-then-restore would be the request's own old slot and pages,
+        # still holding its bytes — a backup that left a component out would then look
+        # lossless. Avoiding them whenever the pool has other room makes every restore
+        # exercise the copy it claims to make.
+        old = {name: set(rec.indices) for name, rec in m.components.items()} if backup.payload is None else None
+        new = self._allocate_live(req, m.num_tokens, old)
         if new is None:
             return "no_capacity"
         t0 = time.perf_counter()
