@@ -9,7 +9,7 @@ from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyrax.cluster import admin_cli, bench_cli, generate, serve
+    from hyrax.cluster import admin_cli, bench_cli, eval_cli, generate, serve, train_demo_cli
 
     p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     admin_cli.add_parser(sub)
     bench_cli.add_parser(sub)
+    train_demo_cli.add_parser(sub)
+    eval_cli.add_parser(sub)
     return p
 
 

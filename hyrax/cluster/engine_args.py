@@ -33,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant numerics: outputs independent of batch composition")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
     u.add_argument("--unsafe-allow-fault-injection", action="store_true")
-    u.add_argument("--unsafe-skip-backup-component", default=None, metavar="COMPONENT")
+    u.add_argument("--unsafe-skip-backup-component", default=None, metavar="NAME[,NAME]",
+                   help="backups silently leave these components out (mamba_conv,mamba_ssm: the recurrent state)")
     u.add_argument("--unsafe-corrupt-backup-component", default=None, metavar="COMPONENT")
     u.add_argument("--unsafe-restore-into-old-indices", action="store_true")
     u.add_argument("--unsafe-disable-verification", action="store_true")

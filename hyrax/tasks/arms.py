@@ -8,11 +8,12 @@ client with `--concurrency` requests in flight, scrapes the retraction and resto
 from /metrics, stops the server with SIGTERM and prints one markdown table row.
 
 Every arm runs `--deterministic`, so the lossless arms must reproduce the no-retraction arm
-answer for answer. The fault arm leaves `mamba_ssm` out of every backup and disables
-verification: a restored request continues on whatever recurrent state its new slot held —
-with requests running concurrently, that is another request's (the first seed's bug), and
-accuracy collapses. The same fault with verification on is caught at restore (the manifest
-lacks a component) and the request is rebuilt by recompute.
+answer for answer. The fault arm is the seeds' bug: every backup leaves the Mamba state
+(`mamba_conv` and `mamba_ssm`) out and restore does not verify, so a restored request
+continues on whatever recurrent state its new slot held — another request's, or zeros —
+and loses its place in the answer. The same fault with verification on is caught at
+restore (the manifest lacks components) and the request is rebuilt by recompute. The last
+arm drops only `mamba_ssm`, to show how much of the damage that component alone does.
 """
 from __future__ import annotations
 
@@ -24,12 +25,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 FORCED = ["--forced-retraction-interval", "3"]
-FAULT = ["--unsafe-allow-fault-injection", "--unsafe-skip-backup-component", "mamba_ssm"]
+# The seeds' bug: the backup carries attention K/V only; the request's recurrent state (the
+# Mamba pool: conv and SSM state) is left behind
+FAULT = ["--unsafe-allow-fault-injection", "--unsafe-skip-backup-component", "mamba_conv,mamba_ssm"]
+SSM_ONLY = ["--unsafe-allow-fault-injection", "--unsafe-skip-backup-component", "mamba_ssm"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,9 @@ ARMS = (
     Arm("forced retraction every 3 steps, cpu_tensor", (*FORCED, "--retraction-backup", "cpu_tensor")),
     Arm("forced retraction every 3 steps, host_pool", (*FORCED, "--retraction-backup", "host_pool")),
     Arm("forced retraction every 3 steps, recompute", (*FORCED, "--retraction-backup", "recompute")),
-    Arm("fault: backup skips mamba_ssm, verification off", (*FORCED, *FAULT, "--unsafe-disable-verification")),
-    Arm("fault: backup skips mamba_ssm, verification on", (*FORCED, *FAULT)),
+    Arm("fault: backup drops the Mamba state, verification off", (*FORCED, *FAULT, "--unsafe-disable-verification")),
+    Arm("fault: backup drops the Mamba state, verification on", (*FORCED, *FAULT)),
+    Arm("fault: backup drops mamba_ssm only, verification off", (*FORCED, *SSM_ONLY, "--unsafe-disable-verification")),
 )
 COMMON = ("--colocated", "--deterministic", "--max-running", "8")
 
@@ -114,21 +121,22 @@ def run_arm(arm: Arm, limit: int, concurrency: int, model: str, start_timeout: f
            "--port", str(port), *COMMON, *arm.flags]
     env = dict(os.environ, HYRAX_ADMIN_TOKEN=secrets.token_urlsafe(24), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     log(f"arm {arm.name!r}: {' '.join(cmd[2:])}")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        wait_healthy(proc, base, start_timeout)
-        problems = recall.heldout(limit)
-        t0 = time.perf_counter()
-        completions, errors = run_server(base, problems, concurrency)
-        result = recall.score(problems, completions)
-        result.update(scrape_counters(base), errors=errors, seconds=round(time.perf_counter() - t0, 1))
-    except Exception:
-        stop(proc, 10)
-        err = proc.stderr.read() if proc.stderr else ""
-        log(err[-3000:])
-        raise
-    stop(proc)
+    with tempfile.TemporaryFile("w+") as server_log:
+        proc = subprocess.Popen(cmd, env=env, stdout=server_log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            wait_healthy(proc, base, start_timeout)
+            problems = recall.heldout(limit)
+            t0 = time.perf_counter()
+            completions, errors = run_server(base, problems, concurrency)
+            result = recall.score(problems, completions)
+            result.update(scrape_counters(base), errors=errors, seconds=round(time.perf_counter() - t0, 1))
+        except BaseException:
+            stop(proc, 10)
+            server_log.seek(0)
+            log(server_log.read()[-3000:])
+            raise
+        stop(proc)
     log(f"  -> {json.dumps(result)}")
     return {"arm": arm.name, "flags": " ".join(arm.flags), **result}
 

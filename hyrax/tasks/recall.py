@@ -31,7 +31,7 @@ KEYS = string.ascii_lowercase
 MIN_PAIRS, MAX_PAIRS = 8, 12
 MIN_DIGITS, MAX_DIGITS = 3, 5
 MIN_DISTANCE = 24  # tokens from the asked pair to the end of the prompt (> the demo sliding window)
-DELAY = "ABCDEFGHIJKLMNOPQRST"  # recited before the value (longer than the demo sliding window)
+DELAY = string.ascii_uppercase[:14][::-1]  # "NML...BA": recited before the value, counting down to A
 HELDOUT_MOD = 10  # 1 in 10 possible prompts is held out
 HELDOUT_SEED = 20240501
 MAX_TOKENS = len(DELAY) + MAX_DIGITS + 2  # generation budget: delay, value, terminator, one spare
@@ -43,10 +43,11 @@ class Problem:
     prompt: str
     answer: str  # the value: the completion is DELAY + answer + EOS
     distance: int  # tokens (bytes) from the asked pair to the end of the prompt
+    delay: int = len(DELAY)  # training curriculum only: recite just the last `delay` letters
 
     @property
     def completion(self) -> str:
-        return DELAY + self.answer
+        return DELAY[len(DELAY) - self.delay:] + self.answer
 
 
 def split_of(prompt: str) -> str:
@@ -84,15 +85,18 @@ def make_problem(rng: random.Random) -> Problem:
             return _problem(body, keys[i], values[i], starts[i])
 
 
-def training_problem(rng: random.Random, min_pairs: int = 2) -> Problem:
+def training_problem(rng: random.Random, min_pairs: int = 2, max_delay: int = len(DELAY)) -> Problem:
     """A training-split problem. Training contexts may be shorter (from `min_pairs` pairs) and
-    may ask any pair, also ones closer than MIN_DISTANCE: easier cases that are learnt first."""
+    may ask any pair, also ones closer than MIN_DISTANCE: easier cases that are learnt first.
+    The delay line is cut to its last `d` letters, d drawn from 0..`max_delay` with half the
+    draws at `max_delay` itself (the curriculum's frontier)."""
     while True:
         body, keys, values, starts = _context(rng, min_pairs)
         i = rng.randrange(len(keys))
         p = _problem(body, keys[i], values[i], starts[i])
         if split_of(p.prompt) == "train":
-            return p
+            d = max_delay if rng.random() < 0.5 else rng.randint(0, max_delay)
+            return Problem(p.prompt, p.answer, p.distance, d)
 
 
 def generate(split: str, n: int, seed: int) -> list[Problem]:

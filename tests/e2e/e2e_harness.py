@@ -12,14 +12,13 @@ import contextlib
 import json
 import random
 import socket
-import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from gateway_harness import Gateway, free_port, wait_until  # noqa: F401 - re-exported to the e2e tests
 from hyrax.actors.engine.config import EngineConfig
 
 DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
@@ -33,12 +32,6 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 E2E_CONFIG = EngineConfig(deterministic=True, mamba_slots=12)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -48,46 +41,7 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 # ---- the gateway ---------------------------------------------------------------------------
-class Gateway:
-    """create_app(...) served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name=f"gateway-{self.port}", daemon=True)
-        self.thread.start()
-
-        def healthy():
-            if not self.thread.is_alive():
-                raise AssertionError("the gateway thread died while starting")
-            try:
-                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 60, what=f"{self.url}/health")
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-
-
 class RecordingClient:
     """The engine client, passed through unchanged, remembering each request's prompt and
     token ids (the text of the random demo model loses bytes to U+FFFD, token ids do not)."""

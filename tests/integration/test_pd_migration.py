@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.model.config import ModelConfig
 from pd_harness import (
     Run, all_stats, assert_all_clean, assert_outputs, drive, pd_deployed, row_bytes, stats_delta, wait_for,
 )
@@ -25,7 +26,7 @@ from ray_harness import DEMO_MODEL, prompt, reference, uid
 pytestmark = pytest.mark.timeout(300)
 
 CONFIG = EngineConfig(deterministic=True, overlap=True)  # the `hyrax serve` default
-WINDOW = 64
+WINDOW = ModelConfig.from_dir(DEMO_MODEL).sliding_window
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,19 @@ background thread, the documented metric names (dashboards/METRICS.md), the Prom
 parsed into families, and the metric names a PromQL expression refers to.
 
 Imported by the test modules and the conftest next to it (pytest puts this folder on
-sys.path). Self-contained on purpose: other test folders' harnesses are not imported.
+sys.path). The uvicorn-in-a-thread gateway comes from tests/gateway_harness.py.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import re
-import socket
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from gateway_harness import Gateway, free_port, wait_until  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_MODEL = str(REPO / "hyrax" / "models" / "demo")
@@ -38,53 +37,8 @@ PD_REQUESTS = [
     ("0123456789" * 10, 18, False),
     ("def retract(request):\n    return backup(request.state)\n", 22, True),
     ("One token only, please.", 1, False),
+    ("Hi", 12, False),  # shorter than the sliding window
 ]
-
-
-def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- the gateway ---------------------------------------------------------------------------
-class Gateway:
-    """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a daemon thread."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name=f"obs-gateway-{self.port}", daemon=True)
-        self.thread.start()
-
-        def healthy():
-            if not self.thread.is_alive():
-                raise AssertionError("the gateway thread died while starting")
-            try:
-                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 60, what=f"{self.url}/health")
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 @contextlib.contextmanager

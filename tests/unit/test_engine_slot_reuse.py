@@ -143,6 +143,28 @@ def test_fault_injection_is_refused_without_the_unsafe_switch():
             make_engine(_hybrid(), faults=faults)
 
 
+def test_fault_injection_names_must_be_components_of_the_model():
+    for faults in (UnsafeFaults(skip_backup_component="mamba_conv,mamba_state"),
+                   UnsafeFaults(corrupt_backup_component="kv")):
+        with pytest.raises(HyraxInputError, match="unknown component"):
+            make_engine(_hybrid(), **_unsafe(**faults.__dict__))
+    with pytest.raises(HyraxInputError, match="unknown component"):
+        make_engine(tiny_model("full", DTYPE), **_unsafe(skip_backup_component="mamba_ssm"))
+
+
+def test_dropping_the_whole_mamba_state_is_detected_at_restore_and_recomputed():
+    """The seeds' bug (both Mamba components left behind) with verification on: every restore
+    falls back to recompute and the output equals the uninterrupted run."""
+    prompts = make_prompts(4, 5)
+    want = reference_outputs(HYBRID, DTYPE, prompts, 10)
+    e = make_engine(_hybrid(), forced_retraction_interval=2, **_unsafe(skip_backup_component="mamba_conv,mamba_ssm"))
+    got = run_requests(e, prompts, greedy(10))
+    s = e.stats.summary()
+    assert got == want
+    assert s["retractions"] > 0 and s["restore_fallbacks"] == s["retractions"] and s["restores"] == 0, s
+    assert_idle_clean(e)
+
+
 @pytest.mark.parametrize("layout", ["mamba", HYBRID])
 def test_slot_of_a_finished_request_is_zeroed_before_reuse(layout):
     # One slot: every request runs in the slot its predecessor left full of state. Prompts

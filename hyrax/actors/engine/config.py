@@ -14,7 +14,8 @@ BACKUP_MODES = ("cpu_tensor", "host_pool", "recompute")
 class UnsafeFaults:
     """Test-only fault injection. Refused unless `allow_unsafe` is set explicitly.
 
-    skip_backup_component: a rank's backup silently leaves this component out.
+    skip_backup_component: a rank's backup silently leaves this component out (a comma-separated
+        list leaves several out: `mamba_conv,mamba_ssm` is the whole recurrent state).
     restore_into_old_indices: restore writes to the request's old indices, not new ones.
     corrupt_backup_component: flip a byte of this component's backup after checksumming.
     disable_verification: restore trusts the backup (no completeness/ownership/checksum check).
@@ -31,6 +32,18 @@ class UnsafeFaults:
     def any(self) -> bool:
         return bool(self.skip_backup_component or self.restore_into_old_indices
                     or self.corrupt_backup_component or self.disable_verification)
+
+    @property
+    def skipped(self) -> frozenset[str]:
+        return frozenset(n.strip() for n in (self.skip_backup_component or "").split(",") if n.strip())
+
+    def check_components(self, names: set[str] | frozenset[str]) -> None:
+        """Raise HyraxInputError when a fault names a component the model does not have."""
+        named = set(self.skipped) | ({self.corrupt_backup_component} if self.corrupt_backup_component else set())
+        unknown = sorted(named - set(names))
+        if unknown:
+            raise HyraxInputError(f"fault injection names unknown component(s) {', '.join(unknown)}; "
+                                  f"this model has {', '.join(sorted(names))}")
 
     def applies_to(self, rank: int) -> bool:
         return self.only_rank is None or self.only_rank == rank

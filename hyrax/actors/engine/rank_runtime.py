@@ -34,6 +34,7 @@ class RankRuntime:
             for c in self.components
         }
         self.backups: dict[str, dict[str, torch.Tensor]] = {}
+        faults.check_components({c.name for c in self.components})
         self.faults = faults if faults.applies_to(rank) else UnsafeFaults()
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
@@ -112,7 +113,7 @@ class RankRuntime:
         sums: dict[str, int] = {}
         kept: dict[str, torch.Tensor] = {}
         for c in self.components:
-            if c.name == self.faults.skip_backup_component:
+            if c.name in self.faults.skipped:
                 continue
             data = self.pools[c.name].index_select(1, self._idx(rows[c.name]))
             if self.device.type == "cuda":
@@ -161,7 +162,7 @@ class RankRuntime:
         self._sync()
         sums, data = {}, {}
         for c in self.components:
-            if c.name == self.faults.skip_backup_component:
+            if c.name in self.faults.skipped:
                 continue
             t = self.pools[c.name].index_select(1, self._idx(rows[c.name])).cpu()
             sums[c.name] = checksum(t)

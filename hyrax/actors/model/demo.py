@@ -1,28 +1,26 @@
 """The shipped demo checkpoint: a small full + sliding + mamba2 model with a byte-level
-tokenizer, so that everything runs offline. `python -m hyrax.actors.model.demo` rebuilds
-the random-initialised version (the trained one replaces it when present)."""
+tokenizer, so that everything runs offline. Its weights are trained on the recall task
+(`hyrax train-demo`, hyrax/tasks/, docs/demo-model.md); this module holds its config and
+tokenizer."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.hybrid import HybridModel
-from hyrax.actors.model.loader import save_model
 
 DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
 EOS, PAD, BOS = 256, 257, 258
 SPECIALS = {"<|eos|>": EOS, "<|pad|>": PAD, "<|bos|>": BOS}
 
+# The shipped weights are trained on hyrax.tasks.recall (`hyrax train-demo`, docs/demo-model.md);
+# that task's delay line is sized against this sliding window and layer order.
 DEMO_CONFIG = ModelConfig(
     vocab_size=264, hidden_size=128, intermediate_size=256,
     layer_types=("mamba2", "sliding_attention", "mamba2", "full_attention", "mamba2", "sliding_attention"),
     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     mamba_n_heads=8, mamba_d_head=32, mamba_d_state=32, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=32,
-    sliding_window=64, max_position_embeddings=2048, tie_word_embeddings=True,
+    sliding_window=8, max_position_embeddings=2048, tie_word_embeddings=True,
     bos_token_id=BOS, eos_token_id=(EOS,), pad_token_id=PAD,
 )
 
@@ -72,31 +70,3 @@ def write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|eos|>", "pad_token": "<|pad|>", "bos_token": "<|bos|>", "chat_template": CHAT_TEMPLATE,
     }, indent=2))
-
-
-def build_random_demo(path: Path = DEMO_DIR, seed: int = 0) -> None:
-    torch.manual_seed(seed)
-    model = HybridModel(DEMO_CONFIG, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(0.0, 1.5)
-            elif name.endswith("dt_bias"):
-                p.uniform_(-3.0, -1.0)
-            elif name.endswith(".D") or "norm" in name:
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.05)
-            else:
-                p.zero_()
-    save_model(model, path)
-    write_tokenizer(path)
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Rebuild the random-initialised demo checkpoint")
-    ap.add_argument("--out", default=str(DEMO_DIR))
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    build_random_demo(Path(a.out), a.seed)
-    print(f"wrote {a.out}")

@@ -1,0 +1,58 @@
+"""Test support shared by tests/e2e and tests/observability: a free loopback port, polling
+with a deadline, and an ASGI app served by uvicorn on 127.0.0.1 in a daemon thread.
+
+Importable from any test folder: tests/conftest.py puts this folder on sys.path.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Gateway:
+    """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a daemon thread; waits for
+    /health to answer 200."""
+
+    def __init__(self, app, name: str = "gateway"):
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name=f"{name}-{self.port}", daemon=True)
+        self.thread.start()
+
+        def healthy():
+            if not self.thread.is_alive():
+                raise AssertionError("the gateway thread died while starting")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 60, what=f"{self.url}/health")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
