@@ -138,15 +138,18 @@ def run_arm(arm: Arm, limit: int, concurrency: int, model: str, start_timeout: f
             raise
         stop(proc)
     log(f"  -> {json.dumps(result)}")
-    return {"arm": arm.name, "flags": " ".join(arm.flags), **result}
+    return {"arm": arm.name, "flags": " ".join(arm.flags), **result, "completions": completions}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| arm | accuracy | invalid rate | retractions | restores | fallbacks |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """Markdown table; 'same text' counts completions identical to the first arm's."""
+    lines = ["| arm | accuracy | invalid rate | retractions | restores | fallbacks | same text as first arm |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    first = rows[0]["completions"] if rows else []
     for r in rows:
+        same = sum(a == b for a, b in zip(r["completions"], first))
         lines.append(f"| {r['arm']} | {r['accuracy']:.3f} | {r['invalid_rate']:.3f} | {r['retractions']} "
-                     f"| {r['restores']} | {r['fallbacks']} |")
+                     f"| {r['restores']} | {r['fallbacks']} | {same}/{r['n']} |")
     return "\n".join(lines)
 
 
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(every server: `hyrax serve {' '.join(COMMON)} ...`)\n")
     print(table(rows))
     if a.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([{k: v for k, v in r.items() if k != "completions"} for r in rows], indent=2))
     return 0
 
 
