@@ -15,12 +15,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Run the held-out recall problems against a live server through the "
                                    "official openai client (completions, temperature 0, stop at EOS) and "
                                    "print accuracy and invalid-answer rate.")
-    p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    p.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
     p.add_argument("--limit", type=int, default=200, help="held-out problems to run (default 200)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, else none)")
     p.add_argument("--json", action="store_true", help='print {"accuracy", "invalid_rate", "n"} as JSON')
+    p.add_argument("--write-jsonl", metavar="PATH", default=None,
+                   help="instead of evaluating, write the first --limit held-out problems as JSON lines "
+                        "(prompt, target, answer) for other harnesses, e.g. lm-eval's local-completions "
+                        "(hyrax/tasks/lm_eval/)")
     p.set_defaults(func=run)
     return p
 
@@ -34,6 +38,14 @@ def run(a: argparse.Namespace) -> int:
     if a.concurrency < 1:
         raise HyraxInputError("--concurrency must be >= 1")
     problems = recall.heldout(a.limit)
+    if a.write_jsonl:
+        with open(a.write_jsonl, "w", encoding="utf-8") as f:
+            for p in problems:
+                f.write(json.dumps({"prompt": p.prompt, "target": p.completion, "answer": p.answer}) + "\n")
+        print(f"hyrax: wrote {len(problems)} held-out problems to {a.write_jsonl}", file=sys.stderr)
+        return 0
+    if not a.base_url:
+        raise HyraxInputError("--base-url is required (unless --write-jsonl)")
     t0 = time.perf_counter()
     completions, errors = run_server(a.base_url, problems, a.concurrency, a.model,
                                      a.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY")

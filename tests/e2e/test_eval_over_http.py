@@ -38,3 +38,15 @@ def test_hyrax_eval_rejects_bad_options_with_one_line(capsys):
     assert capsys.readouterr().err.strip() == "hyrax: error: --limit must be >= 1"
     assert main(["eval", "--base-url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
     assert capsys.readouterr().err.strip() == "hyrax: error: --concurrency must be >= 1"
+
+
+def test_hyrax_eval_writes_the_heldout_split_for_other_harnesses(tmp_path, capsys):
+    out = tmp_path / "heldout.jsonl"
+    assert main(["eval", "--write-jsonl", str(out), "--limit", "25"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    problems = recall.heldout(25)
+    assert [r["prompt"] for r in rows] == [p.prompt for p in problems]
+    assert [r["target"] for r in rows] == [recall.DELAY + p.answer for p in problems]
+    assert all(recall.parse_answer(r["target"]) == r["answer"] for r in rows)
+    assert main(["eval", "--limit", "3"]) == 2
+    assert "--base-url is required" in capsys.readouterr().err
