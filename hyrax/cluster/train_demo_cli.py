@@ -38,6 +38,13 @@ def run(a: argparse.Namespace) -> int:
         raise HyraxInputError("--lr must be > 0")
     tc = TrainConfig(steps=a.steps, seed=a.seed, batch_size=a.batch_size, lr=a.lr, threads=a.threads)
     out = Path(a.out)
+    try:  # fail now, not after half an hour of training
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".hyrax-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise HyraxInputError(f"cannot write to --out {str(out)!r}: {e.strerror or e}") from None
     summary = train(out, tc, log=lambda s: print(s, file=sys.stderr))
     if a.eval_n > 0:
         from hyrax.actors.engine.config import EngineConfig

@@ -19,6 +19,7 @@ from hyrax.actors.engine.local import load_engine, run_to_completion
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import EOS
+from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.tasks import recall
 
@@ -51,7 +52,13 @@ def run_server(base_url: str, problems: list[recall.Problem], concurrency: int =
     from openai import OpenAI
 
     client = OpenAI(base_url=_v1(base_url), api_key=api_key, timeout=timeout, max_retries=2)
-    name = model or client.models.list().data[0].id
+    if model is None:
+        try:
+            name = client.models.list().data[0].id
+        except Exception as e:  # unreachable, refused, unauthorised: one line, not a traceback
+            raise HyraxInputError(f"cannot list the models at {_v1(base_url)}: {type(e).__name__}: {e}") from None
+    else:
+        name = model
 
     def one(p: recall.Problem) -> Completion | None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from gateway_harness import free_port
 from hyrax.cluster.cli import main
 from hyrax.tasks import recall
 from hyrax.tasks.evaluate import run_server
@@ -38,6 +39,10 @@ def test_hyrax_eval_rejects_bad_options_with_one_line(capsys):
     assert capsys.readouterr().err.strip() == "hyrax: error: --limit must be >= 1"
     assert main(["eval", "--base-url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
     assert capsys.readouterr().err.strip() == "hyrax: error: --concurrency must be >= 1"
+    # nothing listening there: one line, no traceback
+    assert main(["eval", "--base-url", f"http://127.0.0.1:{free_port()}", "--limit", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hyrax: error: cannot list the models at http://127.0.0.1:") and "\n" not in err, err
 
 
 def test_hyrax_eval_writes_the_heldout_split_for_other_harnesses(tmp_path, capsys):

@@ -62,3 +62,13 @@ def test_training_with_a_seed_is_reproducible(tmp_path):
     wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert (tmp_path / "a" / "tokenizer.json").is_file() and (tmp_path / "a" / "config.json").is_file()
+
+
+def test_train_demo_refuses_an_unwritable_output_before_training(tmp_path, capsys):
+    from hyrax.cluster.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["train-demo", "--out", str(blocker / "sub"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hyrax: error: cannot write to --out") and "\n" not in err, err
