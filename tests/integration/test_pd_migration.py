@@ -147,10 +147,15 @@ def test_drain_decode_replica_with_8_running_requests_finishes_them_elsewhere(pd
     runs = [Run(uid(f"drain{i}"), p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     result: dict = {}
 
-    async def during(runs):
+    async def isolate():
         # put all eight on decode/0: the other decode targets take no new requests for now
+        # (drained before the first request is submitted, so none is routed there meanwhile)
         for b in (dec1, colo):
             assert (await client.drain(b))["migrations"] == {}
+
+    asyncio.run(isolate())
+
+    async def during(runs):
         await wait_for(lambda: all(len(r.tokens) >= 2 for r in runs), what="every request decoding")
         on0 = await _ids_on(dec0)
         assert on0 == {r.id: "running" for r in runs}, on0
