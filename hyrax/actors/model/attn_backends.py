@@ -88,26 +88,19 @@ class FlashPaged:
 
     def __call__(self, q, pool, idx, batch, window, scale):
         B, T, H, D = q.shape
-        page = idx.page_size
+        page = batch.page_size
         rows, _, kvh, _ = pool.shape
         if rows % page:
             raise RuntimeError(f"pool rows {rows} are not a whole number of {page}-row pages")
         paged = pool.view(rows // page, page, 2, kvh, D)
         k_cache, v_cache = paged[:, :, 0], paged[:, :, 1]  # strided views; last dim contiguous
-        # released pages (-1, SWA rows that left the window) lie before the window start; the
-        # kernel never reads them, but the address must stay inside the pool
-        block_table = idx.page_table.clamp(min=0).to(torch.int32)
-        q_lens = batch.q_lens.to(torch.int32)
-        k_lens = (batch.positions[:, 0] + batch.q_lens).to(torch.int32)  # context after this step
-        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-        cu_q = torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)])
-        cu_k = torch.cat([zero, k_lens.cumsum(0, dtype=torch.int32)])
+        cu_q, cu_k = batch.cu_seqlens
         packed = q[batch.q_valid]  # (total, H, D), request by request, in token order
         out = self.kernel(
-            packed, k_cache, v_cache, cu_q, cu_k, T, idx.max_context,
+            packed, k_cache, v_cache, cu_q, cu_k, T, batch.max_context,
             softmax_scale=scale, causal=True,
             window_size=(window - 1, 0) if window is not None else (-1, -1),
-            block_table=block_table,
+            block_table=idx.block_table,
         )
         full = q.new_zeros(B, T, H, D)
         full[batch.q_valid] = out

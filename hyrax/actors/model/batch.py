@@ -8,6 +8,7 @@ their pool through row indices computed here, in torch, from each request's page
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -30,9 +31,14 @@ class AttnIndex:
     read_rows: torch.Tensor  # (B, K) pool row of each visible key, 0 where invalid
     key_pos: torch.Tensor  # (B, K) token position of each key
     key_valid: torch.Tensor  # (B, K) bool
-    page_table: torch.Tensor  # (B, P) long, -1 where a page is not held (paged kernels' block table)
-    page_size: int
-    max_context: int  # longest context (tokens, from position 0) of the step's requests
+    page_table: torch.Tensor  # (B, P) long, -1 where a page is not held
+
+    @cached_property
+    def block_table(self) -> torch.Tensor:
+        """The page table as a paged kernel's int32 block table, computed once per step.
+        Released pages (-1) become page 0: they lie before the window, so they are never
+        read unmasked, and the address stays inside the pool."""
+        return self.page_table.clamp(min=0).to(torch.int32)
 
 
 @dataclass
@@ -43,6 +49,17 @@ class ForwardBatch:
     q_lens: torch.Tensor  # (B,) long
     attn: dict[str, AttnIndex]
     slots: dict[str, torch.Tensor]  # slot component -> (B,) long
+    page_size: int
+    context_lens: torch.Tensor  # (B,) long: tokens in context after this step (from position 0)
+    max_context: int  # the longest of them, known on the host (no device sync to read it)
+
+    @cached_property
+    def cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 prefix sums of query lengths and of context lengths, (B + 1,) each: the
+        varlen kernels' request boundaries, computed once per step for every layer."""
+        zero = torch.zeros(1, dtype=torch.int32, device=self.q_lens.device)
+        return (torch.cat([zero, self.q_lens.cumsum(0, dtype=torch.int32)]),
+                torch.cat([zero, self.context_lens.cumsum(0, dtype=torch.int32)]))
 
     @property
     def num_seqs(self) -> int:
@@ -103,10 +120,9 @@ def build_forward_batch(
             key_pos=key_pos.to(device),
             key_valid=key_valid.to(device),
             page_table=pt.to(device),
-            page_size=page_size,
-            max_context=int(ctx.max()),
         )
     return ForwardBatch(
         input_ids=ids.to(device), positions=positions.to(device), q_valid=q_valid.to(device),
         q_lens=q_lens.to(device), attn=attn, slots=slots,
+        page_size=page_size, context_lens=ctx.to(device), max_context=int(ctx.max()),
     )
