@@ -5,30 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyrax.actors.engine.config import EngineConfig
-from hyrax.actors.engine.local import load_engine, run_to_completion
-from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.model.demo import DEMO_DIR
+from gpu_helpers import demo_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPTS = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((5, 40, 130, 77))]
+LENGTHS = (5, 40, 130, 77)
 
 
 def _outputs(device: str, **kw) -> tuple[list[list[int]], dict]:
-    e = load_engine(str(DEMO_DIR), EngineConfig(deterministic=True, dtype="float32", **kw), device=device)
-    ids = [e.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
-    run_to_completion(e)
-    e.check_invariants()
-    assert e.is_idle_clean()
-    return [e.finished_requests[i].output_ids for i in ids], e.stats.summary()
+    return demo_greedy(device, LENGTHS, dtype="float32", **kw)
 
 
 def test_cuda_greedy_outputs_match_the_cpu_engine():
     cpu, _ = _outputs("cpu")
     gpu, _ = _outputs("cuda")
     same = sum(a == b for a, b in zip(cpu, gpu))
-    assert same >= len(PROMPTS) - 1, (cpu, gpu)  # TF32/kernel differences may flip one near-tie
+    assert same >= len(LENGTHS) - 1, (cpu, gpu)  # TF32/kernel differences may flip one near-tie
 
 
 @pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])

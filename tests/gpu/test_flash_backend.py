@@ -4,19 +4,15 @@ forced retraction. The CPU suite checks the adapter's arguments against a refere
 kernel's semantics (tests/unit/test_attention_paged.py); this checks the kernel itself."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from hyrax.actors.engine.config import EngineConfig
-from hyrax.actors.engine.local import load_engine, run_to_completion
-from hyrax.actors.engine.request import SamplingParams
+from gpu_helpers import demo_greedy
+from hyrax.actors.engine.pools import allocate_device_pools, pool_sizes
 from hyrax.actors.model.attn_backends import FlashPaged, SdpaPaged, select_backend
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.demo import DEMO_DIR
 from hyrax.actors.model.hybrid import HybridModel
-from hyrax.actors.engine.pools import allocate_device_pools, pool_sizes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,14 +62,7 @@ def test_one_packed_paged_step_matches_sdpa(layer):
 
 
 def _greedy(backend: str, **kw):
-    cfg = EngineConfig(deterministic=True, dtype="bfloat16", attention_backend=backend, **kw)
-    e = load_engine(str(DEMO_DIR), cfg, device="cuda")
-    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((5, 40, 130, 77, 300))]
-    ids = [e.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
-    run_to_completion(e)
-    e.check_invariants()
-    assert e.is_idle_clean()
-    return [e.finished_requests[i].output_ids for i in ids], e.stats.summary()
+    return demo_greedy("cuda", (5, 40, 130, 77, 300), dtype="bfloat16", attention_backend=backend, **kw)
 
 
 def test_engine_with_flash_matches_sdpa_and_survives_forced_retraction():
