@@ -35,7 +35,9 @@ def run_in_process(model_dir: str | Path, problems: list[recall.Problem], config
     params = SamplingParams(max_tokens=recall.MAX_TOKENS, temperature=0.0, stop_token_ids=(EOS,))
     ids = [engine.add_request(tok.encode(p.prompt), params) for p in problems]
     run_to_completion(engine)
-    engine.check_invariants()
+    engine.check_invariants()  # free + used == capacity, no index owned twice
+    if not engine.is_idle_clean():
+        raise RuntimeError("the engine still holds state after every request finished")
     reqs = [engine.finished_requests[i] for i in ids]
     out = [(tok.decode(r.output_ids), r.finish_reason == "stop") for r in reqs]
     return out, [list(r.output_ids) for r in reqs], engine.stats.summary()
