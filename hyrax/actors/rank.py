@@ -6,7 +6,11 @@ its shard of every pool. It decides nothing.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
+import struct
+from datetime import timedelta
 
 import ray
 import torch
@@ -30,20 +34,18 @@ class RankWorker:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
     def dist_address(self) -> str:
-        """Rank 0 picks where the replica's process group meets: this node, a free port."""
+        """Rank 0 opens where the replica's process group meets: a socket bound to this node's
+        address (127.0.0.1 on a local cluster) on a free port, held until `setup` hands it to
+        the group's store, so nothing listens on every interface and the port cannot be lost."""
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return f"{ip}:{s.getsockname()[1]}"
+        self._store_socket = socket.create_server((ip, 0), family=_family(ip), backlog=128)
+        port = self._store_socket.getsockname()[1]
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     def setup(self, model_dir: str, config: EngineConfig, dist_address: str | None) -> dict:
         allreduce, broadcast = _identity, None
         if self.tp.size > 1:
-            import torch.distributed as dist
-
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{dist_address}",
-                                    rank=self.tp.rank, world_size=self.tp.size)
+            self._join_group(dist_address)
             allreduce, broadcast = _dist_allreduce, _dist_broadcast_tokens
         model = load_model(model_dir, self.tp, DTYPES[config.dtype], allreduce, self.device, config.attention_backend)
         comps = model.components
@@ -53,6 +55,25 @@ class RankWorker:
         self.runtime = RankRuntime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast)
         return {"rank": self.tp.rank, "device": str(self.device), "attention_backend": model.attention_backend_name,
                 "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
+
+    def _join_group(self, dist_address: str) -> None:
+        """Join the replica's torch.distributed group. Every socket it listens on is bound to
+        this node's Ray address: the store (rank 0) on the socket `dist_address` opened, and
+        the gloo/NCCL transport on the interface that carries the node's address."""
+        import torch.distributed as dist
+
+        host, port = dist_address.rsplit(":", 1)
+        host = host.strip("[]")
+        timeout = timedelta(seconds=300)
+        if self.tp.rank == 0:
+            store = dist.TCPStore(host, int(port), self.tp.size, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=self._store_socket.detach())  # the store owns it now
+        else:
+            store = dist.TCPStore(host, int(port), self.tp.size, False, timeout)
+        _bind_transport_to(ray.util.get_node_ip_address())
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.tp.rank, world_size=self.tp.size)
+        self._store = store  # rank 0's store serves the group for as long as the rank lives
 
     def ping(self) -> int:
         return self.tp.rank
@@ -77,6 +98,38 @@ class RankWorker:
 
     def num_backups(self) -> int:
         return self.runtime.num_backups()
+
+
+def _family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in ip else socket.AF_INET
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that carries IPv4 address `ip` (e.g. "lo" for 127.0.0.1), or None."""
+    if ":" in ip:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(req[20:24]) == ip:
+                return name
+    return None
+
+
+def _bind_transport_to(ip: str) -> None:
+    """Make the collective transport (gloo now, NCCL when its communicator is built lazily)
+    listen on the interface of `ip`, not on whatever the hostname resolves to. This process
+    is the rank's own, so the setting stays; an operator's own setting wins."""
+    iface = interface_of(ip)
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
