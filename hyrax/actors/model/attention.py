@@ -47,7 +47,8 @@ class Attention(nn.Module):
         self.kv_heads = list(sharding.kv_heads(cfg, tp))
         self.head_dim = hd
         self.component, self.local_layer, self.window = component, local_layer, window
-        self.scale = hd ** -0.5
+        self.scale = cfg.softmax_scale
+        self.use_rope = cfg.use_rope
         h = cfg.hidden_size
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(h, len(self.q_heads) * hd, bias=bias, dtype=dtype)
@@ -78,8 +79,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, hd)
         k = self.k_proj(x).view(B, T, -1, hd)
         v = self.v_proj(x).view(B, T, -1, hd)
-        cos, sin = cos_sin
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        if self.use_rope:
+            cos, sin = cos_sin
+            q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         idx = batch.attn[self.component]
         pool = pools[self.component][self.local_layer]
         valid = idx.write_rows >= 0

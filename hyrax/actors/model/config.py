@@ -1,24 +1,34 @@
 """Model configuration: one frozen dataclass read from an HF-format `config.json`.
 
-Two dialects load into it:
-- Hugging Face Bamba (`model_type: "bamba"`): Mamba2 layers everywhere except
-  `attn_layer_indices`, which are full attention; RoPE on half of each head.
-- Hyrax's own (`model_type: "hyrax_hybrid"`): the same keys plus an explicit
-  `layer_types` list whose entries are `full_attention`, `sliding_attention` or `mamba2`,
-  and `sliding_window` (a query at position i sees keys j with i - j < sliding_window).
+Each layer has a type (MIXERS: which mixers it runs: full or sliding-window attention,
+Mamba2, Gated DeltaNet, attention + Mamba2 in parallel, or none) and a feed-forward kind
+(FFN_TYPES). The families that load into it (Hyrax's own dialect, Bamba, NemotronH,
+GraniteMoeHybrid, ...) are parsed in `families.py`, which refuses every config key it does
+not use unless the key is documented there as not changing the computation.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "mamba2")
+# A layer's type names the mixers it runs before its feed-forward part.
+MIXERS = {
+    "full_attention": ("full_attention",),
+    "sliding_attention": ("sliding_attention",),
+    "mamba2": ("mamba2",),
+    "attention_mamba2": ("full_attention", "mamba2"),  # Falcon-H1: both in parallel on one input
+    "gated_deltanet": ("gated_deltanet",),  # Qwen3-Next linear attention
+    "ffn_only": (),  # NemotronH "-" / "E" layers: no mixer, only the feed-forward part
+}
+LAYER_TYPES = tuple(MIXERS)
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
-# Bamba spells Mamba layers "linear_attention"; HF configs of other hybrids say "mamba".
+# gated: SwiGLU (gate/up/down); relu2: up -> relu^2 -> down (NemotronH); moe: routed experts
+# plus shared expert(s) (MoeConfig); none: the layer has no feed-forward part.
+FFN_TYPES = ("gated", "relu2", "moe", "none")
+# Hyrax's own dialect accepts these spellings in `layer_types`.
 _LAYER_ALIASES = {"linear_attention": "mamba2", "mamba": "mamba2", "attention": "full_attention"}
 
 
@@ -27,6 +37,60 @@ def _json_float(v) -> float:
     if isinstance(v, dict) and "__float__" in v:
         return float(v["__float__"])
     return float(v)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts (+ shared experts) of a `moe` feed-forward layer.
+
+    router: `topk_softmax` (Granite: softmax over the top-k logits), `softmax_topk` (Qwen:
+    softmax over all experts, top-k, optionally renormalised), `sigmoid_grouped` (NemotronH /
+    DeepSeek-V3: sigmoid scores + correction bias, group-limited top-k, optional renormalisation,
+    times `routed_scaling_factor`).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int  # 0: no shared expert
+    router: str
+    gated_experts: bool = True  # SwiGLU experts; False: relu2 up/down experts (NemotronH)
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_expert_gate: bool = False  # Qwen: shared expert output times sigmoid(gate(x))
+
+    def __post_init__(self):
+        if self.router not in ("topk_softmax", "softmax_topk", "sigmoid_grouped"):
+            raise HyraxInputError(f"unknown MoE router {self.router!r}")
+        if self.num_experts and not 0 < self.top_k <= self.num_experts:
+            raise HyraxInputError(f"num_experts_per_tok={self.top_k} must be in 1..{self.num_experts}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise HyraxInputError("n_group must divide the expert count and topk_group must be in 1..n_group")
+
+
+@dataclass(frozen=True)
+class GdnConfig:
+    """Gated DeltaNet (Qwen3-Next linear attention) dimensions."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -59,7 +123,20 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     model_type: str = "hyrax_hybrid"
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # per-layer feed-forward kind (FFN_TYPES); () means "gated" in every layer
+    ffn_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # activation of gated MLPs / experts
+    moe: MoeConfig | None = None
+    gdn: GdnConfig | None = None
+    # scalars some families fold into the forward pass (1.0 / None: no-op)
+    embedding_multiplier: float = 1.0  # embeddings are multiplied by it
+    residual_multiplier: float = 1.0  # each block's output is multiplied by it before the residual add
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    logits_multiplier: float = 1.0  # final logits are multiplied by it
+    use_rope: bool = True  # False: attention without positions (NoPE)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight) (Qwen3-Next: 1)
+    attn_output_gate: bool = False  # q_proj also yields a per-channel gate: out * sigmoid(gate)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
 
     def __post_init__(self):
         for i, t in enumerate(self.layer_types):
@@ -69,6 +146,13 @@ class ModelConfig:
                 )
         if not self.layer_types:
             raise HyraxInputError("the model has no layers")
+        if self.ffn_types and len(self.ffn_types) != len(self.layer_types):
+            raise HyraxInputError("ffn_types must list one entry per layer")
+        for i, t in enumerate(self.ffn_types):
+            if t not in FFN_TYPES:
+                raise HyraxInputError(f"layer {i} has unknown feed-forward type {t!r}")
+        if "moe" in self.ffn_kinds and self.moe is None:
+            raise HyraxInputError("moe layers need an MoE configuration")
         if self.has_attention:
             if self.num_attention_heads % self.num_key_value_heads:
                 raise HyraxInputError("num_attention_heads must be a multiple of num_key_value_heads")
@@ -79,6 +163,12 @@ class ModelConfig:
                 raise HyraxInputError("mamba_n_heads must be a multiple of mamba_n_groups")
             if min(self.mamba_d_head, self.mamba_d_state, self.mamba_d_conv) < 1:
                 raise HyraxInputError("mamba_d_head, mamba_d_state and mamba_d_conv must be positive")
+        if self.layers_of("gated_deltanet"):
+            g = self.gdn
+            if g is None or min(g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim, g.conv_kernel) < 1:
+                raise HyraxInputError("gated_deltanet layers need positive linear_* head counts and dimensions")
+            if g.num_v_heads % g.num_k_heads:
+                raise HyraxInputError("linear_num_value_heads must be a multiple of linear_num_key_heads")
 
     # ---- derived facts (computed here, used everywhere) -------------------------------
     @property
@@ -86,12 +176,16 @@ class ModelConfig:
         return len(self.layer_types)
 
     @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        return self.ffn_types or ("gated",) * len(self.layer_types)
+
+    @property
     def has_attention(self) -> bool:
-        return any(t in ATTENTION_TYPES for t in self.layer_types)
+        return any(self.layers_of(t) for t in ATTENTION_TYPES)
 
     @property
     def has_mamba(self) -> bool:
-        return "mamba2" in self.layer_types
+        return bool(self.layers_of("mamba2"))
 
     @property
     def mamba_intermediate(self) -> int:
@@ -103,97 +197,31 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        return int(self.head_dim * self.partial_rotary_factor) if self.use_rope else 0
 
-    def layers_of(self, layer_type: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == layer_type)
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+
+    def layers_of(self, mixer: str) -> tuple[int, ...]:
+        """Layers that run `mixer` (a layer type of MIXERS' values: full_attention, mamba2, ...)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if mixer in MIXERS[t])
 
     # ---- HF dict round trip --------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         if not isinstance(d, dict):
             raise HyraxInputError("config.json must hold a JSON object")
+        from hyrax.actors.model.families import parse_config
+
         try:
-            return cls._from_hf_dict(d)
+            return parse_config(d)
         except KeyError as e:
             raise HyraxInputError(f"config.json is missing required key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             if isinstance(e, HyraxInputError):
                 raise
             raise HyraxInputError(f"config.json has an invalid value: {e}") from None
-
-    @classmethod
-    def _from_hf_dict(cls, d: dict) -> "ModelConfig":
-        model_type = d.get("model_type", "hyrax_hybrid")
-        n_layers = int(d["num_hidden_layers"])
-        if "layer_types" in d and d["layer_types"] is not None:
-            raw = list(d["layer_types"])
-        elif "attn_layer_indices" in d:
-            attn = set(d.get("attn_layer_indices") or [])
-            raw = ["full_attention" if i in attn else "mamba2" for i in range(n_layers)]
-        else:
-            raise HyraxInputError("config.json needs `layer_types` or `attn_layer_indices`")
-        layer_types = tuple(_LAYER_ALIASES.get(t, t) for t in raw)
-        if len(layer_types) != n_layers:
-            raise HyraxInputError(
-                f"config.json lists {len(layer_types)} layer types for num_hidden_layers={n_layers}"
-            )
-        hidden = int(d["hidden_size"])
-        n_heads = int(d.get("num_attention_heads", 1))
-        kv_heads = d.get("num_key_value_heads")
-        kv_heads = n_heads if kv_heads is None else int(kv_heads)
-        if n_heads < 1 or kv_heads < 1:
-            raise HyraxInputError("num_attention_heads and num_key_value_heads must be >= 1")
-        head_dim = d.get("head_dim") or hidden // n_heads
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise HyraxInputError(f"unsupported rope type {rope.get('rope_type')!r} (only default RoPE)")
-        partial = 0.5 if model_type == "bamba" else float(
-            rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5))
-        )
-        expand = d.get("mamba_expand", 2)
-        m_heads = int(d.get("mamba_n_heads", 0) or 0)
-        m_head_dim = d.get("mamba_d_head", "auto")
-        if m_head_dim in (None, "auto"):
-            m_head_dim = expand * hidden // m_heads if m_heads else 0
-        eos = d.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        tsl = [_json_float(v) for v in (d.get("time_step_limit") or (0.0, float("inf")))]
-        if d.get("hidden_act", "silu") != "silu":
-            raise HyraxInputError(f"unsupported hidden_act {d.get('hidden_act')!r} (only silu)")
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            layer_types=layer_types,
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            mamba_n_heads=m_heads,
-            mamba_d_head=int(m_head_dim),
-            mamba_d_state=int(d.get("mamba_d_state", 0) or 0),
-            mamba_n_groups=int(d.get("mamba_n_groups", 1) or 1),
-            mamba_d_conv=int(d.get("mamba_d_conv", 4)),
-            mamba_chunk_size=int(d.get("mamba_chunk_size", 64)),
-            mamba_conv_bias=bool(d.get("mamba_conv_bias", True)),
-            mamba_proj_bias=bool(d.get("mamba_proj_bias", False)),
-            time_step_limit=(float(tsl[0]), float(tsl[1])),
-            sliding_window=d.get("sliding_window"),
-            rope_theta=rope_theta,
-            partial_rotary_factor=partial,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
-            model_type=model_type,
-            extra={k: v for k, v in d.items() if k not in known},
-        )
 
     def to_hf_dict(self) -> dict:
         """A config.json for Hyrax's own dialect (Bamba keys + layer_types + sliding_window)."""

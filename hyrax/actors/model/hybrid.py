@@ -1,5 +1,6 @@
-"""The hybrid decoder: embedding, N blocks (mixer + gated MLP, pre-norm residuals), final
-norm, LM head. Parameter names follow Hugging Face Bamba so checkpoints load unchanged.
+"""The hybrid decoder: embedding, N blocks (mixer(s) + feed-forward, pre-norm residuals),
+final norm, LM head. Parameter names follow Hugging Face Bamba; other families' checkpoint
+names are mapped onto them by `families.weight_namer`.
 
 A model is built for one TP rank and holds only that rank's shard; embedding, norms and
 LM head are replicated. `forward` runs one packed step and returns logits.
@@ -11,43 +12,81 @@ from torch import nn
 
 from hyrax.actors.model.attention import Attention
 from hyrax.actors.model.batch import ForwardBatch
-from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.config import MIXERS, ModelConfig
+from hyrax.actors.model.gated_deltanet import GatedDeltaNet
 from hyrax.actors.model.mamba2 import Mamba2Mixer
-from hyrax.actors.model.mlp import GatedMLP
+from hyrax.actors.model.mlp import GatedMLP, ReluSqMLP
+from hyrax.actors.model.moe import MoE
 from hyrax.actors.model.norm import AllReduce, RMSNorm, identity_allreduce
 from hyrax.actors.model.rope import Rope
 from hyrax.actors.model.sharding import TP
-from hyrax.actors.model.state import ComponentSpec, derive_components
+from hyrax.actors.model.state import ComponentSpec, component_by_name, derive_components
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _feed_forward(cfg: ModelConfig, kind: str, tp: TP, dtype: torch.dtype, allreduce: AllReduce) -> nn.Module:
+    h, n = cfg.hidden_size, cfg.intermediate_size
+    if kind == "gated":
+        return GatedMLP(h, n, tp, dtype, allreduce, cfg.mlp_bias)
+    if kind == "relu2":
+        return ReluSqMLP(h, n, tp, dtype, allreduce, cfg.mlp_bias)
+    granite = cfg.model_type == "granitemoehybrid"
+    return MoE(cfg, tp, dtype, allreduce, stacked_experts=granite, fused_shared=granite)
 
 
 class DecoderLayer(nn.Module):
+    """x + r * mixer(norm(x)), then x + r * ffn(norm(x)) (r: residual_multiplier). A layer may
+    lack either part (NemotronH layers hold one of them); a Falcon-H1 layer runs attention and
+    Mamba2 side by side on the same normalised input and adds both."""
+
     def __init__(self, cfg: ModelConfig, tp: TP, layer_id: int, components: tuple[ComponentSpec, ...],
                  dtype: torch.dtype, allreduce: AllReduce, device: torch.device | str, attn_backend: str):
         super().__init__()
         ltype = cfg.layer_types[layer_id]
         self.layer_type = ltype
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.feed_forward = GatedMLP(cfg, tp, dtype, allreduce)
-        owner = next(c for c in components if layer_id in c.layers)
-        local = owner.layers.index(layer_id)
-        if ltype == "mamba2":
-            self.mamba = Mamba2Mixer(cfg, tp, local, dtype, allreduce)
-        else:
-            window = cfg.sliding_window if ltype == "sliding_attention" else None
-            self.self_attn = Attention(cfg, tp, layer_id, owner.name, local, window, dtype, allreduce,
-                                       device, attn_backend)
+        self.mixers = MIXERS[ltype]
+        self.residual_multiplier = cfg.residual_multiplier
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+
+        def local_index(component: str) -> int:
+            return component_by_name(components)[component].layers.index(layer_id)
+
+        if self.mixers:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
+        for mixer in self.mixers:
+            if mixer == "mamba2":
+                self.mamba = Mamba2Mixer(cfg, tp, local_index("mamba_conv"), dtype, allreduce)
+            elif mixer == "gated_deltanet":
+                self.linear_attn = GatedDeltaNet(cfg, tp, local_index("gdn_conv"), dtype, allreduce)
+            else:
+                comp = "full_kv" if mixer == "full_attention" else "swa_kv"
+                window = cfg.sliding_window if mixer == "sliding_attention" else None
+                self.self_attn = Attention(cfg, tp, layer_id, comp, local_index(comp), window, dtype, allreduce,
+                                           device, attn_backend)
+        self.ffn_kind = cfg.ffn_kinds[layer_id]
+        if self.ffn_kind != "none":
+            self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
+            self.feed_forward = _feed_forward(cfg, self.ffn_kind, tp, dtype, allreduce)
 
     def forward(self, x, batch, pools, rope, cos_sin):
-        h = self.input_layernorm(x)
-        if self.layer_type == "mamba2":
-            h = self.mamba(h, batch, pools)
-        else:
-            h = self.self_attn(h, batch, pools, rope, cos_sin)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        r = self.residual_multiplier
+        if self.mixers:
+            h = self.input_layernorm(x)
+            out = None
+            for mixer in self.mixers:
+                if mixer == "mamba2":
+                    y = self.mamba(h, batch, pools)
+                elif mixer == "gated_deltanet":
+                    y = self.linear_attn(h, batch, pools)
+                else:
+                    y = self.self_attn(h, batch, pools, rope, cos_sin)
+                out = y if out is None else out + y
+            x = x + out * r
+        if self.ffn_kind != "none":
+            y = self.feed_forward(self.pre_ff_layernorm(x))
+            x = x + y * r
+        return x
 
 
 class _Backbone(nn.Module):
@@ -57,7 +96,7 @@ class _Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, i, components, dtype, allreduce, device, attn_backend) for i in range(cfg.num_layers)
         )
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
 
 
 class HybridModel(nn.Module):
@@ -99,7 +138,9 @@ class HybridModel(nn.Module):
         (B, T, vocab) at every position with `all_logits`. Logits are float32 (float64 for
         float64 models)."""
         x = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rope.cos_sin(batch.positions) if self.cfg.has_attention else None
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
+        cos_sin = self.rope.cos_sin(batch.positions) if self.cfg.has_attention and self.cfg.use_rope else None
         for layer in self.model.layers:
             x = layer(x, batch, pools, self.rope, cos_sin)
         if not all_logits:
@@ -107,4 +148,5 @@ class HybridModel(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), last]
         x = self.model.final_layernorm(x)
         f = torch.float64 if self.dtype == torch.float64 else torch.float32
-        return self.lm_head(x).to(f)
+        logits = self.lm_head(x).to(f)
+        return logits * self.cfg.logits_multiplier if self.cfg.logits_multiplier != 1.0 else logits

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.families import weight_namer
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.norm import AllReduce, identity_allreduce
 from hyrax.actors.model.sharding import TP, check_tp
@@ -58,17 +59,24 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     rules = model.shard_rules()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    name_of = weight_namer(cfg)
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            for name in h.keys():
+            for ckpt_name in h.keys():
+                name = name_of(ckpt_name)
+                if name is None:
+                    continue  # rotary caches, multi-token-prediction heads: not the served model
+                if name not in params and name in full_shapes:
+                    continue  # a row-parallel bias: rank 0 adds it
                 if name not in params:
-                    continue  # e.g. rotary buffers some exporters save
-                saved = tuple(h.get_slice(name).get_shape())
+                    raise HyraxInputError(f"checkpoint weight {ckpt_name!r} has no place in the model the config "
+                                          f"describes (model_type {cfg.model_type!r})")
+                saved = tuple(h.get_slice(ckpt_name).get_shape())
                 if saved != full_shapes[name]:
                     raise HyraxInputError(
                         f"weight {name}: checkpoint shape {saved} does not fit the config (expected {full_shapes[name]})"
                     )
-                t = _read(h, name, rules.get(name))
+                t = _read(h, ckpt_name, rules.get(name))
                 target = params[name]
                 if tuple(t.shape) != tuple(target.shape):
                     raise HyraxInputError(

@@ -1,24 +1,33 @@
-"""Gated (SwiGLU) MLP: column-parallel gate/up, row-parallel down."""
+"""Feed-forward blocks, column-parallel in, row-parallel out: each rank holds a contiguous
+slice of the intermediate dimension and the caller (or `allreduce`) sums the ranks.
+
+- `GatedMLP`: down(silu(gate(x)) * up(x)) with separate gate/up projections (Bamba, Qwen).
+- `FusedGatedMLP`: the same with gate and up stacked in one `input_linear` (Granite).
+- `ReluSqMLP`: down(relu(up(x))^2) (NemotronH).
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from hyrax.actors.model import sharding
-from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.norm import AllReduce
+from hyrax.actors.model.norm import AllReduce, identity_allreduce
 from hyrax.actors.model.sharding import TP
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(nn.functional.relu(x))
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TP, dtype: torch.dtype, allreduce: AllReduce):
+    def __init__(self, hidden: int, intermediate: int, tp: TP, dtype: torch.dtype,
+                 allreduce: AllReduce = identity_allreduce, bias: bool = False):
         super().__init__()
-        cols = sharding.mlp_columns(cfg, tp)
-        self.cols = list(cols)
-        n, h = len(cols), cfg.hidden_size
-        self.gate_proj = nn.Linear(h, n, bias=cfg.mlp_bias, dtype=dtype)
-        self.up_proj = nn.Linear(h, n, bias=cfg.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(n, h, bias=cfg.mlp_bias and tp.rank == 0, dtype=dtype)
+        self.cols = list(sharding.columns(intermediate, tp, "intermediate_size"))
+        n = len(self.cols)
+        self.gate_proj = nn.Linear(hidden, n, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, n, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(n, hidden, bias=bias and tp.rank == 0, dtype=dtype)
         self.allreduce = allreduce
 
     def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
@@ -29,6 +38,44 @@ class GatedMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, hidden) -> (B, T, hidden), summed over TP ranks."""
+        """x: (..., hidden) -> (..., hidden), summed over TP ranks by `allreduce`."""
         h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
         return self.allreduce(self.down_proj(h))
+
+
+class ReluSqMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, tp: TP, dtype: torch.dtype,
+                 allreduce: AllReduce = identity_allreduce, bias: bool = False):
+        super().__init__()
+        self.cols = list(sharding.columns(intermediate, tp, "intermediate_size"))
+        self.up_proj = nn.Linear(hidden, len(self.cols), bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(len(self.cols), hidden, bias=bias and tp.rank == 0, dtype=dtype)
+        self.allreduce = allreduce
+
+    def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
+        return {"up_proj.weight": (0, self.cols), "up_proj.bias": (0, self.cols), "down_proj.weight": (1, self.cols)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., hidden) -> (..., hidden)."""
+        return self.allreduce(self.down_proj(relu2(self.up_proj(x))))
+
+
+class FusedGatedMLP(nn.Module):
+    """`input_linear` rows are [gate (intermediate) | up (intermediate)]."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TP, dtype: torch.dtype,
+                 allreduce: AllReduce = identity_allreduce):
+        super().__init__()
+        self.cols = list(sharding.columns(intermediate, tp, "shared_intermediate_size"))
+        self.rows = self.cols + [intermediate + c for c in self.cols]
+        self.input_linear = nn.Linear(hidden, len(self.rows), bias=False, dtype=dtype)
+        self.output_linear = nn.Linear(len(self.cols), hidden, bias=False, dtype=dtype)
+        self.allreduce = allreduce
+
+    def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
+        return {"input_linear.weight": (0, self.rows), "output_linear.weight": (1, self.cols)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., hidden) -> (..., hidden)."""
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.allreduce(self.output_linear(nn.functional.silu(gate) * up))

@@ -14,16 +14,22 @@ def identity_allreduce(t: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+    """x / rms(x) * (offset + weight); offset is 0, or 1 for zero-centred weights (Qwen3-Next),
+    where the product is taken in float32 as that family does."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype) * (1.0 - offset), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., hidden). Normalised in float32 (float64 for float64 models)."""
         f = torch.float64 if x.dtype == torch.float64 else torch.float32
         h = x.to(f)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.to(f))).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 

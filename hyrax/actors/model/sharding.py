@@ -31,6 +31,7 @@ def _split(n: int, tp: TP, what: str) -> range:
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
     """Raise a clear error if the model cannot be split `tp_size` ways."""
+    kinds = set(cfg.ffn_kinds)
     for rank in range(tp_size):
         tp = TP(rank, tp_size)
         if cfg.has_attention:
@@ -39,7 +40,18 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         if cfg.has_mamba:
             mamba_heads(cfg, tp)
             mamba_groups(cfg, tp)
-        _split(cfg.intermediate_size, tp, "intermediate_size")
+        if cfg.layers_of("gated_deltanet"):
+            gdn_k_heads(cfg, tp)
+        if kinds & {"gated", "relu2"}:
+            _split(cfg.intermediate_size, tp, "intermediate_size")
+        if "moe" in kinds:
+            _split(cfg.moe.intermediate_size, tp, "moe intermediate_size")
+            _split(cfg.moe.shared_intermediate_size, tp, "shared expert intermediate_size")
+
+
+def columns(n: int, tp: TP, what: str) -> range:
+    """The contiguous slice of an n-wide intermediate dimension (MLP, expert) this rank holds."""
+    return _split(n, tp, what)
 
 
 def q_heads(cfg: ModelConfig, tp: TP) -> range:
@@ -60,10 +72,6 @@ def _split_or_replicate(n: int, tp: TP, what: str) -> range:
 def kv_heads(cfg: ModelConfig, tp: TP) -> range:
     """KV heads split when there are at least tp_size of them, else replicated in blocks."""
     return _split_or_replicate(cfg.num_key_value_heads, tp, "num_key_value_heads")
-
-
-def mlp_columns(cfg: ModelConfig, tp: TP) -> range:
-    return _split(cfg.intermediate_size, tp, "intermediate_size")
 
 
 def mamba_heads(cfg: ModelConfig, tp: TP) -> range:

@@ -1,0 +1,192 @@
+"""Shared helpers for the per-family checkpoint tests (test_models_*.py): tiny random
+transformers checkpoints, teacher-forced logits, greedy generation through the engine at
+TP 1 and TP 2 (ranks in threads, lockstep all-reduce), under forced retraction.
+
+Imported by the test modules next to it (pytest puts this folder on sys.path).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from engine_helpers import BASE_CONFIG, assert_idle_clean, greedy
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.local import engine_for_model
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.rank_runtime import RankRuntime
+from hyrax.actors.model.loader import load_model
+from hyrax.actors.model.sharding import TP
+from hyrax.actors.model.state import derive_components
+from test_tp_math import LockstepAllReduce
+from tiny_models import run_in_chunks
+
+MODES = ("cpu_tensor", "host_pool", "recompute")
+VOCAB = 128
+NEW_TOKENS = 8
+# prompt lengths: shorter than, equal to and longer than BASE_CONFIG's prefill_chunk (8)
+PROMPT_LENGTHS = (3, 8, 13, 21, 30)
+
+
+def randomize_hf_(hf: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give the recurrent and routing parameters values whose mistakes show (the library
+    defaults, A_log = log(1..H), dt_bias = D = 1, zero correction bias, would hide them)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2 - 1)
+            elif name.endswith("dt_bias") or name.endswith(".D"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "norm" in name and p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) - (1 if _zero_centred(hf) else 0))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return hf
+
+
+def _zero_centred(hf) -> bool:
+    return hf.config.model_type == "qwen3_next"
+
+
+def save_checkpoint(hf: torch.nn.Module, path) -> None:
+    hf.save_pretrained(path)
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_generate(hf, ids: list[int], new: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=new, min_new_tokens=new)
+    return out[0, len(ids):].tolist()
+
+
+def teacher_forced_max_diff(path, hf, ids: list[int], chunks: list[int]) -> float:
+    model = load_model(path, dtype=torch.float32)
+    got = run_in_chunks(model, ids, chunks)
+    ref = hf_logits(hf, ids)
+    assert ref.abs().max() > 0.5, "logits too small for a 1e-4 tolerance to mean anything"
+    return float((got - ref).abs().max())
+
+
+# ---- engines -------------------------------------------------------------------------------
+
+def engine_config(**overrides) -> EngineConfig:
+    return EngineConfig(**{**BASE_CONFIG, **overrides})
+
+
+class ThreadedTPExecutor:
+    """The executor interface over `tp_size` in-process ranks: every call runs on all ranks
+    concurrently (threads), all-reduces and the token broadcast go through lockstep barriers."""
+
+    def __init__(self, ranks: list[RankRuntime]):
+        self.ranks = ranks
+        self.num_ranks = len(ranks)
+
+    def _all(self, fn) -> list:
+        return in_threads([lambda rk=rk: fn(rk) for rk in self.ranks])
+
+    def execute(self, plan):
+        return self._all(lambda rk: rk.execute(plan))[0]
+
+    def submit(self, plan):
+        return self.execute(plan)
+
+    def collect(self, handle):
+        return handle
+
+    def backup(self, req_id, rows, host_rows):
+        return dict(enumerate(self._all(lambda rk: rk.backup(req_id, rows, host_rows))))
+
+    def restore(self, req_id, rows, host_rows):
+        return dict(enumerate(self._all(lambda rk: rk.restore(req_id, rows, host_rows))))
+
+    def discard(self, req_id):
+        self._all(lambda rk: rk.discard(req_id))
+
+    def num_backups(self):
+        return {r: rk.num_backups() for r, rk in enumerate(self.ranks)}
+
+
+class _Broadcast:
+    def __init__(self, ar: LockstepAllReduce):
+        self.ar = ar
+
+    def for_rank(self, rank: int):
+        def broadcast(tokens):
+            self.ar.posted[rank] = tokens
+            self.ar.barrier.wait()
+            out = list(self.ar.posted[0])
+            self.ar.barrier.wait()
+            return out
+
+        return broadcast
+
+
+def make_engine(path, tp_size: int = 1, **overrides) -> Engine:
+    config = engine_config(**overrides)
+    if tp_size == 1:
+        return engine_for_model(load_model(path, dtype=torch.float32), config)
+    ar = LockstepAllReduce(tp_size)
+    models = [load_model(path, TP(r, tp_size), torch.float32, allreduce=ar.for_rank(r)) for r in range(tp_size)]
+    cfg = models[0].cfg
+    comps = derive_components(cfg, TP(0, tp_size), torch.float32)
+    sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
+                       config.swa_capacity_tokens)
+    host = host_pool_rows(comps, sizes, config.host_pool_mb)
+    bc = _Broadcast(ar)
+    ranks = [RankRuntime(m, sizes, host, rank=r, broadcast=bc.for_rank(r)) for r, m in enumerate(models)]
+    return Engine(comps, sizes, host, ThreadedTPExecutor(ranks), config, cfg.vocab_size,
+                  cfg.max_position_embeddings, cfg.eos_token_id, None)
+
+
+def engine_greedy(engine: Engine, prompt_list: list[list[int]], new: int = NEW_TOKENS) -> list[list[int]]:
+    ids = [engine.add_request(p, greedy(new)) for p in prompt_list]
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        engine.check_invariants()
+    assert_idle_clean(engine)
+    return [engine.finished_requests[i].output_ids for i in ids]
+
+
+def in_threads(fns, on_error=lambda: None) -> list:
+    """Run each function in its own thread; return their results in order, re-raising the
+    first exception (after calling `on_error`, e.g. to release ranks waiting at a barrier)."""
+    out: list = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            out[i] = e
+            on_error()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
+
+
+def rank_logits(path, tp_size: int, ids: list[int], chunks: list[int]) -> list[torch.Tensor]:
+    """Every rank's teacher-forced logits, ranks in threads with a lockstep all-reduce."""
+    ar = LockstepAllReduce(tp_size)
+    models = [load_model(path, TP(r, tp_size), torch.float32, allreduce=ar.for_rank(r)) for r in range(tp_size)]
+    return in_threads([lambda m=m: run_in_chunks(m, ids, chunks) for m in models], ar.barrier.abort)
