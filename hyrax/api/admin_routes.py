@@ -2,18 +2,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from hyrax.api.auth import require_admin
 from hyrax.api.errors import APIError
+from hyrax.api.schemas import Body, Text
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
-class RetractBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    request_ids: list[str] | None = None
+class RetractBody(Body):
+    request_ids: list[Text] | None = None
     count: int | None = Field(default=None, ge=1)
     all: bool = False
     mode: str | None = Field(default=None, pattern="^(cpu_tensor|host_pool|recompute)$")
@@ -27,14 +26,12 @@ class RetractBody(BaseModel):
         return self
 
 
-class ResumeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_ids: list[str] = Field(min_length=1)
+class ResumeBody(Body):
+    request_ids: list[Text] = Field(min_length=1)
 
 
-class ForcedBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    interval: int = Field(ge=0)
+class ForcedBody(Body):
+    interval: int = Field(ge=0, description="retract a running request every this many steps; 0 turns it off")
 
 
 @router.get("/requests")
@@ -64,15 +61,13 @@ async def forced(body: ForcedBody, request: Request):
     return {"interval": body.interval}
 
 
-class ReplicaRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: str
+class ReplicaRef(Body):
+    role: Text
     replica: int = Field(ge=0)
 
 
-class MigrateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str
+class MigrateBody(Body):
+    request_id: Text
     to: ReplicaRef | None = None
 
 

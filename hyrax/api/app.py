@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from hyrax import __version__
-from hyrax.api import admin_routes, dashboard_routes, openai_routes
+from hyrax.api import admin_routes, dashboard_routes, docs_routes, openai_routes, tokenize_routes
 from hyrax.api.errors import error_response, install_handlers
 from hyrax.api.metrics import GatewayMetrics
 from hyrax.api.metrics import render as render_metrics
@@ -66,7 +66,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         finally:
             task.cancel()
 
-    app = FastAPI(title="Hyrax", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="Hyrax", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.client = client
     app.state.settings = settings
     app.state.ready = False
@@ -77,7 +77,9 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(tokenize_routes.router)
     app.include_router(dashboard_routes.router)
+    docs_routes.install(app)
 
     @app.get("/health")
     async def health(request: Request):

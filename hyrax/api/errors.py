@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hyrax.api.schemas import UNSUPPORTED_FIELDS
+
 log = logging.getLogger("hyrax.api")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -25,9 +27,44 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def _printable(s: str | None) -> str | None:
+    """Lone surrogates (from a client's JSON) escaped, so the error itself encodes as UTF-8."""
+    return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": _printable(param), "code": code}}
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the union member in an error's location ('str', 'list[int]', ...)."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none", "list", "dict")
+                                      or part[:1].isupper())
+
+
+def _pick(errors: list[dict]) -> dict:
+    """The error to report: an unknown field first, else the most specific (deepest) one."""
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    return unknown[0] if unknown else max(errors, key=lambda e: len(e.get("loc", ())), default={})
+
+
+def validation_error(errors: list[dict]) -> JSONResponse:
+    """A 400 for pydantic errors; it names the field (`param`) and says what is wrong with it."""
+    first = _pick(errors)
+    if first.get("type") == "json_invalid":
+        return error_response(400, "request body is not valid JSON", None, "invalid_json")
+    loc = [str(x) for x in first.get("loc", []) if x != "body" and not _is_union_tag(x)]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        name = loc[-1] if loc else "?"
+        if name in UNSUPPORTED_FIELDS:
+            return error_response(400, f"{param}: not supported by Hyrax ({UNSUPPORTED_FIELDS[name]} is not "
+                                  "implemented); remove the field or set it to null", param, "unsupported_parameter")
+        return error_response(400, f"{param}: unknown field; Hyrax rejects fields it does not implement "
+                              "(see docs/api.md)", param, "unknown_parameter")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return error_response(400, f"{param}: {msg}" if param else msg, param, "invalid_value")
 
 
 def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
@@ -41,14 +78,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(400, "request body is not valid JSON", None, "invalid_json")
-        msg = first.get("msg", "invalid request")
-        param = ".".join(loc) or None
-        return error_response(400, f"{param}: {msg}" if param else msg, param, "invalid_value")
+        return validation_error(e.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):

@@ -52,6 +52,17 @@ def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
     return out
 
 
+def _penalty_params(body: _Sampling, vocab: int) -> dict:
+    """Token-level sampling fields as SamplingParams takes them; token ids checked against the vocabulary."""
+    bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
+    for name, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", body.stop_token_ids or [])):
+        if any(t < 0 or t >= vocab for t in ids):
+            raise APIError(400, f"{name}: token ids must be in [0, {vocab})", param=name)
+    return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty, "logit_bias": bias, "min_tokens": body.min_tokens,
+            "stop_token_ids": tuple(body.stop_token_ids or ())}
+
+
 def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_tokens: int | None,
              default_max: int | None, logprobs: int | None = None) -> list[Choice]:
     info = request.app.state.client.model
@@ -65,11 +76,14 @@ def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_to
         if mt > room:
             raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds the model's context "
                            f"of {info.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+        if body.min_tokens > mt:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({mt})", param="min_tokens")
         for k in range(body.n):
             params = {
                 "max_tokens": mt, "temperature": body.temperature, "top_p": body.top_p,
                 "top_k": max(body.top_k, 0), "seed": None if body.seed is None else body.seed + k,
                 "stop": body.stop_list(), "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+                **_penalty_params(body, info.vocab_size),
             }
             out.append(Choice(pi * body.n + k, ids, params, TextStream(info.tokenizer.decode, body.stop_list())))
     return out
@@ -174,7 +188,7 @@ async def chat(body: ChatRequest, request: Request):
     want_lp = bool(body.logprobs)
     info = request.app.state.client.model
     try:
-        prompt = render_chat(info.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages])
+        prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages])
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
         raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
     ids = info.tokenizer.encode(prompt)

@@ -1,38 +1,129 @@
-"""Request bodies of the OpenAI-compatible endpoints (validated by pydantic; a bad field is
-a 400 in OpenAI's error shape)."""
+"""Request bodies of the OpenAI-compatible endpoints, validated by pydantic in strict mode
+(a bad field is a 400 in OpenAI's error shape).
+
+Nothing is silently ignored: a field that is not declared here is a 400 naming it. The few
+fields that are accepted and have no effect are listed in `NO_OP_FIELDS` (and in
+docs/api.md); fields Hyrax knows but does not implement yet (`UNSUPPORTED_FIELDS`) are a 400
+that says so, unless their value is null (which asks for nothing).
+"""
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+
+# Accepted and without effect; each says so in its field description and in docs/api.md.
+NO_OP_FIELDS = ("user",)
+# Known OpenAI / vLLM fields that Hyrax does not implement yet: a 400 that says so.
+UNSUPPORTED_FIELDS = {
+    "response_format": "structured output",
+    "tools": "tool calls",
+    "tool_choice": "tool calls",
+    "parallel_tool_calls": "tool calls",
+    "functions": "tool calls",
+    "function_call": "tool calls",
+    "structured_outputs": "structured output",
+    "guided_json": "structured output",
+    "guided_regex": "structured output",
+    "guided_choice": "structured output",
+    "guided_grammar": "structured output",
+    "best_of": "best_of",
+    "suffix": "suffix",
+    "min_p": "min_p",
+    "audio": "audio",
+    "modalities": "other modalities",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning models",
+    "web_search_options": "web search",
+    "store": "stored completions",
+    "metadata": "stored completions",
+    "service_tier": "service tiers",
+    "tool_calls": "tool calls",
+    "tool_call_id": "tool calls",
+}
 
 
-class StreamOptions(BaseModel):
+def _valid_text(s: str) -> str:
+    """Text must be encodable as UTF-8: JSON allows a lone surrogate ("\\ud800"), UTF-8 does not."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid text: lone surrogate {s[e.start]!r} at character {e.start}") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+class Body(BaseModel):
+    """Base of every JSON request body: strict types, no unknown fields; a null value for a
+    known-but-unsupported field is the same as leaving it out."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_unsupported(cls, data):
+        if isinstance(data, dict) and any(k in UNSUPPORTED_FIELDS and v is None for k, v in data.items()):
+            return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and v is None)}
+        return data
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
-    model: str
+
+class _Sampling(Body):
+    model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(default=0, ge=-1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(default=0, ge=-1, description="0 or -1: off")
     seed: StrictInt | None = None
-    stop: Union[str, list[str], None] = Field(default=None, max_length=16)
+    stop: Union[Text, list[Text], None] = Field(
+        default=None, description=f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
+    stop_token_ids: list[StrictInt] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end the completion")
     n: StrictInt = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None
+    presence_penalty: Penalty = Field(default=0.0, description="subtracted once from every token already generated")
+    frequency_penalty: Penalty = Field(default=0.0, description="subtracted per occurrence in the generated tokens")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=100.0, allow_inf_nan=False,
+        description="divides positive (multiplies negative) logits of tokens in the prompt or generated")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias added to its logit")
+    min_tokens: StrictInt = Field(default=0, ge=0, description="EOS and stop_token_ids are masked until then")
+    user: Text | None = Field(default=None, description="accepted and ignored (no per-user accounting)")
 
     @field_validator("stop")
     @classmethod
-    def _non_empty_stops(cls, v):
+    def _stop_limits(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        for k in v or {}:
+            if not (k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids as strings, got {k!r}")
         return v
 
     def stop_list(self) -> tuple[str, ...]:
@@ -42,21 +133,45 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]]
     echo: bool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(Body):
+    type: Literal["text"]
+    text: Text
 
+
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict], None] = None
+    content: Union[Text, list[TextPart], None] = None
+    name: Text | None = Field(default=None, description="passed to the chat template")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        if isinstance(v, list):
+            for i, p in enumerate(v):
+                if not isinstance(p, dict):
+                    raise ValueError(f"content part {i} must be an object like {{\"type\": \"text\", \"text\": ...}}")
+                kind = p.get("type")
+                if kind != "text":
+                    raise ValueError(f"content part {i} has type {kind!r}; only 'text' parts are supported")
+                if not isinstance(p.get("text"), str):
+                    raise ValueError(f"content part {i} needs 'text' as a string")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        m = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        return m
 
 
 class ChatRequest(_Sampling):
@@ -64,3 +179,108 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: either `prompt` (tokenized as /v1/completions does) or `messages`
+    (rendered with the chat template, as /v1/chat/completions does)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt, messages")
+        return self
+
+
+class DetokenizeRequest(Body):
+    model: Text | None = None
+    tokens: list[StrictInt]
+
+
+# ---- responses (documented in the OpenAPI schema; the fuzz test validates answers against them)
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (4xx, 5xx)."""
+
+    error: ErrorDetail
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Annotated[str | None, Field(description="stop, length, or why the engine ended it (abort, error)")]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict | None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

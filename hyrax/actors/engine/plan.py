@@ -9,6 +9,22 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class LogitProcessing:
+    """Penalties, bias and min_tokens of one request, with the tokens they depend on. Built
+    from the coordinator's request (never from rank-side memory), so a retracted, restored,
+    transferred or migrated request is processed exactly as if it had never moved."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    bias: tuple[tuple[int, float], ...]
+    suppress: tuple[int, ...]  # masked while draw < min_tokens (the rank adds EOS unless ignore_eos)
+    min_tokens: int
+    ignore_eos: bool
+    history: tuple[int, ...]  # prompt + output ids up to this step; a negative last id is the in-flight token
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     temperature: float
     top_p: float
@@ -16,6 +32,18 @@ class SamplingSpec:
     seed: int
     draw: int  # index of the token being drawn (number of outputs so far)
     logprobs: int | None = None  # also report logprobs: the chosen token's and this many top ones
+    process: LogitProcessing | None = None  # None: sample from the model's logits as they are
+
+    @classmethod
+    def of(cls, p, seed: int, draw: int, ids: list[int]) -> SamplingSpec:
+        """The spec for drawing output `draw` with SamplingParams `p`; `ids` are the request's
+        tokens up to this step (prompt + outputs, the in-flight one as a placeholder). They
+        travel in the plan only when `p` processes logits."""
+        process = None
+        if p.processes_logits:
+            process = LogitProcessing(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
+                                      tuple(p.stop_token_ids), p.min_tokens, p.ignore_eos, tuple(ids))
+        return cls(p.temperature, p.top_p, p.top_k, seed, draw, p.logprobs, process)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class RankRuntime:
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
         self.last_token: dict[str, int] = {}
+        self.eos = tuple(model.cfg.eos_token_id)  # masked by min_tokens unless a request ignores EOS
         self.broadcast = broadcast
 
     # ---- forward ---------------------------------------------------------------------
@@ -56,7 +57,11 @@ class RankRuntime:
         else:
             logits = self._forward_grouped(seqs)
         rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]
-        tokens = sample(logits[rows], [plan.entries[i].sample for i in rows]) if self.rank == 0 else [0] * len(rows)
+        specs = [plan.entries[i].sample for i in rows]
+        if self.rank == 0:
+            tokens = sample(logits[rows], specs, [self._history(plan.entries[i]) for i in rows], self.eos)
+        else:
+            tokens = [0] * len(rows)
         if self.broadcast is not None and rows:
             tokens = self.broadcast(tokens)
         for i, tok in zip(rows, tokens):
@@ -65,10 +70,18 @@ class RankRuntime:
             self.last_token.pop(rid, None)
         if self.rank != 0:
             return []
-        specs = [plan.entries[i].sample for i in rows]
         if any(sp.logprobs is not None for sp in specs):
             return tokens, logprobs_of(logits[rows], tokens, specs)
         return tokens
+
+    def _history(self, e) -> list[int] | None:
+        """Prompt + output ids of a sampling entry that processes logits, in-flight token filled in."""
+        if e.sample.process is None:
+            return None
+        ids = list(e.sample.process.history)
+        if ids and ids[-1] < 0:
+            ids[-1] = self.last_token[e.req_id]
+        return ids
 
     def _resolve(self, e) -> list[int]:
         """Token ids of an entry, with the in-flight step's token filled in."""

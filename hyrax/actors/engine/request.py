@@ -20,6 +20,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many alternatives
+    # token-level logit processing (sampler.apply_penalties), on the request's own tokens only
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # tokens of prompt or output: positive logits / p, negative * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -34,6 +40,22 @@ class SamplingParams:
             raise HyraxInputError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise HyraxInputError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise HyraxInputError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise HyraxInputError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise HyraxInputError("logit_bias values must be finite")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise HyraxInputError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler must look at the request's tokens (or bias logits) before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

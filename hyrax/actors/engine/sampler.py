@@ -35,15 +35,69 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
-    """logits: (B, V) for the rows that sample. One host sync for the batch."""
+def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[list[int] | None],
+                   eos: tuple[int, ...] = ()) -> torch.Tensor:
+    """logits: (B, V). Returns (B, V) float64 with every row's LogitProcessing applied, in
+    one vectorised pass for the batch, in vLLM's order:
+
+    1. logit_bias: logit[t] += bias[t];
+    2. min_tokens: while draw < min_tokens, stop_token_ids (and EOS unless ignore_eos) -> -inf;
+    3. repetition_penalty r on every token of prompt + output: logit / r if > 0 else logit * r;
+    4. frequency f and presence p on output tokens: logit -= f * count + p * (count > 0).
+
+    histories[i]: the request's prompt + output ids (placeholders resolved) for rows with
+    a LogitProcessing, else None; its last `spec.draw` ids are the outputs.
+    """
+    x = logits.double()
+    rows = [i for i, s in enumerate(specs) if s.process is not None]
+    if not rows:
+        return x
+    B, V = x.shape
+    dev = x.device
+    col = torch.ones(B, 1, dtype=x.dtype)  # per-row scalars, neutral by default
+    rep, freq, pres = col.clone(), col * 0, col * 0
+    seen_r, seen_t, out_r, out_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(9))
+    for i in rows:
+        p, h, draw = specs[i].process, histories[i], specs[i].draw
+        rep[i], freq[i], pres[i] = p.repetition, p.frequency, p.presence
+        seen_r += [i] * len(h)
+        seen_t += h
+        out_r += [i] * draw
+        out_t += h[len(h) - draw:]
+        bias_r += [i] * len(p.bias)
+        bias_t += [t for t, _ in p.bias]
+        bias_v += [b for _, b in p.bias]
+        if draw < p.min_tokens:
+            banned = set(p.suppress) | (set() if p.ignore_eos else set(eos))
+            ban_r += [i] * len(banned)
+            ban_t += sorted(banned)
+
+    def idx(v: list[int]) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.long, device=dev)
+
+    x.index_put_((idx(bias_r), idx(bias_t)), torch.tensor(bias_v, dtype=x.dtype, device=dev), accumulate=True)
+    x.index_put_((idx(ban_r), idx(ban_t)), torch.tensor(float("-inf"), dtype=x.dtype, device=dev))
+    rep, freq, pres = rep.to(dev), freq.to(dev), pres.to(dev)
+    seen = torch.zeros(B, V, dtype=torch.bool, device=dev).index_put_(
+        (idx(seen_r), idx(seen_t)), torch.tensor(True, device=dev))
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    counts = torch.zeros(B, V, dtype=x.dtype, device=dev).index_put_(
+        (idx(out_r), idx(out_t)), torch.ones(len(out_t), dtype=x.dtype, device=dev), accumulate=True)
+    return x - freq * counts - pres * (counts > 0).to(x.dtype)
+
+
+def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[list[int] | None] | None = None,
+           eos: tuple[int, ...] = ()) -> list[int]:
+    """logits: (B, V) for the rows that sample; histories as `process_logits` takes them
+    (needed only when some spec has a LogitProcessing). One host sync for the batch."""
     if not specs:
         return []
+    logits = process_logits(logits, specs, histories or [None] * len(specs), eos)
     out = torch.argmax(logits, dim=-1)
     for i, s in enumerate(specs):
         if s.temperature < GREEDY_BELOW:
             continue  # greedy: also for temperatures so small the division would overflow
-        row = filter_logits(logits[i].double() / s.temperature, s.top_k, s.top_p)
+        row = filter_logits(logits[i] / s.temperature, s.top_k, s.top_p)
         probs = torch.softmax(row, dim=-1)
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
             continue  # degenerate distribution: the most likely token

@@ -153,8 +153,7 @@ class Scheduler:
         ids = req.all_ids + [PLACEHOLDER] * (n_out - len(req.output_ids))
         sample = None
         if start + n == len(ids):
-            p = req.params
-            sample = SamplingSpec(p.temperature, p.top_p, p.top_k, req.seed, n_out, p.logprobs)
+            sample = SamplingSpec.of(req.params, req.seed, n_out, ids)
         return PlanEntry(
             req_id=req.id, token_ids=tuple(ids[start : start + n]), start=start,
             page_tables={c.name: tuple(req.indices[c.name]) for c in self.components if c.paged},

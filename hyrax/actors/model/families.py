@@ -180,8 +180,9 @@ def _granite(k: Keys) -> ModelConfig:
     pos = k.choice("position_embedding_type", (None, "nope", "rope"), None)
     common = _common(k, n)
     experts = int(k.get("num_local_experts", 0))
+    top_k = int(k.get("num_experts_per_tok", 1))  # unused without routed experts
     moe = MoeConfig(
-        num_experts=experts, top_k=int(k.get("num_experts_per_tok", 1)) if experts else 0,
+        num_experts=experts, top_k=top_k if experts else 0,
         intermediate_size=int(k.req("intermediate_size")),
         shared_intermediate_size=int(k.req("shared_intermediate_size")), router="topk_softmax",
     )

@@ -1,0 +1,244 @@
+"""Nothing is silently ignored (issue 19): unknown and unsupported fields are 400s naming the
+field, bad text (lone surrogates) is a 400 everywhere, types are strict (admin API included),
+stop limits apply per string and per list, malformed chat parts are clear 400s; the token
+fields reach the sampler; /v1/tokenize and /v1/detokenize answer in vLLM's shape; /docs works
+offline and the OpenAPI schema documents every error status with the error body's shape."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from e2e_harness import ADMIN, MODEL, assert_error
+from test_error_matrix import no_generation, still_healthy  # noqa: F401 - the same fixtures (still_healthy autouse)
+
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BASE = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+GEN = list(BASE)
+
+
+def post(url: str, path: str, body) -> httpx.Response:
+    """JSON with \\u escapes (ASCII), so a lone surrogate reaches the server as JSON allows it."""
+    headers = {"Content-Type": "application/json", **(ADMIN if path.startswith("/admin") else {})}
+    return httpx.post(f"{url}{path}", content=json.dumps(body), headers=headers, timeout=60)
+
+
+# ---- unknown, unsupported and no-op fields --------------------------------------------------
+@pytest.mark.parametrize("path", GEN + ["/v1/tokenize"])
+@pytest.mark.parametrize("field", ["foo", "temprature", "include_stop_str_in_output"])
+def test_unknown_field_is_400_naming_it(local, no_generation, path, field):
+    body = {"model": MODEL, "prompt": "hi"} if path == "/v1/tokenize" else BASE[path]
+    for stream in ((False, True) if path in BASE else (None,)):
+        extra = {} if stream is None else {"stream": stream}
+        err = assert_error(post(local.url, path, {**body, **extra, field: 1}), 400, code="unknown_parameter",
+                           param=field)
+        assert field in err["message"]
+
+
+def test_unknown_field_of_a_chat_message_is_400(local, no_generation):
+    body = {**CHAT, "messages": [{"role": "user", "content": "hi", "mood": "happy"}]}
+    assert_error(post(local.url, "/v1/chat/completions", body), 400, code="unknown_parameter",
+                 param="messages.0.mood")
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "parallel_tool_calls", True),
+    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "suffix", "end"),
+    ("/v1/completions", "min_p", 0.1),
+])
+def test_unsupported_field_is_400_saying_so_and_null_means_absent(local, path, field, value):
+    before = len(local.client.requests)
+    err = assert_error(post(local.url, path, {**BASE[path], field: value}), 400, code="unsupported_parameter",
+                       param=field)
+    assert "not supported" in err["message"]
+    assert len(local.client.requests) == before
+    assert post(local.url, path, {**BASE[path], field: None}).status_code == 200
+
+
+@pytest.mark.parametrize("path", GEN)
+def test_documented_no_op_field_user_is_accepted(local, path):
+    assert post(local.url, path, {**BASE[path], "user": "alice"}).status_code == 200
+    assert_error(post(local.url, path, {**BASE[path], "user": 5}), 400, param="user")
+
+
+# ---- bad text ---------------------------------------------------------------------------------
+SURROGATE = "\ud800"
+BAD_TEXT = [
+    ("/v1/completions", {**COMPLETION, "prompt": SURROGATE}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["ok", "a" + SURROGATE]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "stop": SURROGATE}, "stop"),
+    ("/v1/completions", {**COMPLETION, "stop": ["ok", SURROGATE]}, "stop"),
+    ("/v1/completions", {**COMPLETION, "model": SURROGATE}, "model"),
+    ("/v1/completions", {**COMPLETION, "user": SURROGATE}, "user"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {SURROGATE: 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" + SURROGATE}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": SURROGATE}]}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi", "name": SURROGATE}]},
+     "messages"),
+    ("/v1/tokenize", {"prompt": SURROGATE}, "prompt"),
+    ("/admin/retract", {"request_ids": [SURROGATE]}, "request_ids"),
+    ("/admin/resume", {"request_ids": ["ok", SURROGATE]}, "request_ids"),
+    ("/admin/migrate", {"request_id": SURROGATE}, "request_id"),
+    ("/admin/drain", {"role": SURROGATE, "replica": 0}, "role"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_TEXT, ids=[f"{p}:{q}" for p, _, q in BAD_TEXT])
+def test_lone_surrogate_is_400_everywhere(local, no_generation, path, body, param):
+    err = assert_error(post(local.url, path, body), 400)
+    assert err["param"] is not None and err["param"].split(".")[0] == param, err
+    if path in BASE:  # a streaming request fails before any event is sent
+        err = assert_error(post(local.url, path, {**body, "stream": True}), 400)
+
+
+# ---- strict types -----------------------------------------------------------------------------
+@pytest.mark.parametrize("path,body,param", [
+    ("/admin/forced-retraction", {"interval": False}, "interval"),
+    ("/admin/forced-retraction", {"interval": True}, "interval"),
+    ("/admin/forced-retraction", {"interval": 2.0}, "interval"),
+    ("/admin/forced-retraction", {"interval": "3"}, "interval"),
+    ("/admin/retract", {"count": True}, "count"),
+    ("/admin/retract", {"all": 1}, "all"),
+    ("/admin/retract", {"all": "true"}, "all"),
+    ("/admin/retract", {"all": True, "hold": 1}, "hold"),
+    ("/admin/drain", {"role": "decode", "replica": "0"}, "replica"),
+    ("/admin/drain", {"role": "decode", "replica": 0, "undrain": "no"}, "undrain"),
+    ("/v1/completions", {**COMPLETION, "stream": "true"}, "stream"),
+    ("/v1/completions", {**COMPLETION, "echo": 1}, "echo"),
+    ("/v1/completions", {**COMPLETION, "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {**COMPLETION, "ignore_eos": "yes"}, "ignore_eos"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
+])
+def test_strict_types_booleans_are_not_integers_nor_strings(local, no_generation, path, body, param):
+    err = assert_error(post(local.url, path, body), 400)
+    assert err["param"] is not None and err["param"].split(".")[0] == param, err
+
+
+def test_forced_retraction_takes_a_real_integer_and_zero_turns_it_off(local):
+    assert post(local.url, "/admin/forced-retraction", {"interval": 5}).json() == {"interval": 5}
+    assert post(local.url, "/admin/forced-retraction", {"interval": 0}).json() == {"interval": 0}
+
+
+# ---- stop limits --------------------------------------------------------------------------------
+def test_stop_limits_apply_per_string_and_per_list(local):
+    for stop in ("x" * 40, ["y" * 256], ["a"] * 16):
+        r = post(local.url, "/v1/completions", {**COMPLETION, "stop": stop})
+        assert r.status_code == 200, (stop, r.text)
+    for stop in ("x" * 257, ["ok", "y" * 257], ["a"] * 17):
+        err = assert_error(post(local.url, "/v1/completions", {**COMPLETION, "stop": stop}), 400)
+        assert err["param"] == "stop", err
+
+
+# ---- chat content parts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("content,says", [
+    ([{"type": "text", "text": 5}], "text"),
+    ([{"type": "text"}], "text"),
+    ([5], "object"),
+    (["hi"], "object"),
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "image_url"),
+    ([{"type": "text", "text": "hi", "extra": 1}], "extra"),
+])
+def test_malformed_chat_part_is_a_clear_400(local, no_generation, content, says):
+    body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+    err = assert_error(post(local.url, "/v1/chat/completions", body), 400)
+    assert err["param"].startswith("messages.0"), err
+    assert says in err["message"] and "TypeError" not in err["message"], err
+
+
+def test_text_parts_are_joined_as_the_content(local):
+    parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "h"},
+                                                               {"type": "text", "text": "i"}]}]}
+    a = post(local.url, "/v1/chat/completions", {**parts, "temperature": 0}).json()
+    b = post(local.url, "/v1/chat/completions", {**CHAT, "temperature": 0}).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"] == b["usage"]
+
+
+# ---- token-level sampling fields over HTTP ------------------------------------------------------
+@pytest.mark.parametrize("path", GEN)
+@pytest.mark.parametrize("patch,param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": "1"}, "repetition_penalty"),
+    ({"logit_bias": {"65": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"264": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5}, "min_tokens"),
+    ({"stop_token_ids": [264]}, "stop_token_ids"), ({"stop_token_ids": ["1"]}, "stop_token_ids"),
+])
+def test_bad_token_sampling_field_is_400(local, no_generation, path, patch, param):
+    err = assert_error(post(local.url, path, {**BASE[path], **patch}), 400)  # max_tokens 4 < min_tokens 5
+    assert err["param"].split(".")[0] == param, err
+
+
+def test_logit_bias_and_stop_token_ids_reach_the_sampler(local):
+    """Greedy decoding with +100 on one token picks it every time; a stop token id ends it."""
+    tok = local.client.model.tokenizer
+    target = tok.encode("Z")[0]
+    r = post(local.url, "/v1/completions", {**COMPLETION, "temperature": 0, "max_tokens": 6,
+                                            "logit_bias": {str(target): 100}}).json()
+    assert r["choices"][0]["text"] == "Z" * 6, r
+    r = post(local.url, "/v1/completions", {**COMPLETION, "temperature": 0, "max_tokens": 6,
+                                            "logit_bias": {str(target): 100}, "stop_token_ids": [target]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1, r
+
+
+def test_min_tokens_masks_the_stop_token_until_reached(local):
+    target = local.client.model.tokenizer.encode("Z")[0]
+    body = {**COMPLETION, "temperature": 0, "max_tokens": 8, "logit_bias": {str(target): 100},
+            "stop_token_ids": [target], "min_tokens": 3}
+    r = post(local.url, "/v1/completions", body).json()
+    assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "stop", r
+
+
+# ---- tokenize / detokenize ------------------------------------------------------------------------
+def test_tokenize_and_detokenize_in_vllms_shape_agree_with_generation(local):
+    info = local.client.model
+    r = post(local.url, "/v1/tokenize", {"model": MODEL, "prompt": "hello there"}).json()
+    assert set(r) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == info.max_model_len
+    gen = post(local.url, "/v1/completions", {**COMPLETION, "prompt": "hello there"}).json()
+    assert gen["usage"]["prompt_tokens"] == r["count"]
+    assert post(local.url, "/v1/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json() == {
+        "prompt": "hello there"}
+    chat = post(local.url, "/tokenize", {"messages": CHAT["messages"]}).json()
+    gen = post(local.url, "/v1/chat/completions", CHAT).json()
+    assert gen["usage"]["prompt_tokens"] == chat["count"]
+    assert_error(post(local.url, "/v1/tokenize", {"model": "gpt-4", "prompt": "x"}), 404, code="model_not_found")
+    assert_error(post(local.url, "/v1/tokenize", {"prompt": "x", "messages": CHAT["messages"]}), 400)
+    assert_error(post(local.url, "/v1/detokenize", {"tokens": [info.vocab_size]}), 400, param="tokens")
+
+
+# ---- documentation ----------------------------------------------------------------------------------
+def test_docs_are_served_offline_from_installed_assets(local):
+    page = httpx.get(f"{local.url}/docs")
+    assert page.status_code == 200
+    assert not re.findall(r"https?://", page.text), "the docs page loads something from the network"
+    for src in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+        assert httpx.get(f"{local.url}{src}").status_code == 200, src
+    assert httpx.get(f"{local.url}/openapi.json").status_code == 200
+
+
+def test_openapi_documents_every_error_status_with_the_error_shape(local):
+    schema = httpx.get(f"{local.url}/openapi.json").json()
+    err = schema["components"]["schemas"]["ErrorResponse"]
+    assert err["required"] == ["error"]
+    ops = schema["paths"]
+    for path, methods in ops.items():
+        for method, op in methods.items():
+            assert "422" not in op["responses"], (method, path)
+            for status, r in op["responses"].items():
+                if status != "200":
+                    assert r["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert set(ops["/v1/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "503"}
+    assert set(ops["/admin/migrate"]["post"]["responses"]) == {"200", "400", "401", "404", "409", "413"}
+    assert {"400", "401", "404"} <= set(ops["/v1/tokenize"]["post"]["responses"])
+    assert "503" in ops["/health"]["get"]["responses"]
+    assert "CompletionResponse" in schema["components"]["schemas"]
