@@ -4,6 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field, model_validator
 
+from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.actors.engine.selection import Selection
 from hyrax.api.auth import require_admin
 from hyrax.api.errors import APIError
 from hyrax.api.schemas import Body, Text
@@ -27,7 +29,24 @@ class RetractBody(Body):
 
 
 class ResumeBody(Body):
-    request_ids: list[Text] = Field(min_length=1)
+    """The same selectors as retract: request ids, a count (oldest retracted first), or all."""
+    request_ids: list[Text] | None = Field(default=None, min_length=1)
+    count: int | None = Field(default=None, ge=1)
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _one_selector(self):
+        if sum([self.request_ids is not None, self.count is not None, bool(self.all)]) != 1:
+            raise ValueError("give exactly one of request_ids, count, all")
+        return self
+
+
+def _selection(body) -> Selection:
+    return Selection(ids=tuple(body.request_ids or ()), count=body.count, all=bool(body.all))
+
+
+def _results(res: dict) -> dict:
+    return {k: Outcome(v).value for k, v in res.items()}
 
 
 class ForcedBody(Body):
@@ -46,13 +65,14 @@ async def pools(request: Request):
 
 @router.post("/retract")
 async def retract(body: RetractBody, request: Request):
-    res = await request.app.state.client.retract(body.request_ids, body.count, body.all, body.mode, body.hold)
-    return {"results": res, "retracted": [k for k, v in res.items() if not str(v).startswith("error")]}
+    res = await request.app.state.client.retract(_selection(body), body.mode, body.hold)
+    return {"results": _results(res), "retracted": [k for k, v in res.items() if Outcome(v).ok]}
 
 
 @router.post("/resume")
 async def resume(body: ResumeBody, request: Request):
-    return {"results": await request.app.state.client.resume(body.request_ids)}
+    res = await request.app.state.client.resume(_selection(body))
+    return {"results": _results(res), "resumed": [k for k, v in res.items() if Outcome(v).ok]}
 
 
 @router.post("/forced-retraction")
@@ -85,10 +105,10 @@ def _backend(request: Request, ref: ReplicaRef):
 @router.post("/migrate")
 async def migrate(body: MigrateBody, request: Request):
     target = _backend(request, body.to) if body.to else None
-    result = await request.app.state.client.migrate(body.request_id, target)
-    if result.startswith("error"):
-        raise APIError(409 if "unknown" not in result else 404, result[7:], param="request_id")
-    return {"request_id": body.request_id, "result": result}
+    outcome, to = await request.app.state.client.migrate(body.request_id, target)
+    if not outcome.ok:
+        raise APIError(404 if outcome == Outcome.UNKNOWN else 409, outcome.message, param="request_id")
+    return {"request_id": body.request_id, "result": f"{outcome.value} to {to.role}/{to.index}"}
 
 
 @router.post("/drain")

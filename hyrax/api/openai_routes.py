@@ -6,11 +6,11 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError
-from hyrax.api.generation import Choice, run_choices
+from hyrax.api.client import Reservation, Unavailable
+from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.text import TextStream, render_chat
 
@@ -25,11 +25,16 @@ def _check_model(request: Request, body: _Sampling) -> None:
                        param="model", code="model_not_found")
 
 
-def _check_capacity(request: Request) -> None:
+def _admit(request: Request, choices: list) -> Reservation:
+    """Admission counts choices (prompts x n), not HTTP requests."""
     if not request.app.state.ready:
         raise APIError(503, "replicas are not ready", code="unavailable", headers={"Retry-After": "5"})
-    if request.app.state.client.queue_full():
-        raise APIError(503, "the request queue is full; retry later", code="queue_full", headers={"Retry-After": "1"})
+    try:
+        return request.app.state.client.reserve(len(choices))
+    except ValueError as e:
+        raise APIError(400, str(e), param="n", code="too_many_choices") from None
+    except Unavailable as e:
+        raise APIError(503, str(e), code="unavailable", headers={"Retry-After": "1"}) from None
 
 
 def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
@@ -121,10 +126,21 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _collect(client, choices: list[Choice], metrics) -> None:
-    async for c, _, finished in run_choices(client, choices, metrics):
-        if finished and c.error and not c.token_ids:
-            raise APIError(400, c.error)
+async def _collect(request: Request, choices: list[Choice], reservation: Reservation) -> None:
+    """Run every choice to its end; a client that disconnects meanwhile aborts them all."""
+    async def run():
+        async for c, _, finished in run_choices(request.app.state.client, choices, request.app.state.metrics,
+                                                reservation):
+            if finished and c.error and not c.token_ids:
+                headers = {"Retry-After": "1"} if c.error_status == 503 else None
+                raise APIError(c.error_status, c.error, headers=headers)
+
+    try:
+        await until_disconnected(request, run())
+    except ClientGone:  # nobody reads this answer; its choices are aborted already
+        raise APIError(499, "the client disconnected", code="client_disconnected") from None
+    finally:
+        reservation.release_all()
 
 
 @router.get("/v1/models")
@@ -142,7 +158,7 @@ async def completions(body: CompletionRequest, request: Request):
     info = request.app.state.client.model
     prompts = _prompts(body, info.tokenizer, info.vocab_size)
     choices = _choices(request, body, prompts, body.max_tokens, 16, body.logprobs)
-    _check_capacity(request)
+    reservation = _admit(request, choices)
     client = request.app.state.client
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = {c.index: info.tokenizer.decode(c.prompt_ids) if body.echo else "" for c in choices}
@@ -156,7 +172,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         async def events():
             sent_echo, sent_lp = set(), {c.index: 0 for c in choices}
-            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics):
+            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
                 if delta or finished:
@@ -169,9 +185,9 @@ async def completions(body: CompletionRequest, request: Request):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})
             yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), on_close=reservation.release_all, media_type="text/event-stream")
 
-    await _collect(client, choices, request.app.state.metrics)
+    await _collect(request, choices, reservation)
     texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
     return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "text": texts[c.index],
@@ -195,7 +211,7 @@ async def chat(body: ChatRequest, request: Request):
     max_tokens = body.max_completion_tokens or body.max_tokens
     choices = _choices(request, body, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
                        (body.top_logprobs or 0) if want_lp else None)
-    _check_capacity(request)
+    reservation = _admit(request, choices)
     client = request.app.state.client
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -206,7 +222,7 @@ async def chat(body: ChatRequest, request: Request):
     if body.stream:
         async def events():
             started, sent_lp = set(), {c.index: 0 for c in choices}
-            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics):
+            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
                 if c.index not in started:
                     started.add(c.index)
                     yield _sse(chunk(c, {"role": "assistant", "content": ""}, None))
@@ -222,9 +238,9 @@ async def chat(body: ChatRequest, request: Request):
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})
             yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), on_close=reservation.release_all, media_type="text/event-stream")
 
-    await _collect(client, choices, request.app.state.metrics)
+    await _collect(request, choices, reservation)
     return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "message": {"role": "assistant",
                                                        "content": c.text.emitted},

@@ -63,10 +63,12 @@ class SamplingParams:
 
 
 class State(str, enum.Enum):
+    """Assigned only by `lifecycle.RequestTable`."""
+
     WAITING = "waiting"
     RUNNING = "running"
     RETRACTED = "retracted"
-    HANDOFF = "handoff"  # exported to another replica; indices held until it acknowledges
+    OFFERED = "offered"  # exported to another replica; state held until it acknowledges or the lease ends
     FINISHED = "finished"
 
 
@@ -84,7 +86,9 @@ class Request:
     backup: object | None = None  # a Backup while retracted with state kept
     retractions: int = 0
     transferred_bytes: dict[str, int] = field(default_factory=dict)  # imported state, per component
-    export_payload: list | None = None  # while handed off: the exported shards (kept alive until acked)
+    export_payload: list | None = None  # while offered: the exported shards (kept alive until acked)
+    offer_deadline: float | None = None  # while offered: monotonic time the lease ends
+    retracted_at_step: int = -1  # not resumed automatically in the step that retracted it
     finish_reason: str | None = None
     text: str = ""
     arrival: float = field(default_factory=time.monotonic)
