@@ -146,7 +146,8 @@ def make_engine(path, tp_size: int = 1, **overrides) -> Engine:
                        config.swa_capacity_tokens)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
     bc = _Broadcast(ar)
-    ranks = [RankRuntime(m, sizes, host, rank=r, broadcast=bc.for_rank(r)) for r, m in enumerate(models)]
+    ranks = [RankRuntime(m, sizes, host, rank=r, faults=config.faults, broadcast=bc.for_rank(r))
+             for r, m in enumerate(models)]
     return Engine(comps, sizes, host, ThreadedTPExecutor(ranks), config, cfg.vocab_size,
                   cfg.max_position_embeddings, cfg.eos_token_id, None)
 

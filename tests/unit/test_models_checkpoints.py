@@ -44,7 +44,20 @@ def granite_nope_dense():
     ))
 
 
-FAMILIES = {"nemotron_h": nemotron_h, "granite_rope_moe": granite_rope_moe, "granite_nope_dense": granite_nope_dense}
+def qwen3_next():
+    """Gated DeltaNet + gated attention (partial RoPE, q/k norm), MoE with a gated shared expert;
+    layer 1 dense (mlp_only_layers). Grouped value heads: 4 value heads over 2 key heads."""
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        **COMMON, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "linear_attention",
+                                                                  "full_attention", "linear_attention"],
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16,
+    ))
+
+
+FAMILIES = {"nemotron_h": nemotron_h, "granite_rope_moe": granite_rope_moe, "granite_nope_dense": granite_nope_dense,
+            "qwen3_next": qwen3_next}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -85,3 +98,6 @@ def test_forced_retraction_every_3_steps_keeps_transformers_tokens(checkpoint, m
     assert hff.engine_greedy(e, ps) == ref
     s = e.stats.summary()
     assert s["retractions"] >= 3 and s["checksum_failures"] == 0 and s["restore_fallbacks"] == 0, s
+    if mode != "recompute":  # every declared component (gdn_* included) went out and came back
+        assert set(s["bytes_backed_up"]) == {c.name for c in e.components}, s
+        assert s["bytes_restored"] == s["bytes_backed_up"], s

@@ -14,7 +14,7 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.attn_backends import select_backend
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.norm import AllReduce
+from hyrax.actors.model.norm import AllReduce, RMSNorm
 from hyrax.actors.model.sharding import TP
 
 
@@ -51,7 +51,13 @@ class Attention(nn.Module):
         self.use_rope = cfg.use_rope
         h = cfg.hidden_size
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, len(self.q_heads) * hd, bias=bias, dtype=dtype)
+        # with an output gate, q_proj yields [q | gate] per head (2 * head_dim rows each)
+        self.q_width = 2 * hd if cfg.attn_output_gate else hd
+        self.q_proj = nn.Linear(h, len(self.q_heads) * self.q_width, bias=bias, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+        self.qk_norm, self.output_gate = cfg.qk_norm, cfg.attn_output_gate
         self.k_proj = nn.Linear(h, len(self.kv_heads) * hd, bias=bias, dtype=dtype)
         self.v_proj = nn.Linear(h, len(self.kv_heads) * hd, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(len(self.q_heads) * hd, h, bias=bias and tp.rank == 0, dtype=dtype)
@@ -61,9 +67,10 @@ class Attention(nn.Module):
     def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
         hd = self.head_dim
         q = [h * hd + i for h in self.q_heads for i in range(hd)]
+        q_rows = [h * self.q_width + i for h in self.q_heads for i in range(self.q_width)]
         kv = [h * hd + i for h in self.kv_heads for i in range(hd)]
         return {
-            "q_proj.weight": (0, q), "q_proj.bias": (0, q),
+            "q_proj.weight": (0, q_rows), "q_proj.bias": (0, q_rows),
             "k_proj.weight": (0, kv), "k_proj.bias": (0, kv),
             "v_proj.weight": (0, kv), "v_proj.bias": (0, kv),
             "o_proj.weight": (1, q),
@@ -76,9 +83,13 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         hd = self.head_dim
-        q = self.q_proj(x).view(B, T, -1, hd)
+        q = self.q_proj(x).view(B, T, -1, self.q_width)
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).view(B, T, -1, hd)
         v = self.v_proj(x).view(B, T, -1, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = cos_sin
             q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
@@ -88,5 +99,7 @@ class Attention(nn.Module):
         rows = idx.write_rows[valid]
         pool[rows, 0] = k[valid].to(pool.dtype)
         pool[rows, 1] = v[valid].to(pool.dtype)
-        out = self.backend(q, pool, idx, batch, self.window, self.scale)
+        out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
         return self.allreduce(self.o_proj(out.reshape(B, T, -1)))

@@ -262,11 +262,46 @@ def _nemotron_h(k: Keys) -> ModelConfig:
     )
 
 
+def _qwen3_next(k: Keys) -> ModelConfig:
+    raw = k.req("layer_types")
+    mixers = {"linear_attention": "gated_deltanet", "full_attention": "full_attention"}
+    for t in raw:
+        if t not in mixers:
+            raise HyraxInputError(f"config.json: unknown Qwen3-Next layer type {t!r}")
+    n = _layer_count(k, raw)
+    act = k.choice("hidden_act", ACTIVATIONS, "silu")
+    k.choice("sliding_window", (None,), None)
+    k.choice("use_sliding_window", (False,), False)
+    common = _common(k, n)
+    experts = int(k.get("num_experts", 0))
+    dense = set(k.get("mlp_only_layers", []))
+    step = int(k.get("decoder_sparse_step", 1))
+    ffn = tuple("moe" if experts and i not in dense and (i + 1) % step == 0 else "gated" for i in range(n))
+    moe = MoeConfig(
+        num_experts=experts, top_k=int(k.get("num_experts_per_tok", 1)),
+        intermediate_size=int(k.get("moe_intermediate_size", 1)),
+        shared_intermediate_size=int(k.get("shared_expert_intermediate_size", 0)),
+        router="softmax_topk", norm_topk_prob=bool(k.get("norm_topk_prob", False)), shared_expert_gate=True,
+    ) if "moe" in ffn else None
+    gdn = GdnConfig(
+        num_k_heads=int(k.req("linear_num_key_heads")), num_v_heads=int(k.req("linear_num_value_heads")),
+        k_head_dim=int(k.req("linear_key_head_dim")), v_head_dim=int(k.req("linear_value_head_dim")),
+        conv_kernel=int(k.get("linear_conv_kernel_dim", 4)),
+    )
+    return ModelConfig(
+        **common, intermediate_size=int(k.req("intermediate_size")),
+        layer_types=tuple(mixers[t] for t in raw), ffn_types=ffn, moe=moe, gdn=gdn, hidden_act=act,
+        **_rope(k, 0.25), rms_norm_eps=float(k.get("rms_norm_eps", 1e-6)), model_type="qwen3_next",
+        norm_offset=1.0, attn_output_gate=True, qk_norm=True,
+    )
+
+
 _PARSERS: dict[str, Callable[[Keys], ModelConfig]] = {
     "hyrax_hybrid": lambda k: _hyrax_or_bamba(k, "hyrax_hybrid"),
     "bamba": lambda k: _hyrax_or_bamba(k, "bamba"),
     "granitemoehybrid": _granite,
     "nemotron_h": _nemotron_h,
+    "qwen3_next": _qwen3_next,
 }
 _INERT: dict[str, frozenset[str]] = {
     "nemotron_h": frozenset({"time_step_min"}),
@@ -307,6 +342,14 @@ _NEMOTRON: list[Rule] = [
 ]
 
 
+_QWEN3_NEXT: list[Rule] = [
+    (r"^model\.norm\.", "model.final_layernorm."),
+    (r"\.post_attention_layernorm\.", ".pre_ff_layernorm."),
+    (r"\.mlp\.gate\.weight$", ".feed_forward.router.weight"),
+    (r"\.mlp\.", ".feed_forward."),
+]
+
+
 def _apply(rules: list[Rule], name: str) -> str:
     for pat, rep in rules:
         name = re.sub(pat, rep, name)
@@ -322,6 +365,8 @@ def weight_namer(cfg: ModelConfig) -> Callable[[str], str | None]:
             return None
         if family == "granitemoehybrid":
             return _apply(_GRANITE, ckpt)
+        if family == "qwen3_next":
+            return _apply(_QWEN3_NEXT, ckpt)
         if family == "nemotron_h":
             name = _apply(_NEMOTRON, ckpt)
             m = re.match(r"model\.layers\.(\d+)\.(norm|mixer)\.(.*)$", name)

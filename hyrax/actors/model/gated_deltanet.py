@@ -1,12 +1,115 @@
-"""Gated DeltaNet (Qwen3-Next linear attention) — placeholder until implemented."""
+"""Gated DeltaNet (Qwen3-Next's linear attention).
+
+in_proj_qkvz / in_proj_ba -> causal depthwise conv over [q | k | v] -> gated delta rule ->
+per-head RMSNorm gated by silu(z) -> out_proj.
+
+Per value head, with state S (k_head_dim x v_head_dim), q and k L2-normalised, q scaled by
+k_head_dim^-1/2, decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b):
+    S_t = exp(g_t) S_{t-1};  S_t += k_t ⊗ beta_t (v_t - S_t^T k_t);  o_t = S_t^T q_t
+Each key head serves num_v_heads / num_k_heads consecutive value heads.
+
+State per request lives in two slot pools: `gdn_conv` ((conv_dim, kernel-1)) and `gdn_state`
+((v_heads, k_head_dim, v_head_dim), float32/64). TP splits key heads (with their value heads).
+Padding tokens get g = 0 and beta = 0, which leave S unchanged.
+"""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model import sharding
+from hyrax.actors.model.batch import ForwardBatch
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.conv import causal_conv_step
+from hyrax.actors.model.norm import AllReduce
+from hyrax.actors.model.sharding import TP
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence, token by token (reference; prefill and decode share it).
+
+    q, k: (B, T, H, Dk) (already expanded to value heads, normalised and scaled); v: (B, T, H, Dv);
+    g, beta: (B, T, H); state: (B, H, Dk, Dv). Returns o: (B, T, H, Dv) and the final state,
+    both in state's dtype.
+    """
+    f = state.dtype
+    q, k, v, g, beta = (t.to(f) for t in (q, k, v, g, beta))
+    s = state
+    out = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        mem = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        delta = (v[:, t] - mem) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+    return torch.stack(out, dim=1), s
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, cfg: ModelConfig, tp: TP, local_layer: int, dtype: torch.dtype, allreduce: AllReduce):
         super().__init__()
-        raise HyraxInputError("gated_deltanet layers are not implemented yet")
+        g = cfg.gdn
+        self.local_layer = local_layer
+        self.nk = len(sharding.gdn_k_heads(cfg, tp))
+        self.v_heads = list(sharding.gdn_v_heads(cfg, tp))
+        self.nv = len(self.v_heads)
+        self.dk, self.dv, self.r = g.k_head_dim, g.v_head_dim, g.num_v_heads // g.num_k_heads
+        self.conv_ch = sharding.gdn_conv_channels(cfg, tp)
+        self.qkvz_rows = sharding.gdn_in_proj_rows(cfg, tp, 2 * self.dk + 2 * self.r * self.dv)
+        self.ba_rows = sharding.gdn_in_proj_rows(cfg, tp, 2 * self.r)
+        self.v_ch = [h * self.dv + i for h in self.v_heads for i in range(self.dv)]
+        h, c = cfg.hidden_size, len(self.conv_ch)
+        self.in_proj_qkvz = nn.Linear(h, len(self.qkvz_rows), bias=False, dtype=dtype)
+        self.in_proj_ba = nn.Linear(h, len(self.ba_rows), bias=False, dtype=dtype)
+        self.conv1d = nn.Conv1d(c, c, g.conv_kernel, groups=c, bias=False, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.nv, dtype=dtype), requires_grad=False)
+        self.norm = nn.Module()  # per value head RMSNorm (weight: (v_head_dim,)), gated by silu(z)
+        self.norm.weight = nn.Parameter(torch.ones(self.dv, dtype=dtype), requires_grad=False)
+        self.eps = cfg.rms_norm_eps
+        self.out_proj = nn.Linear(len(self.v_ch), h, bias=False, dtype=dtype)
+        self.allreduce = allreduce
+
+    def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
+        return {
+            "in_proj_qkvz.weight": (0, self.qkvz_rows), "in_proj_ba.weight": (0, self.ba_rows),
+            "conv1d.weight": (0, self.conv_ch), "dt_bias": (0, self.v_heads), "A_log": (0, self.v_heads),
+            "out_proj.weight": (1, self.v_ch),
+        }
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o: (..., Dv) in the state dtype, z: (..., Dv) -> rmsnorm(o) * weight * silu(z), model dtype."""
+        dtype = z.dtype
+        h = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.norm.weight * h.to(dtype)
+        f = torch.float64 if dtype == torch.float64 else torch.float32
+        return (h.to(f) * nn.functional.silu(z.to(f))).to(dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and recurrent slots."""
+        B, T, _ = x.shape
+        nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
+        conv_pool = pools["gdn_conv"][self.local_layer]  # (slots, conv_dim, K-1)
+        state_pool = pools["gdn_state"][self.local_layer]  # (slots, Hv, Dk, Dv)
+        qkvz = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        mixed = causal_conv_step(mixed, conv_pool, batch.slots["gdn_conv"], batch.q_lens, self.conv1d.weight, None)
+        q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        f = state_pool.dtype
+        q = l2norm(q.reshape(B, T, nk, dk).to(f)).repeat_interleave(r, dim=2) * dk ** -0.5
+        k = l2norm(k.reshape(B, T, nk, dk).to(f)).repeat_interleave(r, dim=2)
+        valid = batch.q_valid[..., None]
+        beta = b.reshape(B, T, nv).sigmoid().to(f) * valid
+        g = -self.A_log.to(f).exp() * nn.functional.softplus(a.reshape(B, T, nv).to(f) + self.dt_bias.to(f)) * valid
+        slots = batch.slots["gdn_state"]
+        o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool[slots])
+        state_pool[slots] = new_state
+        y = self._gated_norm(o, z.reshape(B, T, nv, dv))
+        return self.allreduce(self.out_proj(y.reshape(B, T, nv * dv)))

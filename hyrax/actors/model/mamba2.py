@@ -13,6 +13,7 @@ from torch import nn
 from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.conv import causal_conv_step
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.ssd import ssd_chunked, ssd_step
@@ -63,13 +64,7 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(x)
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.nh], dim=-1)
 
-        # causal depthwise conv over [previous d_conv-1 inputs | this step's inputs]
-        seq = torch.cat([conv_pool[conv_slots].to(xbc.dtype), xbc.transpose(1, 2)], dim=2)  # (B, C, K-1+T)
-        conv_out = nn.functional.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        keep = cfg.mamba_d_conv - 1
-        take = batch.q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
-        new_conv = seq.gather(2, take[:, None, :].expand(B, self.conv_dim, keep))
-        xbc = nn.functional.silu(conv_out).transpose(1, 2)  # (B, T, C)
+        xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
         dt = nn.functional.softplus(dt + self.dt_bias)
@@ -86,7 +81,6 @@ class Mamba2Mixer(nn.Module):
         else:
             y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
                                        Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
-        conv_pool[conv_slots] = new_conv.to(conv_pool.dtype)
         ssm_pool[ssm_slots] = new_state
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.allreduce(self.out_proj(y.to(x.dtype)))

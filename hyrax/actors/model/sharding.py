@@ -114,3 +114,31 @@ def mamba_in_proj_rows(cfg: ModelConfig, tp: TP) -> list[int]:
     xbc = [inner + c for c in mamba_conv_channels(cfg, tp)]
     dt = [inner + conv + i for i in h]
     return z + xbc + dt
+
+
+# ---- Gated DeltaNet: split by key heads, each with its num_v_heads / num_k_heads value heads ----
+
+def gdn_k_heads(cfg: ModelConfig, tp: TP) -> range:
+    return _split(cfg.gdn.num_k_heads, tp, "linear_num_key_heads")
+
+
+def gdn_v_heads(cfg: ModelConfig, tp: TP) -> range:
+    r = cfg.gdn.num_v_heads // cfg.gdn.num_k_heads
+    k = gdn_k_heads(cfg, tp)
+    return range(k.start * r, k.stop * r)
+
+
+def gdn_conv_channels(cfg: ModelConfig, tp: TP) -> list[int]:
+    """Channels of the conv input `[q | k | v]` held by this rank (global indices)."""
+    g = cfg.gdn
+    k, v = gdn_k_heads(cfg, tp), gdn_v_heads(cfg, tp)
+    q_ch = list(range(k.start * g.k_head_dim, k.stop * g.k_head_dim))
+    return (q_ch + [g.key_dim + c for c in q_ch]
+            + [2 * g.key_dim + c for c in range(v.start * g.v_head_dim, v.stop * g.v_head_dim)])
+
+
+def gdn_in_proj_rows(cfg: ModelConfig, tp: TP, per_head: int) -> list[int]:
+    """Rows of a projection laid out in blocks of `per_head` rows per key head (in_proj_qkvz,
+    in_proj_ba) held by this rank."""
+    k = gdn_k_heads(cfg, tp)
+    return list(range(k.start * per_head, k.stop * per_head))

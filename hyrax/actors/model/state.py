@@ -9,6 +9,12 @@ migration iterates `components` — nothing names a component by hand.
 | swa_kv     | sliding_attention | window | (2, kv_heads, head_dim)   | kv heads (dim 1)  |
 | mamba_conv | mamba2            | slot   | (conv_dim, d_conv - 1)    | channels (dim 0)  |
 | mamba_ssm  | mamba2            | slot   | (heads, head_dim, state)  | heads (dim 0)     |
+| gdn_conv   | gated_deltanet    | slot   | (conv_dim, kernel - 1)    | channels (dim 0)  |
+| gdn_state  | gated_deltanet    | slot   | (v_heads, k_dim, v_dim)   | v heads (dim 0)   |
+
+A new recurrent layer type enters here and nowhere else in the state machinery: its
+components are ordinary `slot` components, so backup, restore, checksums, transfer,
+migration and re-sharding handle them with no special case.
 """
 from __future__ import annotations
 
@@ -80,6 +86,19 @@ def ssm_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if model_dtype == torch.float64 else torch.float32
 
 
+def _recurrent_pair(prefix: str, layers: tuple[int, ...], dtype: torch.dtype, conv_channels: list[int],
+                    kernel: int, conv_dim: int, heads, head_unit: tuple[int, int], n_heads: int,
+                    state_name: str) -> list[ComponentSpec]:
+    """A conv-state component ((channels, kernel - 1), sharded on channels) and a recurrent-state
+    component ((heads, *head_unit), float32/64, sharded on heads), as Mamba2 and Gated DeltaNet keep."""
+    return [
+        ComponentSpec(name=f"{prefix}_conv", kind=SLOT, layers=layers, unit_shape=(len(conv_channels), kernel - 1),
+                      dtype=dtype, shard_dim=0, shard_index=tuple(conv_channels), global_size=conv_dim),
+        ComponentSpec(name=f"{prefix}_{state_name}", kind=SLOT, layers=layers, unit_shape=(len(heads), *head_unit),
+                      dtype=ssm_dtype(dtype), shard_dim=0, shard_index=tuple(heads), global_size=n_heads),
+    ]
+
+
 def derive_components(cfg: ModelConfig, tp: TP = TP(), dtype: torch.dtype = torch.float32) -> tuple[ComponentSpec, ...]:
     """The ordered component list of a model shard. The only place components are defined."""
     out: list[ComponentSpec] = []
@@ -95,19 +114,16 @@ def derive_components(cfg: ModelConfig, tp: TP = TP(), dtype: torch.dtype = torc
                     window=cfg.sliding_window if kind == WINDOW else None,
                 ))
     if cfg.has_mamba:
-        layers = cfg.layers_of("mamba2")
-        conv = sharding.mamba_conv_channels(cfg, tp)
-        heads = sharding.mamba_heads(cfg, tp)
-        out.append(ComponentSpec(
-            name="mamba_conv", kind=SLOT, layers=layers,
-            unit_shape=(len(conv), cfg.mamba_d_conv - 1), dtype=dtype,
-            shard_dim=0, shard_index=tuple(conv), global_size=cfg.mamba_conv_dim,
-        ))
-        out.append(ComponentSpec(
-            name="mamba_ssm", kind=SLOT, layers=layers,
-            unit_shape=(len(heads), cfg.mamba_d_head, cfg.mamba_d_state), dtype=ssm_dtype(dtype),
-            shard_dim=0, shard_index=tuple(heads), global_size=cfg.mamba_n_heads,
-        ))
+        out += _recurrent_pair(
+            "mamba", cfg.layers_of("mamba2"), dtype,
+            sharding.mamba_conv_channels(cfg, tp), cfg.mamba_d_conv, cfg.mamba_conv_dim,
+            sharding.mamba_heads(cfg, tp), (cfg.mamba_d_head, cfg.mamba_d_state), cfg.mamba_n_heads, "ssm")
+    if cfg.layers_of("gated_deltanet"):
+        g = cfg.gdn
+        out += _recurrent_pair(
+            "gdn", cfg.layers_of("gated_deltanet"), dtype,
+            sharding.gdn_conv_channels(cfg, tp), g.conv_kernel, g.conv_dim,
+            sharding.gdn_v_heads(cfg, tp), (g.k_head_dim, g.v_head_dim), g.num_v_heads, "state")
     return tuple(out)
 
 
