@@ -2,6 +2,7 @@
 TP rank), one RoleCoordinator per replica, which starts its rank actors in that group."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import ray
@@ -12,17 +13,17 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
+from hyrax.cluster.placement import RoleSpec, check_fits, rank_bundle  # noqa: F401 - RoleSpec re-exported
 
 
-@dataclass(frozen=True)
-class RoleSpec:
-    name: str  # "prefill", "decode", or "colocated" (does both)
-    replicas: int = 1
-    tp: int = 1
+def free_resources_per_node() -> list[dict[str, float]]:
+    """What each live node of the Ray cluster has free now."""
+    try:
+        from ray._private.state import available_resources_per_node
 
-    def __post_init__(self):
-        if self.replicas < 1 or self.tp < 1:
-            raise HyraxInputError(f"role {self.name}: replicas and tp must be >= 1")
+        return list(available_resources_per_node().values())
+    except Exception:  # noqa: BLE001 - a Ray without the per-node view: the whole cluster as one node
+        return [ray.available_resources()]
 
 
 @dataclass
@@ -59,18 +60,38 @@ class Deployment:
         self.rank_timeout_s = rank_timeout_s
         self.replicas: list[Replica] = []
 
-    def start(self, timeout_s: float = 600.0) -> None:
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
-        for spec in self.roles:
-            for i in range(spec.replicas):
-                bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-                pg = placement_group([dict(bundle) for _ in range(spec.tp)], strategy="PACK",
-                                     name=f"hyrax/{spec.name}/{i}")
+    def placement_groups(self, gpu: bool) -> list[tuple[RoleSpec, int, list[dict[str, float]]]]:
+        """(role, replica index, bundles) of every placement group, in placement order."""
+        return [(spec, i, [rank_bundle(gpu) for _ in range(spec.tp)])
+                for spec in self.roles for i in range(spec.replicas)]
+
+    def start(self, timeout_s: float = 600.0, wait_for_room_s: float = 0.0) -> None:
+        """Place every replica and wait until all are healthy. Fails before anything is placed
+        when the cluster has too little free to place them all (after waiting up to
+        `wait_for_room_s` for nodes to join, e.g. worker pods still starting)."""
+        deadline = time.monotonic() + wait_for_room_s
+        while True:
+            gpu = ray.cluster_resources().get("GPU", 0) > 0
+            groups = self.placement_groups(gpu)
+            try:
+                check_fits([(f"{spec.name}/{i}", bundles) for spec, i, bundles in groups], free_resources_per_node())
+                break
+            except StartupFailure:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
+        for spec, i, bundles in groups:
+            pg = placement_group(bundles, strategy="PACK", name=f"hyrax/{spec.name}/{i}")
+            try:
                 ray.get(pg.ready(), timeout=timeout_s)
-                role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
-                coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace="hyrax").remote(
-                    spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s)
-                self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(pg)  # something else took the room after the check
+                raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
+                                     f"(the cluster's free resources were taken meanwhile)") from None
+            role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
+            coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace="hyrax").remote(
+                spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s)
+            self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
         try:
             ray.get([r.coordinator.health.remote() for r in self.replicas], timeout=timeout_s)
         except ray.exceptions.RayError as e:

@@ -3,13 +3,25 @@ from __future__ import annotations
 
 import os
 
+from hyrax.actors.model.errors import HyraxInputError
+
+
+def prepare_env(address: str | None) -> None:
+    """Settings Ray reads when it is first imported: call before anything imports ray.
+
+    A local cluster keeps all of its traffic on 127.0.0.1 (Ray's node address, which the
+    ranks' collective groups listen on too). A driver joining a cluster must not set it:
+    it would register itself at 127.0.0.1 instead of the node's address."""
+    if not address:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray starts workers at niceness 15; rank actors are the serving hot path, not background work
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
              quiet: bool = True) -> bool:
     """Join `address`, or start a local single-node cluster. Returns True if started here."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # must precede `import ray`
-    # Ray starts workers at niceness 15; rank actors are the serving hot path, not background work
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    prepare_env(address)
     import ray
 
     if ray.is_initialized():
@@ -20,6 +32,22 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     ray.init(num_cpus=num_cpus, namespace="hyrax", include_dashboard=dashboard,
              dashboard_host="127.0.0.1", log_to_driver=not quiet)
     return True
+
+
+def local_num_cpus(needed: int, requested: int | None) -> tuple[int, str | None]:
+    """Logical CPUs of a local cluster for a deployment that needs `needed` (one per rank):
+    exactly that unless --num-cpus asks for more, and a note when it exceeds this machine's
+    cores (ranks are idle between steps, so sharing cores is fine locally)."""
+    if requested is not None and requested < needed:
+        raise HyraxInputError(f"--num-cpus {requested} is less than the {needed} CPU the deployment needs "
+                              f"(one per TP rank); raise it or leave it out")
+    num = requested if requested is not None else needed
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    note = None
+    if num > cores:
+        note = (f"note: the local Ray cluster gets {num} logical CPUs (one per TP rank) on {cores} "
+                f"core{'s' if cores != 1 else ''}; the ranks share them")
+    return num, note
 
 
 def dashboard_url() -> str | None:

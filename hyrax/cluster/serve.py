@@ -2,19 +2,25 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import os
 import secrets
 import signal
+import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import resolve_model_path
-from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
+from hyrax.cluster.placement import RoleSpec, cpus_needed
+from hyrax.cluster.ray_cluster import local_num_cpus
 from hyrax.env import admin_token as env_admin_token
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
@@ -27,7 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="demo", help="checkpoint directory, or 'demo' (default)")
     p.add_argument("--served-model-name", default=None, help="name clients use (default: 'hyrax-demo' or the dir name)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one on 127.0.0.1)")
-    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a local Ray cluster")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="logical CPUs of a local Ray cluster (default: one per TP rank of the deployment)")
+    p.add_argument("--placement-wait", type=float, default=0.0,
+                   help="seconds to wait for room on a joined cluster (nodes still joining) before failing; "
+                        "default 0: a deployment that does not fit fails at once, naming what is missing")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     shape = p.add_argument_group("deployment shape")
@@ -78,8 +88,6 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
 
 
 def roles_from_args(a, cfg: ModelConfig):
-    from hyrax.cluster.deployment import RoleSpec
-
     pd = any(x is not None for x in (a.prefill_replicas, a.prefill_tp, a.decode_replicas, a.decode_tp))
     if pd and a.colocated:
         raise HyraxInputError("--colocated cannot be combined with --prefill-*/--decode-* options")
@@ -93,18 +101,75 @@ def roles_from_args(a, cfg: ModelConfig):
     return roles
 
 
-def resolve_admin_token(a) -> tuple[str, str]:
+def bind_gateway(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound before anything else starts: a busy port is a
+    one-line error before anything starts, not a failure after Ray and every replica came up."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise HyraxInputError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart rebinds over TIME_WAIT
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StartupFailure(f"{host}:{port} is already in use (another hyrax serve?); "
+                                 f"stop it or choose another --port") from None
+        raise StartupFailure(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+@dataclass
+class AdminToken:
+    token: str
+    where: str  # for the banner; never the token itself
+    lock_fd: int | None = None  # the token file, locked for as long as this server runs
+
+    def release(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _claim(path: Path) -> int | None:
+    """Open `path` (created 600 if missing) holding an exclusive lock, or None when a running
+    server holds it. Nothing is truncated before the lock is ours; the kernel drops the lock
+    when this process exits, however it exits."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def resolve_admin_token(a) -> AdminToken:
+    """HYRAX_ADMIN_TOKEN, else a fresh token written to the token file. A running server keeps
+    its token file locked: an explicit --admin-token-file that is locked is an error, and the
+    default file, when locked, leaves it alone and uses <default>.<port> instead."""
     tok = env_admin_token()
     if tok:
-        return tok, "from HYRAX_ADMIN_TOKEN"
+        return AdminToken(tok, "from HYRAX_ADMIN_TOKEN")
     path = Path(a.admin_token_file) if a.admin_token_file else DEFAULT_TOKEN_FILE
+    fd = _claim(path)
+    if fd is None and a.admin_token_file:
+        raise StartupFailure(f"--admin-token-file {path} holds the token of a running hyrax serve; "
+                             f"choose another file or set HYRAX_ADMIN_TOKEN")
+    if fd is None:
+        path = path.with_name(f"{path.name}.{a.port}")
+        fd = _claim(path)
+        if fd is None:  # unreachable while the port is ours, unless it is shared with another host's server
+            raise StartupFailure(f"{path} holds the token of a running hyrax serve; set HYRAX_ADMIN_TOKEN")
     tok = secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(tok + "\n")
-    os.chmod(path, 0o600)
-    return tok, f"written to {path} (mode 600)"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (tok + "\n").encode(), 0)
+    os.fchmod(fd, 0o600)
+    return AdminToken(tok, f"written to {path} (mode 600)", fd)
 
 
 def validate(a) -> tuple:
@@ -117,30 +182,54 @@ def validate(a) -> tuple:
         raise HyraxInputError("--port must be in 1..65535")
     if a.max_inflight < 1:
         raise HyraxInputError("--max-inflight must be >= 1")
+    if a.placement_wait < 0:
+        raise HyraxInputError("--placement-wait must be >= 0")
+    if a.address and a.num_cpus is not None:
+        raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
+    if not a.address:
+        local_num_cpus(cpus_needed(roles), a.num_cpus)  # --num-cpus too small for the deployment
     name = a.served_model_name or ("hyrax-demo" if a.model == "demo" else Path(path).resolve().name)
     return config, path, cfg, roles, name
 
 
 def run(a: argparse.Namespace) -> int:
     config, path, cfg, roles, name = validate(a)
+    sock = bind_gateway(a.host, a.port)  # first: nothing starts (and no token is written) on a busy port
+    try:
+        token = resolve_admin_token(a)
+        try:
+            return _deploy_and_serve(a, sock, token, config, path, roles, name)
+        finally:
+            token.release()
+    finally:
+        sock.close()
+
+
+def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, roles, name) -> int:
+    from hyrax.cluster.ray_cluster import dashboard_url, init_ray, prepare_env
+
+    prepare_env(a.address)  # before the imports below import ray
     import uvicorn
 
     from hyrax.api.app import GatewaySettings, create_app
     from hyrax.cluster.deployment import Deployment
     from hyrax.cluster.ray_client import client_for
-    from hyrax.cluster.ray_cluster import dashboard_url, init_ray
 
-    token, where = resolve_admin_token(a)
+    num_cpus = None
+    if not a.address:
+        num_cpus, note = local_num_cpus(cpus_needed(roles), a.num_cpus)
+        if note:
+            print(f"hyrax: {note}", file=sys.stderr)
     print(f"hyrax: starting Ray ({'joining ' + a.address if a.address else 'local, 127.0.0.1'}) ...", file=sys.stderr)
-    started_ray = init_ray(a.address, a.num_cpus)
+    started_ray = init_ray(a.address, num_cpus)
     import ray
 
     dep = Deployment(str(path), roles, config, rank_timeout_s=a.rank_timeout)
     try:
         print(f"hyrax: deploying {', '.join(f'{r.name} x{r.replicas} (tp={r.tp})' for r in roles)} ...", file=sys.stderr)
-        dep.start()
+        dep.start(wait_for_room_s=a.placement_wait)
         client = client_for(dep, name, a.max_inflight)
-        app = create_app(client, GatewaySettings(admin_token=token, api_keys=tuple(a.api_key),
+        app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
                                                  max_body_bytes=int(a.max_body_mb * 2**20)))
         base = f"http://{a.host}:{a.port}"
         print(f"hyrax: serving {name!r}\n"
@@ -148,13 +237,16 @@ def run(a: argparse.Namespace) -> int:
               f"  live dashboard  {base}/dashboard\n"
               f"  metrics         {base}/metrics\n"
               f"  Ray dashboard   {dashboard_url() or 'n/a'}\n"
-              f"  admin token     {where}", file=sys.stderr, flush=True)
+              f"  admin token     {token.where}", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                               timeout_graceful_shutdown=int(a.grace_period)))
         try:
-            uvicorn.run(app, host=a.host, port=a.port, log_level="warning",
-                        timeout_graceful_shutdown=int(a.grace_period))
+            server.run(sockets=[sock])  # the socket bound at the start
         except SystemExit as e:  # uvicorn re-raises SIGTERM/SIGINT after draining; Ray maps it to exit
             if e.code not in (None, 0, signal.SIGTERM, signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT):
                 raise
+        if not server.started:
+            raise StartupFailure("the gateway failed to start (see the log above)")
     finally:
         print("hyrax: stopping replicas ...", file=sys.stderr)
         dep.shutdown()
