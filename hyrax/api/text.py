@@ -66,12 +66,42 @@ class TextStream:
         return delta
 
 
-def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Render messages with the checkpoint's Jinja template (sandboxed) or the default."""
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    import json
+
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str):
+    from hyrax.actors.model.errors import HyraxInputError
+
+    raise HyraxInputError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(fmt)
+
+
+def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list | None = None):
+    """Render messages with the checkpoint's Jinja template, or the default, the way
+    transformers' `apply_chat_template` does: an immutable sandbox with trim_blocks,
+    lstrip_blocks and loop controls, `tojson`, `raise_exception` and `strftime_now`, and the
+    variables messages, add_generation_prompt, bos_token, eos_token (and tools when given).
+    Returns a `ChatPrompt`, which the tokenizer encodes without adding special tokens."""
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-    return env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(
+    from hyrax.actors.model.tokenizer import ChatPrompt
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    extra = {"tools": tools} if tools is not None else {}
+    return ChatPrompt(env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(
         messages=messages, add_generation_prompt=add_generation_prompt,
-        bos_token="", eos_token="",
-    )
+        bos_token=getattr(template, "bos_token", ""), eos_token=getattr(template, "eos_token", ""), **extra,
+    ))

@@ -20,7 +20,7 @@ from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.state import derive_components
 from test_tp_math import LockstepAllReduce
-from tiny_models import run_in_chunks
+from tiny_models import run_in_chunks  # noqa: F401 - re-exported for the tests
 
 MODES = ("cpu_tensor", "host_pool", "recompute")
 VOCAB = 128

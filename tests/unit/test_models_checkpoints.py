@@ -101,3 +101,12 @@ def test_forced_retraction_every_3_steps_keeps_transformers_tokens(checkpoint, m
     if mode != "recompute":  # every declared component (gdn_* included) went out and came back
         assert set(s["bytes_backed_up"]) == {c.name for c in e.components}, s
         assert s["bytes_restored"] == s["bytes_backed_up"], s
+
+
+def test_float16_model_tracks_the_float32_logits(checkpoint):
+    path, hf, _, _ = checkpoint
+    ids = hff.prompts((13,))[0]
+    half = hff.run_in_chunks(hff.load_model(path, dtype=torch.float16), ids, [8, 5])
+    ref = hff.hf_logits(hf, ids)
+    assert half.dtype == torch.float32 and torch.isfinite(half).all()
+    assert (half - ref).abs().max() < 0.05

@@ -82,8 +82,8 @@ class EngineConfig:
             raise HyraxInputError("forced-retraction-interval must be >= 0 (0 = off)")
         if self.host_pool_mb < 0:
             raise HyraxInputError("host-pool-mb must be >= 0")
-        if self.dtype not in ("float32", "bfloat16", "float64"):
-            raise HyraxInputError("dtype must be float32, bfloat16 or float64")
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise HyraxInputError("dtype must be float32, bfloat16, float16 or float64")
         if self.faults.any and not self.allow_unsafe:
             raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
         if self.attention_backend not in ATTENTION_BACKENDS:

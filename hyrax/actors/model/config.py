@@ -8,6 +8,7 @@ not use unless the key is documented there as not changing the computation.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,4 +272,14 @@ class ModelConfig:
             d = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise HyraxInputError(f"{cfg} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(d)
+        config = cls.from_hf_dict(d)
+        gen = p / "generation_config.json"
+        if gen.is_file():  # generation stops at every EOS id either file names (as generate does)
+            try:
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError):
+                raise HyraxInputError(f"{gen} is not a valid JSON object") from None
+            extra = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+            merged = tuple(dict.fromkeys([*config.eos_token_id, *(int(e) for e in extra)]))
+            config = dataclasses.replace(config, eos_token_id=merged)
+        return config

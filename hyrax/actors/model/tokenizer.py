@@ -1,5 +1,16 @@
 """Tokenizer: `tokenizer.json` through the `tokenizers` library, or a byte-level fallback
-for checkpoints without one (ids 0..255 are bytes; specials follow)."""
+for checkpoints without one (ids 0..255 are bytes; specials follow).
+
+Fidelity with transformers:
+- plain text is encoded with the special tokens the checkpoint adds (tokenizer.json's
+  post-processor, plus BOS when tokenizer_config.json says `add_bos_token`), as
+  `tokenizer(text)` does;
+- a rendered chat prompt (`ChatPrompt`, from `hyrax.api.text.render_chat`) already holds its
+  special tokens and is encoded without adding any, as `apply_chat_template` does;
+- decoding skips special tokens;
+- `chat_template` returns the template together with the checkpoint's `bos_token` and
+  `eos_token` strings, which the template is rendered with.
+"""
 from __future__ import annotations
 
 import json
@@ -22,6 +33,43 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+class ChatPrompt(str):
+    """Text rendered from a chat template: it carries its own special tokens."""
+
+
+class ChatTemplate(str):
+    """A checkpoint's Jinja chat template, with the special-token strings it is rendered with."""
+
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def __new__(cls, template: str, bos_token: str = "", eos_token: str = ""):
+        obj = super().__new__(cls, template)
+        obj.bos_token, obj.eos_token = bos_token, eos_token
+        return obj
+
+    def __reduce__(self):  # crosses Ray's object store with its tokens
+        return ChatTemplate, (str(self), self.bos_token, self.eos_token)
+
+
+def _token_str(v) -> str:
+    """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+    if isinstance(v, dict):
+        return str(v.get("content", ""))
+    return v if isinstance(v, str) else ""
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    f = model_dir / "tokenizer_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise HyraxInputError(f"{f} is not valid JSON: {e}") from None
+    return d if isinstance(d, dict) else {}
+
+
 class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
@@ -31,9 +79,18 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises its own exception types
             raise HyraxInputError(f"cannot read {path}: {e}") from None
         self.vocab_size = self._tok.get_vocab_size()
+        tc = _tokenizer_config(path.parent)
+        bos = _token_str(tc.get("bos_token"))
+        self.bos_token_id = self._tok.token_to_id(bos) if bos else None
+        self.add_bos = bool(tc.get("add_bos_token", False)) and self.bos_token_id is not None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if isinstance(text, ChatPrompt):
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -46,12 +103,19 @@ def load_tokenizer(model_dir: str | Path, vocab_size: int):
     return ByteTokenizer(vocab_size)
 
 
-def chat_template(model_dir: str | Path) -> str | None:
-    """The checkpoint's Jinja chat template from tokenizer_config.json, if it has one."""
-    f = Path(model_dir) / "tokenizer_config.json"
-    if not f.is_file():
-        return None
+def chat_template(model_dir: str | Path) -> ChatTemplate | None:
+    """The checkpoint's Jinja chat template (tokenizer_config.json, or chat_template.jinja next
+    to it) with its bos/eos token strings; None when it has none."""
+    p = Path(model_dir)
     try:
-        return json.loads(f.read_text()).get("chat_template")
-    except json.JSONDecodeError:
+        tc = _tokenizer_config(p)
+    except HyraxInputError:
         return None
+    template = tc.get("chat_template")
+    if template is None and (p / "chat_template.jinja").is_file():
+        template = (p / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if not isinstance(template, str):
+        return None
+    return ChatTemplate(template, _token_str(tc.get("bos_token")), _token_str(tc.get("eos_token")))
