@@ -8,6 +8,67 @@ from hyrax import __version__
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 
 
+# Help for the options whose definition has none, by option string (or positional name), so
+# that `hyrax COMMAND --help` explains every option; tests/unit/test_cli_help.py keeps it so.
+FALLBACK_HELP = {
+    # engine (serve, generate)
+    "--dtype": "dtype of weights, activations and K/V state (recurrent state is float32, or float64 with float64)",
+    # serve
+    "--port": "gateway port",
+    "--max-body-mb": "largest request body in MiB; a larger one is answered 413",
+    "--prefill-replicas": "replicas of the prefill role (default 1)",
+    "--prefill-tp": "TP size of each prefill replica (default 1)",
+    "--decode-replicas": "replicas of the decode role (default 1)",
+    "--decode-tp": "TP size of each decode replica (default 1)",
+    # generate
+    "--max-tokens": "tokens to generate per prompt",
+    "--temperature": "sampling temperature; 0 is greedy",
+    "--top-p": "nucleus sampling: keep the most likely tokens up to this probability mass (1 = off)",
+    "--top-k": "keep only the k most likely tokens (0 = off)",
+    "--seed": "sampling seed (default: a random one per request)",
+    "--ignore-eos": "keep generating past the end-of-sequence token",
+    # train-demo
+    "--batch-size": "sequences per optimizer step",
+    "--lr": "peak learning rate",
+    # admin
+    "--count": "this many requests, chosen by the victim policy (fewest generated tokens first, then longest prompt)",
+    "--all": "every running request",
+    "--mode": "backup mode (default: the server's --retraction-backup)",
+    "ids": "request ids",
+    "interval": "retract one running request every this many steps; 0 turns forced retraction off",
+    "id": "request id",
+    "replica": "the replica, as ROLE/INDEX (e.g. decode/0)",
+}
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless it already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and "default" not in text and action.nargs != 0 and _has_default(action):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _has_default(action: argparse.Action) -> bool:
+    d = action.default
+    return not (d is None or d is False or d == [] or d == argparse.SUPPRESS)  # 0 and 0.0 are defaults
+
+
+def _document(parser: argparse.ArgumentParser) -> None:
+    """Every option of `parser` and its subcommands gets help (FALLBACK_HELP where its definition
+    has none) and shows its default."""
+    parser.formatter_class = _DefaultsFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                _document(sp)
+        elif action.help is None:
+            key = action.option_strings[-1] if action.option_strings else action.dest
+            action.help = FALLBACK_HELP.get(key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hyrax.cluster import admin_cli, bench_cli, eval_cli, generate, serve, train_demo_cli
 
@@ -20,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     train_demo_cli.add_parser(sub)
     eval_cli.add_parser(sub)
+    _document(p)
     return p
 
 

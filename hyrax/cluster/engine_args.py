@@ -32,12 +32,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: outputs independent of batch composition")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
-    u.add_argument("--unsafe-allow-fault-injection", action="store_true")
+    u.add_argument("--unsafe-allow-fault-injection", action="store_true",
+                   help="allow the --unsafe-* options below (they break state on purpose, to prove tests notice)")
     u.add_argument("--unsafe-skip-backup-component", default=None, metavar="NAME[,NAME]",
                    help="backups silently leave these components out (mamba_conv,mamba_ssm: the recurrent state)")
-    u.add_argument("--unsafe-corrupt-backup-component", default=None, metavar="COMPONENT")
-    u.add_argument("--unsafe-restore-into-old-indices", action="store_true")
-    u.add_argument("--unsafe-disable-verification", action="store_true")
+    u.add_argument("--unsafe-corrupt-backup-component", default=None, metavar="COMPONENT",
+                   help="flip a byte of this component in every backup after checksumming (restores must notice)")
+    u.add_argument("--unsafe-restore-into-old-indices", action="store_true",
+                   help="restore into the indices a request gave up, which may belong to another request by then")
+    u.add_argument("--unsafe-disable-verification", action="store_true",
+                   help="restores trust the backup: no completeness, ownership or checksum check")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
