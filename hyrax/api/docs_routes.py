@@ -30,6 +30,7 @@ _EXTRA = {  # statuses beyond the ones every route of its kind answers
     ("post", "/admin/migrate"): (404, 409),
     ("post", "/admin/drain"): (404,),
     ("get", "/health"): (503,),
+    ("get", "/dashboard/assets/{name}"): (404,),
 }
 _OK_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse, "/v1/models": ModelList,
