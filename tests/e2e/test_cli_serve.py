@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from e2e_harness import MODEL, free_port, port_is_free, sse_data, wait_until
+from serve_harness import wait_serving
 
 pytestmark = pytest.mark.timeout(300)
 HYRAX = Path(sys.executable).with_name("hyrax")
@@ -47,15 +48,7 @@ def served(tmp_path_factory):
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out["pgid"] = proc.pid
     try:
-        def up():
-            if proc.poll() is not None:
-                raise AssertionError(f"hyrax serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, 120, interval=0.5, what=f"{url}/health")
+        wait_serving(proc, url, log_path, 120)
         out["banner"] = log_path.read_text()
 
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={

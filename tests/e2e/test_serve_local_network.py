@@ -18,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_harness import MODEL, free_port, wait_until
+from e2e_harness import MODEL, free_port
 from listen_harness import listening, session_pids
+from serve_harness import wait_serving
 
 pytestmark = pytest.mark.timeout(300)
 HYRAX = Path(sys.executable).with_name("hyrax")
@@ -37,15 +38,7 @@ def served(tmp_path_factory):
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict = {}
     try:
-        def up():
-            if proc.poll() is not None:
-                raise AssertionError(f"hyrax serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, 180, interval=0.5, what=f"{url}/health")
+        wait_serving(proc, url, log_path, 180)
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={  # through the TP=2 prefill's group
             "model": MODEL, "prompt": "Hello over the group", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         out["completion"] = (r.status_code, r.json())
