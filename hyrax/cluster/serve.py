@@ -248,7 +248,8 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         if not server.started:
             raise StartupFailure("the gateway failed to start (see the log above)")
     finally:
-        print("hyrax: stopping replicas ...", file=sys.stderr)
+        if dep.replicas:
+            print("hyrax: stopping replicas ...", file=sys.stderr)
         dep.shutdown()
         if started_ray:
             ray.shutdown()
