@@ -190,6 +190,38 @@ def test_logit_bias_and_stop_token_ids_reach_the_sampler(local):
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 1, r
 
 
+def test_frequency_presence_and_bias_pick_what_a_direct_computation_picks(oai, local):
+    """With the official client, greedy: at every step the chosen token maximises
+    logprob + bias - frequency * count - presence * [count > 0] (both penalties are additive,
+    so the model's logprobs, reported before processing, stand in for its logits) over the top
+    20, counting the tokens generated so far."""
+    from collections import Counter
+
+    tok, vocab = local.client.model.tokenizer, local.client.model.vocab_size
+    by_text: dict[str, int] = {}
+    for i in range(vocab):
+        by_text.setdefault(tok.decode([i]), -1 if tok.decode([i]) in by_text else i)
+    freq, pres, bias = 1.5, 2.0, {"Z": 30, "N": -5}
+    kw = dict(model=MODEL, prompt="t567;e03627;b86334;u8890?b", max_tokens=12, temperature=0, logprobs=20)
+    plain = oai.completions.create(**kw).choices[0]
+    got = oai.completions.create(**kw, frequency_penalty=freq, presence_penalty=pres,
+                                 logit_bias={str(by_text[k]): v for k, v in bias.items()}).choices[0]
+    assert got.text != plain.text and "Z" in got.text, (plain.text, got.text)
+    counts: Counter = Counter()
+
+    def score(s: str, lp: float) -> float:
+        return lp + bias.get(s, 0) - freq * counts[s] - pres * (counts[s] > 0)
+
+    checked = 0
+    for t, lp, top in zip(got.logprobs.tokens, got.logprobs.token_logprobs, got.logprobs.top_logprobs):
+        if by_text.get(t, -1) >= 0:
+            best = max(score(s, v) for s, v in top.items() if by_text.get(s, -1) >= 0)
+            assert score(t, lp) >= best - 1e-6, (t, score(t, lp), top)
+            checked += 1
+        counts[t] += 1
+    assert checked >= 10
+
+
 def test_min_tokens_masks_the_stop_token_until_reached(local):
     target = local.client.model.tokenizer.encode("Z")[0]
     body = {**COMPLETION, "temperature": 0, "max_tokens": 8, "logit_bias": {str(target): 100},
