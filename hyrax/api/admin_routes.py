@@ -14,7 +14,7 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
 class RetractBody(Body):
-    request_ids: list[Text] | None = None
+    request_ids: list[Text] | None = Field(default=None, min_length=1)
     count: int | None = Field(default=None, ge=1)
     all: bool = False
     mode: str | None = Field(default=None, pattern="^(cpu_tensor|host_pool|recompute)$")

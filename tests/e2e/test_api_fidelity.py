@@ -123,6 +123,12 @@ def test_strict_types_booleans_are_not_integers_nor_strings(local, no_generation
     assert err["param"] is not None and err["param"].split(".")[0] == param, err
 
 
+@pytest.mark.parametrize("path", ["/admin/retract", "/admin/resume"])
+def test_empty_request_id_list_is_400(local, path):
+    """Found by the fuzz: an empty list selected nothing and reached the engine as a 500."""
+    assert_error(post(local.url, path, {"request_ids": []}), 400, param="request_ids")
+
+
 def test_forced_retraction_takes_a_real_integer_and_zero_turns_it_off(local):
     assert post(local.url, "/admin/forced-retraction", {"interval": 5}).json() == {"interval": 5}
     assert post(local.url, "/admin/forced-retraction", {"interval": 0}).json() == {"interval": 0}
