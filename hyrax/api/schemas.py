@@ -61,16 +61,21 @@ Text = Annotated[str, AfterValidator(_valid_text)]
 
 
 class Body(BaseModel):
-    """Base of every JSON request body: strict types, no unknown fields; a null value for a
-    known-but-unsupported field is the same as leaving it out."""
+    """Base of every JSON request body: strict types, no unknown fields. As in OpenAI's API,
+    null for an optional field means "not set" (its default), and null for a
+    known-but-unsupported field asks for nothing; null for a required field is a 400."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_null_unsupported(cls, data):
-        if isinstance(data, dict) and any(k in UNSUPPORTED_FIELDS and v is None for k, v in data.items()):
-            return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and v is None)}
+    def _null_is_unset(cls, data):
+        def unset(k, v) -> bool:
+            f = cls.model_fields.get(k)
+            return v is None and (k in UNSUPPORTED_FIELDS if f is None else not f.is_required())
+
+        if isinstance(data, dict) and any(unset(k, v) for k, v in data.items()):
+            return {k: v for k, v in data.items() if not unset(k, v)}
         return data
 
 

@@ -64,6 +64,18 @@ def test_unsupported_field_is_400_saying_so_and_null_means_absent(local, path, f
 
 
 @pytest.mark.parametrize("path", GEN)
+def test_null_for_an_optional_field_means_its_default(local, path):
+    """OpenAI's fields are nullable: null is "not set", for every optional field; a required one is still a 400."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "logit_bias",
+                               "presence_penalty", "frequency_penalty", "logprobs", "user")}
+    a = post(local.url, path, {**BASE[path], "temperature": 0, **{k: v for k, v in nulls.items() if k != "temperature"}})
+    b = post(local.url, path, {**BASE[path], "temperature": 0})
+    assert a.status_code == b.status_code == 200, a.text
+    assert a.json()["choices"] == b.json()["choices"]
+    assert_error(post(local.url, path, {**BASE[path], "model": None}), 400, param="model")
+
+
+@pytest.mark.parametrize("path", GEN)
 def test_documented_no_op_field_user_is_accepted(local, path):
     assert post(local.url, path, {**BASE[path], "user": "alice"}).status_code == 200
     assert_error(post(local.url, path, {**BASE[path], "user": 5}), 400, param="user")
