@@ -118,6 +118,13 @@ def test_invalid_values_are_refused(bad):
         SamplingParams(**bad).validate()
 
 
+def test_token_ids_are_checked_against_the_vocabulary():
+    SamplingParams(logit_bias=((V - 1, 1.0),), stop_token_ids=(0,)).validate(V)
+    for bad in (dict(logit_bias=((V, 1.0),)), dict(stop_token_ids=(V,)), dict(stop_token_ids=(-1,))):
+        with pytest.raises(HyraxInputError):
+            SamplingParams(**bad).validate(V)
+
+
 # ---- through the engine ---------------------------------------------------------------------
 PROMPTS = make_prompts(6, seed=31)
 

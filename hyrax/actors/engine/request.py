@@ -27,7 +27,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raises HyraxInputError; token ids (logit_bias, stop_token_ids) are checked against
+        `vocab_size` when given."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise HyraxInputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -48,6 +50,9 @@ class SamplingParams:
             raise HyraxInputError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if any(not math.isfinite(b) for _, b in self.logit_bias):
             raise HyraxInputError("logit_bias values must be finite")
+        ids = [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
+            raise HyraxInputError(f"logit_bias and stop_token_ids must be token ids in [0, {vocab_size or 'vocab'})")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise HyraxInputError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
 
