@@ -4,6 +4,7 @@ a backup/restore call from the coordinator. Ray-free; `actors/rank.py` wraps it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hyrax.actors.engine.config import UnsafeFaults
@@ -74,12 +75,12 @@ class RankRuntime:
             return tokens, logprobs_of(logits[rows], tokens, specs)
         return tokens
 
-    def _history(self, e) -> list[int] | None:
-        """Prompt + output ids of a sampling entry that processes logits, in-flight token filled in."""
+    def _history(self, e) -> np.ndarray | None:
+        """Prompt + output ids (int64) of a sampling entry that processes logits, in-flight token filled in."""
         if e.sample.process is None:
             return None
-        ids = list(e.sample.process.history)
-        if ids and ids[-1] < 0:
+        ids = np.array(e.sample.process.history, dtype=np.int64)
+        if len(ids) and ids[-1] < 0:
             ids[-1] = self.last_token[e.req_id]
         return ids
 

@@ -5,6 +5,9 @@ not depend on what else is in the batch, nor on retraction, transfer or migratio
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
 from hyrax.actors.engine.plan import SamplingSpec
@@ -35,58 +38,56 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[list[int] | None],
+def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None],
                    eos: tuple[int, ...] = ()) -> torch.Tensor:
     """logits: (B, V). Returns (B, V) float64 with every row's LogitProcessing applied, in
-    one vectorised pass for the batch, in vLLM's order:
+    one vectorised pass over the R rows that have one, in vLLM's order:
 
     1. logit_bias: logit[t] += bias[t];
     2. min_tokens: while draw < min_tokens, stop_token_ids (and EOS unless ignore_eos) -> -inf;
     3. repetition_penalty r on every token of prompt + output: logit / r if > 0 else logit * r;
     4. frequency f and presence p on output tokens: logit -= f * count + p * (count > 0).
 
-    histories[i]: the request's prompt + output ids (placeholders resolved) for rows with
-    a LogitProcessing, else None; its last `spec.draw` ids are the outputs.
+    histories[i]: the request's prompt + output ids (placeholders resolved; any int sequence,
+    an int64 array is cheapest) for rows with a LogitProcessing, else None; its last
+    `spec.draw` ids are the outputs.
     """
     x = logits.double()
     rows = [i for i, s in enumerate(specs) if s.process is not None]
     if not rows:
         return x
-    B, V = x.shape
-    dev = x.device
-    col = torch.ones(B, 1, dtype=x.dtype)  # per-row scalars, neutral by default
-    rep, freq, pres = col.clone(), col * 0, col * 0
-    seen_r, seen_t, out_r, out_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(9))
-    for i in rows:
-        p, h, draw = specs[i].process, histories[i], specs[i].draw
-        rep[i], freq[i], pres[i] = p.repetition, p.frequency, p.presence
-        seen_r += [i] * len(h)
-        seen_t += h
-        out_r += [i] * draw
-        out_t += h[len(h) - draw:]
-        bias_r += [i] * len(p.bias)
-        bias_t += [t for t, _ in p.bias]
-        bias_v += [b for _, b in p.bias]
-        if draw < p.min_tokens:
-            banned = set(p.suppress) | (set() if p.ignore_eos else set(eos))
-            ban_r += [i] * len(banned)
-            ban_t += sorted(banned)
+    V, dev = x.shape[1], x.device
+    procs = [specs[i].process for i in rows]
+    hs = [np.asarray(histories[i], dtype=np.int64) for i in rows]
+    outs = [h[len(h) - specs[i].draw:] for h, i in zip(hs, rows)]
 
-    def idx(v: list[int]) -> torch.Tensor:
-        return torch.tensor(v, dtype=torch.long, device=dev)
+    def counts(per_row: list[np.ndarray]) -> torch.Tensor:
+        """(R, V) occurrences of each token in each row's ids: one bincount over row * V + id."""
+        flat = np.concatenate([k * V + ids for k, ids in enumerate(per_row)])
+        return torch.bincount(torch.from_numpy(flat).to(dev), minlength=len(rows) * V).view(len(rows), V)
 
-    x.index_put_((idx(bias_r), idx(bias_t)), torch.tensor(bias_v, dtype=x.dtype, device=dev), accumulate=True)
-    x.index_put_((idx(ban_r), idx(ban_t)), torch.tensor(float("-inf"), dtype=x.dtype, device=dev))
-    rep, freq, pres = rep.to(dev), freq.to(dev), pres.to(dev)
-    seen = torch.zeros(B, V, dtype=torch.bool, device=dev).index_put_(
-        (idx(seen_r), idx(seen_t)), torch.tensor(True, device=dev))
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    counts = torch.zeros(B, V, dtype=x.dtype, device=dev).index_put_(
-        (idx(out_r), idx(out_t)), torch.ones(len(out_t), dtype=x.dtype, device=dev), accumulate=True)
-    return x - freq * counts - pres * (counts > 0).to(x.dtype)
+    def tensor(v: list, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(v, dtype=dtype, device=dev)
+
+    def col(v: list[float]) -> torch.Tensor:  # (R, 1) per-row scalars
+        return tensor(v, x.dtype).unsqueeze(1)
+
+    banned = [sorted(set(p.suppress) | (set() if p.ignore_eos else set(eos))) if specs[i].draw < p.min_tokens else []
+              for p, i in zip(procs, rows)]
+    sub = x[tensor(rows)]  # (R, V)
+    sub.index_put_((tensor([k for k, p in enumerate(procs) for _ in p.bias]), tensor([t for p in procs for t, _ in p.bias])),
+                   tensor([b for p in procs for _, b in p.bias], x.dtype), accumulate=True)
+    sub.index_put_((tensor([k for k, ts in enumerate(banned) for _ in ts]), tensor([t for ts in banned for t in ts])),
+                   tensor(float("-inf"), x.dtype))
+    rep = col([p.repetition for p in procs])
+    sub = torch.where(counts(hs) > 0, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    out = counts(outs).to(x.dtype)
+    sub = sub - col([p.frequency for p in procs]) * out - col([p.presence for p in procs]) * (out > 0).to(x.dtype)
+    x[tensor(rows)] = sub
+    return x
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[list[int] | None] | None = None,
+def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None] | None = None,
            eos: tuple[int, ...] = ()) -> list[int]:
     """logits: (B, V) for the rows that sample; histories as `process_logits` takes them
     (needed only when some spec has a LogitProcessing). One host sync for the batch."""
