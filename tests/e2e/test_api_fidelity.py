@@ -276,6 +276,16 @@ def test_docs_are_served_offline_from_installed_assets(local):
     assert httpx.get(f"{local.url}/openapi.json").status_code == 200
 
 
+def test_without_the_assets_package_docs_are_off_and_the_schema_stays(local, gateway_with, monkeypatch):
+    from hyrax.api import docs_routes
+
+    monkeypatch.setattr(docs_routes, "_swagger_assets", lambda: None)
+    url = gateway_with()
+    assert_error(httpx.get(f"{url}/docs"), 404)
+    assert_error(httpx.get(f"{url}/redoc"), 404)
+    assert "/v1/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
+
+
 def test_openapi_documents_every_error_status_with_the_error_shape(local):
     schema = httpx.get(f"{local.url}/openapi.json").json()
     err = schema["components"]["schemas"]["ErrorResponse"]
