@@ -54,10 +54,12 @@ def validation_error(errors: list[dict]) -> JSONResponse:
     first = _pick(errors)
     if first.get("type") == "json_invalid":
         return error_response(400, "request body is not valid JSON", None, "invalid_json")
-    loc = [str(x) for x in first.get("loc", []) if x != "body" and not _is_union_tag(x)]
+    loc = [x for x in first.get("loc", []) if x != "body"]
+    unknown = first.get("type") == "extra_forbidden"  # its last element is the client's key, whatever it looks like
+    loc = [str(x) for x in loc[:-1] if not _is_union_tag(x)] + [str(x) for x in loc[-1:] if unknown or not _is_union_tag(x)]
     param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
-        name = loc[-1] if loc else "?"
+    if unknown:
+        name = loc[-1]
         if name in UNSUPPORTED_FIELDS:
             return error_response(400, f"{param}: not supported by Hyrax ({UNSUPPORTED_FIELDS[name]} is not "
                                   "implemented); remove the field or set it to null", param, "unsupported_parameter")

@@ -28,7 +28,7 @@ def post(url: str, path: str, body) -> httpx.Response:
 
 # ---- unknown, unsupported and no-op fields --------------------------------------------------
 @pytest.mark.parametrize("path", GEN + ["/v1/tokenize"])
-@pytest.mark.parametrize("field", ["foo", "temprature", "include_stop_str_in_output"])
+@pytest.mark.parametrize("field", ["foo", "temprature", "include_stop_str_in_output", "Foo", "str", "list[int]"])
 def test_unknown_field_is_400_naming_it(local, no_generation, path, field):
     body = {"model": MODEL, "prompt": "hi"} if path == "/v1/tokenize" else BASE[path]
     for stream in ((False, True) if path in BASE else (None,)):
