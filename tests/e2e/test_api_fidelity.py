@@ -189,6 +189,7 @@ def test_text_parts_are_joined_as_the_content(local):
     ({"logit_bias": {"65": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"264": 1}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5}, "min_tokens"),
+    ({"min_tokens": 1, "stop": "x"}, "min_tokens"), ({"min_tokens": 1, "stop": ["x"]}, "min_tokens"),
     ({"stop_token_ids": [264]}, "stop_token_ids"), ({"stop_token_ids": ["1"]}, "stop_token_ids"),
 ])
 def test_bad_token_sampling_field_is_400(local, no_generation, path, patch, param):
