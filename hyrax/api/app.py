@@ -86,7 +86,8 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         h = await client.health()
         request.app.state.ready = h["ready"]
         if not h["ready"]:
-            return error_response(503, "not ready: some replica is unhealthy", headers={"Retry-After": "5"})
+            why = "; ".join(h.get("reasons") or ["some replica is unhealthy"])
+            return error_response(503, f"not ready: {why}", headers={"Retry-After": "5"})
         return {"status": "ok", **h}
 
     @app.get("/metrics")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hyrax.actors.engine.selection import Selection
 from ray_harness import (DEMO_CONFIG, DEMO_MODEL, Stream, assert_clean, call, prompt, rank_backups, reference,
                          request_info, uid)
 
@@ -33,7 +34,7 @@ def test_abort_of_a_held_retracted_request_discards_backups_on_every_rank(demo_t
     coord = demo_tp2
     s = Stream(coord, uid("abort-held"), prompt(20, seed=702), 200)
     s.wait_tokens(3)
-    assert call(coord.retract, request_ids=[s.id], hold=True) == {s.id: "cpu_tensor"}
+    assert call(coord.retract, Selection(ids=(s.id,)), hold=True) == {s.id: "cpu_tensor"}
     assert rank_backups(coord) == [1, 1]  # the test can fail: both ranks hold a backup now
     assert call(coord.abort, s.id) is True
     assert_clean(coord)

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.model.config import ModelConfig
 from pd_harness import (
     Run, all_stats, assert_all_clean, assert_outputs, drive, pd_deployed, row_bytes, stats_delta, wait_for,
@@ -104,7 +105,7 @@ def test_migrate_mid_decode_across_replicas_and_tp_sizes_matches_uninterrupted_r
             before = {id(b): await _stats(b) for b in (src, dst)}
             seen = len(mover.tokens)
             res = await client.migrate(mover.id, dst)
-            assert res == f"migrating to {dst.role}/{dst.index}", res
+            assert res == (Outcome.MIGRATING, dst), res
             await wait_for(lambda: client.owner.get(mover.id) is dst, what=f"hand-off to {dst.role}/{dst.index}")
             # the source released the request (no HANDOFF indices left behind) while it still decodes
             await _until(lambda: _ids_on(src), lambda ids: mover.id not in ids,

@@ -1,0 +1,210 @@
+"""Request-lifecycle regressions (issue 14), each over the HTTP gateway with in-process
+engines: the colocated stack, or a prefill + decode pair that hands requests off with the
+same offer/import/acknowledge protocol as over Ray.
+
+Garbage collection is off during these tests: whether an abandoned request is freed must
+not depend on when a suspended generator happens to be collected (the old flaky disconnect
+test failed exactly when it was not)."""
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from e2e_harness import ADMIN, E2E_CONFIG, MODEL, admin_requests, assert_error, wait_until
+from pd_local_harness import local_pd_gateway
+
+LONG = 400  # tokens: far more than is generated before a disconnect is noticed
+
+
+@pytest.fixture(autouse=True)
+def no_gc():
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.fixture(scope="module")
+def pd():
+    import torch
+
+    torch.set_num_threads(1)
+    with local_pd_gateway(E2E_CONFIG) as stack:
+        yield stack
+
+
+@pytest.fixture
+def pd_clean(pd):
+    yield pd
+    wait_until(pd.clean, 20, what="both replicas idle with empty pools")
+    for lp in pd.loops:
+        assert lp.check_invariants() and lp.invariant_error is None
+
+
+def _body(stream: bool, max_tokens: int = LONG, **kw) -> dict:
+    return {"model": MODEL, "prompt": "t567;e03627;b86334;u8890;d97427?b", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream, **kw}
+
+
+def _vanish_after(url: str, chunks: int) -> None:
+    """A streaming client that reads `chunks` data events and closes the connection."""
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=_body(True)) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = 0
+            while seen < chunks:
+                seen += next(lines).startswith("data: ")
+
+
+def _vanish_without_reading(url: str, path: str, body: dict, after_s: float) -> None:
+    """Send a request on a raw socket, wait, and close it without reading the answer."""
+    import json
+
+    raw = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        time.sleep(after_s)
+
+
+def _served(url: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json=_body(False, max_tokens=8), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("chunks", [0, 1, 2, 5])
+def test_streams_dropped_after_n_chunks_leave_nothing_allocated_under_pd(pd_clean, chunks):
+    """Item 1: dropped right after the first chunk, the request was mid hand-off (offered by
+    the prefill replica) and leaked there forever."""
+    pd = pd_clean
+    for _ in range(6):
+        _vanish_after(pd.url, chunks)
+    wait_until(pd.clean, 20, what="every dropped request to be freed on both replicas")
+    assert admin_requests(pd.url) == []
+    assert _served(pd.url)["choices"][0]["finish_reason"] == "length"  # and the server still serves
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(pd_clean):
+    """Item 2: a non-streaming request whose client went away ran on to max_tokens."""
+    pd = pd_clean
+    before = sum(lp.engine.stats.finished["abort"] for lp in pd.loops)
+    t = threading.Thread(target=_vanish_without_reading, args=(pd.url, "/v1/completions", _body(False), 1.0))
+    t.start()
+    wait_until(lambda: any(q["state"] == "running" for q in admin_requests(pd.url)), 20, what="the request to run")
+    t.join()
+    wait_until(pd.clean, 20, what="the abandoned request to be aborted")
+    assert sum(lp.engine.stats.finished["abort"] for lp in pd.loops) == before + 1
+    rec = list(pd.client.requests.values())[-1]
+    assert rec["finish_reason"] is None and len(rec["tokens"]) < LONG
+
+
+def test_no_decode_replica_answers_503_with_retry_after_and_leaks_nothing(pd_clean):
+    """Item 3: with the decode replica drained, completions answered 200 with
+    finish_reason "error" (leaking a hand-off each time)."""
+    pd = pd_clean
+    r = httpx.post(f"{pd.url}/admin/drain", headers=ADMIN, json={"role": "decode", "replica": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        for stream in (False, True):
+            resp = httpx.post(f"{pd.url}/v1/completions", json=_body(stream, max_tokens=4), timeout=60)
+            assert_error(resp, 503, code="unavailable")
+            assert resp.headers.get("retry-after")
+        assert pd.clean()
+    finally:
+        httpx.post(f"{pd.url}/admin/drain", headers=ADMIN, timeout=60,
+                   json={"role": "decode", "replica": 0, "undrain": True})
+    assert _served(pd.url)["choices"][0]["finish_reason"] == "length"
+
+
+def test_one_request_asking_for_more_choices_than_the_cap_is_400(local):
+    """Item 4: 1000 prompts x n=16 became 16,000 engine requests."""
+    body = {"model": MODEL, "prompt": ["a b"] * 1000, "n": 16, "max_tokens": 1}
+    err = assert_error(httpx.post(f"{local.url}/v1/completions", json=body, timeout=60), 400, code="too_many_choices")
+    assert "16000" in err["message"] and str(local.client.max_choices) in err["message"]
+    assert local.is_idle()
+
+
+def test_the_inflight_limit_counts_choices_not_http_requests(local):
+    inner = local.client._inner
+    old = inner.max_inflight
+    inner.max_inflight = 4
+    try:
+        body = {"model": MODEL, "prompt": ["a b", "c d", "e f"], "n": 2, "max_tokens": 1}  # 6 choices
+        resp = httpx.post(f"{local.url}/v1/completions", json=body, timeout=60)
+        assert_error(resp, 503, code="unavailable")
+        assert resp.headers.get("retry-after")
+        body["n"] = 1  # 3 choices fit
+        assert httpx.post(f"{local.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        inner.max_inflight = old
+    assert inner.admitted == 0
+
+
+def test_resume_takes_the_same_selectors_as_retract_and_admin_count_takes_the_last_request(local):
+    """Item 9: resume took only ids; `retract {"count": 1}` with one running request
+    retracted nothing."""
+    done = threading.Event()
+
+    def one_stream():
+        with httpx.Client(timeout=120) as http:
+            r = http.post(f"{local.url}/v1/completions", json=_body(False, max_tokens=60))
+            assert r.status_code == 200, r.text
+        done.set()
+
+    t = threading.Thread(target=one_stream)
+    t.start()
+    wait_until(lambda: any(q["state"] == "running" for q in admin_requests(local.url)), 30, what="a running request")
+    r = httpx.post(f"{local.url}/admin/retract", headers=ADMIN, json={"count": 1, "hold": True}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["retracted"]) == 1, r.text
+    rid = r.json()["retracted"][0]
+    assert [q["state"] for q in admin_requests(local.url)] == ["retracted"]
+    time.sleep(0.3)
+    assert not done.is_set()  # held: nothing resumes it behind the operator's back
+    r = httpx.post(f"{local.url}/admin/resume", headers=ADMIN, json={"all": True}, timeout=30)
+    assert r.status_code == 200 and r.json()["resumed"] == [rid], r.text
+    t.join(timeout=120)
+    assert done.is_set()
+
+
+def test_a_stuck_replica_makes_health_not_ready_with_the_reason(local):
+    """Work queued, nothing running, no progress: /health says so (it said ready while
+    leaked slots made every new request hang)."""
+    engine, loop = local.engine, local.loop
+    loop.stuck_after_s = 0.3
+    slots = engine.alloc["mamba_ssm"]
+    with loop.lock:
+        leaked = slots.allocate("leak", slots.num_free)  # as a leak would: no slot left
+    t = threading.Thread(target=lambda: httpx.post(f"{local.url}/v1/completions", json=_body(False, max_tokens=2),
+                                                   timeout=60))
+    t.start()
+    try:
+        wait_until(lambda: httpx.get(f"{local.url}/health", timeout=10).status_code == 503, 20, what="not ready")
+        err = httpx.get(f"{local.url}/health", timeout=10).json()["error"]
+        assert "stuck" in err["message"] and "waiting" in err["message"], err
+    finally:
+        with loop.lock:
+            slots.free("leak", leaked)
+        loop.stuck_after_s = 30.0
+    t.join(timeout=60)
+    wait_until(lambda: httpx.get(f"{local.url}/health", timeout=10).status_code == 200, 20, what="ready again")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_mid_stream_is_noticed_without_garbage_collection(local, path):
+    """Item 11: the stream's generator was closed only when collected; with a cycle holding
+    it, the abandoned request ran on."""
+    from e2e_harness import disconnect_mid_stream, finished_count
+
+    for _ in range(3):
+        before = finished_count(local.loop.stats(), "abort")
+        disconnect_mid_stream(local.url, path, 1)
+        wait_until(local.loop.is_idle_clean, 20, what="the engine to drop the abandoned request")
+        assert finished_count(local.loop.stats(), "abort") == before + 1
