@@ -14,7 +14,7 @@ all of them; it includes the row-parallel all-reduces); overhead = step - forwar
 the plan fan-out and result gather over Ray plus the coordinator's own work.
 
 Ray rows run twice: plain steps (`Engine.step`: plan, run, commit) and with overlap scheduling
-(`Engine.step_overlap`, `hyrax serve`'s default: step N+1 is planned and sent before step N
+(`Engine.step` with `overlap` on, `hyrax serve`'s default: step N+1 is planned and sent before step N
 is committed; the per-step pairing of wall time and forward time is then approximate, which
 is fine in the steady decode state timed here).
 
@@ -40,7 +40,7 @@ def _config(batch: int, overlap: bool = False):
 
 def _timed_decode(engine, batch: int, steps: int, forward_of_step) -> tuple[list[float], list[float]]:
     """Admit `batch` requests, finish their prefill, then time `steps` decode-only steps
-    (`step_overlap` when the engine's config says so, as the coordinator's loop does).
+    (a pipeline of depth 2 when the engine's config says so, as the coordinator's loop does).
     Returns (step seconds, forward seconds) per timed step."""
     from hyrax.actors.engine.request import SamplingParams
 
@@ -48,7 +48,7 @@ def _timed_decode(engine, batch: int, steps: int, forward_of_step) -> tuple[list
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
     ids = [engine.add_request(prompt_ids(rng, PROMPT), params) for _ in range(batch)]
     run_until(engine, lambda: all(len(engine.requests[i].output_ids) >= 2 for i in ids))  # in decode
-    step = engine.step_overlap if engine.config.overlap else engine.step
+    step = engine.step
     step_s = []
     for _ in range(steps):
         t0 = time.perf_counter()

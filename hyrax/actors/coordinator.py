@@ -19,7 +19,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.selection import Selection
 from hyrax.actors.engine.remote_executor import RemoteExecutor
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.hybrid import DTYPES
@@ -53,7 +55,8 @@ class RoleCoordinator:
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)
-        self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover)
+        self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover,
+                               source=ray.get_runtime_context().current_actor, ack=_ack_remote)
 
     # ---- ranks -------------------------------------------------------------------------
     def _rank_name(self, k: int) -> str:
@@ -116,12 +119,11 @@ class RoleCoordinator:
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)
 
-    def retract(self, request_ids: list[str] | None = None, count: int | None = None, all_: bool = False,
-                mode: str | None = None, hold: bool = False) -> dict:
-        return self.loop.retract(request_ids, count, all_, mode, hold)
+    def retract(self, which: Selection, mode: str | None = None, hold: bool = False) -> dict[str, Outcome]:
+        return self.loop.retract(which, mode, hold)
 
-    def resume(self, request_ids: list[str]) -> dict:
-        return self.loop.resume(request_ids)
+    def resume(self, which: Selection) -> dict[str, Outcome]:
+        return self.loop.resume(which)
 
     def set_forced_retraction(self, interval: int) -> int:
         return self.loop.set_forced_retraction(interval)
@@ -147,6 +149,7 @@ class RoleCoordinator:
 
     def health(self) -> dict:
         return {"role": self.role, "replica": self.replica, "healthy": self.healthy,
+                "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
                 "device": self.device, "attention_backend": self.attention_backend}
 
@@ -160,6 +163,12 @@ class RoleCoordinator:
         self.loop.shutdown()
         for r in self.ranks:
             ray.kill(r, no_restart=True)
+
+
+def _ack_remote(source, request_id: str) -> None:
+    """Tell the offering coordinator its hand-off was taken (fire and forget: if this is lost,
+    the offer's lease frees it there)."""
+    source.release.remote(request_id)
 
 
 def _cuda_cluster() -> bool:

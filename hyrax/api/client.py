@@ -11,6 +11,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.actors.engine.selection import Selection
+
 
 class LocalBackend:
     def __init__(self, loop, role: str = "colocated", index: int = 0):
@@ -26,7 +29,12 @@ class LocalBackend:
         return self.loop.generate_imported(handoff)
 
     async def health(self) -> dict:
-        return {"role": self.role, "replica": self.index, "healthy": self.loop.healthy}
+        return {"role": self.role, "replica": self.index, "healthy": self.loop.healthy,
+                "stuck": self.loop.stuck_reason()}
+
+
+def _error_item(message: str, status: int) -> dict:
+    return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
 
 
 @dataclass
@@ -43,20 +51,63 @@ def least_loaded(backends: list, inflight: dict[int, int]) -> object:
     return min(backends, key=lambda b: (inflight.get(id(b), 0), b.index))
 
 
+class Unavailable(RuntimeError):
+    """No replica can take the request now (503 with Retry-After)."""
+
+
+@dataclass
+class Reservation:
+    """Admission for one API call's choices, counted against the in-flight limit until each
+    choice ends. Releasing is idempotent, so every exit path may release what is left."""
+    client: "EngineClient"
+    left: int
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.left)
+        self.left -= n
+        self.client.admitted -= n
+
+    def release_all(self) -> None:
+        self.release(self.left)
+
+
 @dataclass
 class EngineClient:
     model: ModelInfo
     backends: list
     router: Callable = least_loaded
-    max_inflight: int = 1024
+    max_inflight: int = 1024  # choices (prompts x n) admitted and not yet finished
+    max_choices: int = 256  # choices one API call may ask for
     inflight: dict[int, int] = field(default_factory=dict)
     owner: dict[str, object] = field(default_factory=dict)  # request id -> backend
     draining: set = field(default_factory=set)  # backend ids that take no new requests
-
-    def queue_full(self) -> bool:
-        return sum(self.inflight.values()) >= self.max_inflight
-
     migrate_to: dict[str, object] = field(default_factory=dict)  # request id -> chosen target
+    admitted: int = 0
+    _background: set = field(default_factory=set)  # fire-and-forget aborts, kept referenced
+
+    def queue_full(self, n: int = 1) -> bool:
+        return self.admitted + n > self.max_inflight
+
+    def reserve(self, n: int) -> Reservation:
+        """Admit `n` choices or raise: ValueError past `max_choices` (the caller's fault, 400),
+        Unavailable when the in-flight limit or the replicas cannot take them (503)."""
+        if n > self.max_choices:
+            raise ValueError(f"this request asks for {n} choices (prompts x n); the limit is {self.max_choices}")
+        reason = self.unavailable()
+        if reason is None and self.queue_full(n):
+            reason = f"the server is at its limit of {self.max_inflight} requests in flight; retry later"
+        if reason is not None:
+            raise Unavailable(reason)
+        self.admitted += n
+        return Reservation(self, n)
+
+    def unavailable(self) -> str | None:
+        """Why a new request could not be served end to end now, or None."""
+        if self._pick(("prefill",)) is None and self._pick(("colocated", "decode")) is None:
+            return "no replica accepts requests (all draining)"
+        if self._pick(("prefill",)) is not None and self._pick(("decode", "colocated")) is None:
+            return "no decode replica accepts requests (all draining)"
+        return None
 
     def _pick(self, roles: tuple[str, ...], exclude: object = None):
         cands = [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining]
@@ -72,41 +123,52 @@ class EngineClient:
         else:
             self.owner.pop(request_id, None)
 
+    def _abort_later(self, backend, request_id: str) -> None:
+        task = asyncio.ensure_future(backend.call("abort", request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream one request. With prefill replicas, the prompt runs there and the request is
-        handed to a decode replica after its first token; a migration hands it between
-        decode replicas. The consumer sees one uninterrupted stream of token items."""
+        offered to a decode replica after its first token; a migration offers it between
+        decode replicas. The importer acknowledges to the source, coordinator to coordinator;
+        this gateway only carries the offer. The consumer sees one uninterrupted stream of
+        token items. If the consumer goes away, the request is aborted wherever it is."""
         backend = self._pick(("prefill",)) or self._pick(("colocated", "decode"))
         if backend is None:
-            yield {"error": "no replica accepts requests (all draining)", "finished": True,
-                   "finish_reason": "error", "token_ids": []}
+            yield _error_item("no replica accepts requests (all draining)", 503)
             return
         self._own(request_id, backend)
-        stream, source = backend.generate(request_id, prompt_ids, params), None
+        stream, offered_by, done = backend.generate(request_id, prompt_ids, params), None, False
         try:
             while True:
                 handoff = None
                 async for item in stream:
-                    if "imported" in item:  # the new replica has the state: free it at the source
-                        if source is not None:
-                            await source.call("release", request_id)
-                            source = None
+                    if "imported" in item:  # the new replica has it; the source was told directly
+                        offered_by = None
                         continue
                     if "handoff" in item:
                         handoff = item.pop("handoff")
                         if item.get("token_ids"):
                             yield item
                         break
+                    done = bool(item.get("finished"))
                     yield item
                 if handoff is None:
+                    done = True
                     return
+                offered_by = backend
                 target = self.migrate_to.pop(request_id, None) or self._pick(("decode", "colocated"), exclude=backend)
-                if target is None:  # nowhere to go: continue where it is
-                    target = backend
-                source, backend = backend, target
+                if target is None:  # nowhere to go: give it up cleanly rather than hold it
+                    yield _error_item("no decode replica accepts requests (all draining)", 503)
+                    return
+                backend = target
                 self._own(request_id, backend)
                 stream = backend.generate_imported(handoff)
         finally:
+            if not done:  # the consumer went away (or nowhere to go): free it wherever it is
+                for b in {id(x): x for x in (backend, offered_by) if x is not None}.values():
+                    self._abort_later(b, request_id)
             self._own(request_id, None)
             self.migrate_to.pop(request_id, None)
 
@@ -116,20 +178,21 @@ class EngineClient:
                 return b
         return None
 
-    async def migrate(self, request_id: str, target=None) -> str:
-        """Move a running request to `target` (a backend; default: least loaded other replica)."""
+    async def migrate(self, request_id: str, target=None) -> tuple[Outcome, object]:
+        """Move a running request to `target` (a backend; default: least loaded other replica).
+        Returns (outcome, the target)."""
         src = self.owner.get(request_id)
         if src is None:
-            return "error: unknown request"
+            return Outcome.UNKNOWN, None
         target = target or self._pick(("decode", "colocated"), exclude=src)
         if target is None or target is src:
-            return "error: no other replica to migrate to"
+            return Outcome.NO_TARGET, None
         self.migrate_to[request_id] = target
         ok = await src.call("migrate_out", request_id)
         if not ok:
             self.migrate_to.pop(request_id, None)
-            return "error: request is not running on its replica"
-        return f"migrating to {target.role}/{target.index}"
+            return Outcome.NOT_RUNNING, None
+        return Outcome.MIGRATING, target
 
     async def drain(self, backend, wait_s: float = 30.0) -> dict:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
@@ -139,7 +202,8 @@ class EngineClient:
         moved = {}
         for r in reqs:
             if r["state"] == "running" and r["id"] in self.owner:
-                moved[r["id"]] = await self.migrate(r["id"])
+                outcome, target = await self.migrate(r["id"])
+                moved[r["id"]] = f"{outcome.value} to {target.role}/{target.index}" if target else outcome.value
         remaining = await backend.call("load")
         deadline = asyncio.get_running_loop().time() + wait_s
         while remaining and asyncio.get_running_loop().time() < deadline:  # until the targets took them
@@ -157,36 +221,48 @@ class EngineClient:
     async def _each(self, name: str, *args, **kwargs) -> list:
         return list(await asyncio.gather(*(b.call(name, *args, **kwargs) for b in self.backends)))
 
-    async def retract(self, request_ids: list[str] | None, count: int | None, all_: bool,
-                      mode: str | None, hold: bool) -> dict:
-        out: dict = {}
-        if request_ids is not None:
-            groups: dict[int, list[str]] = {}
-            for rid in request_ids:
-                b = self.owner.get(rid)
-                if b is None:
-                    out[rid] = "error: unknown request"
-                else:
-                    groups.setdefault(id(b), []).append(rid)
-            for b in self.backends:
-                if id(b) in groups:
-                    out.update(await b.call("retract", groups[id(b)], None, False, mode, hold))
-            return out
-        remaining = count
+    async def retract(self, which: Selection, mode: str | None, hold: bool) -> dict[str, Outcome]:
+        """By ids: each on the replica that owns it. By count: replica by replica until that
+        many are retracted. All: everywhere."""
+        async def on_owners(ids):
+            return await self._by_owner("retract", ids, mode, hold)
+
+        return await self._select(which, on_owners, lambda b, sel: b.call("retract", sel, mode, hold))
+
+    async def resume(self, which: Selection) -> dict[str, Outcome]:
+        """The same selectors as `retract`: ids, a count (oldest retracted first), or all."""
+        async def on_owners(ids):
+            return await self._by_owner("resume", ids)
+
+        return await self._select(which, on_owners, lambda b, sel: b.call("resume", sel))
+
+    async def _select(self, which: Selection, on_owners, on_backend) -> dict[str, Outcome]:
+        if which.ids:
+            return await on_owners(which.ids)
+        out: dict[str, Outcome] = {}
+        remaining = which.count
         for b in self.backends:
             if remaining is not None and remaining <= 0:
                 break
-            got = await b.call("retract", None, remaining, all_, mode, hold)
+            sel = Selection(all=True) if remaining is None else Selection(count=remaining)
+            got = await on_backend(b, sel)
             out.update(got)
             if remaining is not None:
-                remaining -= sum(1 for v in got.values() if not str(v).startswith("error"))
+                remaining -= sum(1 for v in got.values() if Outcome(v).ok)
         return out
 
-    async def resume(self, request_ids: list[str]) -> dict:
-        out: dict = {}
-        for rid in request_ids:
+    async def _by_owner(self, name: str, ids, *args) -> dict[str, Outcome]:
+        out: dict[str, Outcome] = {}
+        groups: dict[int, list[str]] = {}
+        for rid in ids:
             b = self.owner.get(rid)
-            out.update(await b.call("resume", [rid]) if b else {rid: "error: unknown request"})
+            if b is None:
+                out[rid] = Outcome.UNKNOWN
+            else:
+                groups.setdefault(id(b), []).append(rid)
+        for b in self.backends:
+            if id(b) in groups:
+                out.update(await b.call(name, Selection(ids=tuple(groups[id(b)])), *args))
         return out
 
     async def set_forced_retraction(self, interval: int) -> None:
@@ -215,4 +291,6 @@ class EngineClient:
             reps = await asyncio.wait_for(asyncio.gather(*(b.health() for b in self.backends)), timeout=5)
         except Exception as e:  # noqa: BLE001 - an unreachable replica is simply not ready
             return {"ready": False, "replicas": [], "error": f"{type(e).__name__}"}
-        return {"ready": all(r.get("healthy") for r in reps), "replicas": reps}
+        reasons = [f"{r.get('role')}/{r.get('replica')}: " + (r.get("stuck") or "unhealthy")
+                   for r in reps if not r.get("healthy") or r.get("stuck")]
+        return {"ready": not reasons, "replicas": reps, "reasons": reasons}

@@ -1,12 +1,19 @@
 """Runs the choices of one API call (prompts x n) through the engine client and merges
 their streams. Closing the merged stream (client disconnect) cancels every choice, which
-aborts its request on the replica and frees its memory on every rank."""
+aborts its request on the replica and frees its memory on every rank.
+
+The routes never rely on garbage collection to notice a client that left: a streaming
+response closes its event generator explicitly when the connection ends
+(`ClosingStreamingResponse`), and a non-streaming call races the engine against the
+connection (`until_disconnected`)."""
 from __future__ import annotations
 
 import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
+
+from starlette.responses import StreamingResponse
 
 from hyrax.api.text import TextStream
 
@@ -21,11 +28,14 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 400  # the HTTP status an error that produced no tokens maps to
     logprobs: list[dict] = field(default_factory=list)  # one per token, when asked for
 
 
-async def run_choices(client, choices: list[Choice], metrics=None) -> AsyncIterator[tuple[Choice, str, bool]]:
-    """Yields (choice, text delta, finished) as tokens arrive, from all choices interleaved."""
+async def run_choices(client, choices: list[Choice], metrics=None,
+                      reservation=None) -> AsyncIterator[tuple[Choice, str, bool]]:
+    """Yields (choice, text delta, finished) as tokens arrive, from all choices interleaved.
+    `reservation`: the admission of these choices, released as each one ends."""
     q: asyncio.Queue = asyncio.Queue()
     timers = {c.index: metrics.timer() for c in choices} if metrics is not None else {}
 
@@ -44,6 +54,7 @@ async def run_choices(client, choices: list[Choice], metrics=None) -> AsyncItera
             c, item = await q.get()
             if item.get("error"):
                 c.error = item["error"]
+                c.error_status = item.get("status", 400)
             if timers:
                 timers[c.index].tokens(len(item.get("token_ids", [])))
                 if item.get("finished"):
@@ -55,8 +66,59 @@ async def run_choices(client, choices: list[Choice], metrics=None) -> AsyncItera
                 delta += c.text.finish()
                 c.finish_reason = "stop" if c.text.stopped else item.get("finish_reason")
                 open_ -= 1
+                if reservation is not None:
+                    reservation.release()
             yield c, delta, bool(item.get("finished"))
     finally:
         for t in tasks:
             t.cancel()
+        if reservation is not None:
+            reservation.release_all()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body generator however the response ends (the
+    client disconnected, the server is shutting down), so the choices behind it are aborted
+    now — not whenever the suspended generator happens to be garbage-collected."""
+
+    def __init__(self, content, on_close=None, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await asyncio.shield(self.body_iterator.aclose())
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
+
+
+async def until_disconnected(request, coro):
+    """Await `coro` unless the client disconnects first; then cancel it (aborting what it
+    runs) and raise ClientGone."""
+    work = asyncio.ensure_future(coro)
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    if work.cancelled() or not work.done():
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientGone()
+    return work.result()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""

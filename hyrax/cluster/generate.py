@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from hyrax.actors.engine.local import load_engine
+from hyrax.actors.engine.local import load_engine, run_to_completion
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import resolve_model_path
@@ -77,8 +77,7 @@ def run(a: argparse.Namespace) -> int:
     engine = load_engine(str(path), config, decode=tok.decode)
     ids = [engine.add_request(p, params) for p in prompts]  # validates every prompt before running
     t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
+    run_to_completion(engine)
     elapsed = time.perf_counter() - t0
     engine.check_invariants()
     reqs = [engine.finished_requests[i] for i in ids]

@@ -125,7 +125,7 @@ def test_prompt_token_id_outside_the_vocabulary_is_400(local, no_generation, pro
     ("/admin/retract", {"all": True, "mode": "bogus"}, "mode"),
     ("/admin/retract", {"all": True, "hold": "maybe"}, "hold"),
     ("/admin/retract", {"all": True, "extra": 1}, "extra"),
-    ("/admin/resume", {}, "request_ids"),
+    ("/admin/resume", {}, None),  # exactly one of request_ids, count, all
     ("/admin/resume", {"request_ids": []}, "request_ids"),
     ("/admin/resume", {"request_ids": [1]}, "request_ids"),
     ("/admin/forced-retraction", {"interval": -1}, "interval"),

@@ -69,6 +69,7 @@ class EngineConfig:
     role: str = "colocated"  # "prefill": hand requests off after their first token
     overlap: bool = False  # plan step N+1 while the ranks run step N
     attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
+    offer_lease_s: float = 10.0  # an offered hand-off not acknowledged in time is reclaimed (freed)
 
     def __post_init__(self):
         def positive(name):
@@ -90,5 +91,7 @@ class EngineConfig:
             raise HyraxInputError(f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.role not in ("colocated", "prefill", "decode"):
             raise HyraxInputError("role must be colocated, prefill or decode")
+        if not self.offer_lease_s > 0:
+            raise HyraxInputError("offer-lease-s must be > 0")
         if self.prefill_chunk > self.max_batch_tokens:
             raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")

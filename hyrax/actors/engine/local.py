@@ -30,7 +30,7 @@ def load_engine(model_dir: str, config: EngineConfig, decode=None, device: str =
 
 
 def run_to_completion(engine: Engine, max_steps: int = 1_000_000) -> None:
-    step = engine.step_overlap if engine.config.overlap else engine.step
+    step = engine.step
     for _ in range(max_steps):
         if not engine.has_unfinished() and not engine.has_inflight():
             return

@@ -12,18 +12,36 @@ import time
 from typing import Callable
 
 from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.remote_executor import RankFailure
-from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.engine.request import SamplingParams, State
 from hyrax.actors.engine.retraction import pick_victims
+from hyrax.actors.engine.selection import Selection
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")
 
 
+def _ack_in_process(source, request_id: str) -> None:
+    source.release(request_id)
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, name: str = "engine", on_rank_failure: Callable[[Exception], None] | None = None):
+    """`source`: what a hand-off names as its origin, for the importer's acknowledgement
+    (this loop in-process; the coordinator's actor handle over Ray); `ack(source, id)`
+    delivers one. `stuck_after_s`: a replica with work queued, nothing running and no
+    progress for this long reports itself stuck."""
+
+    def __init__(self, engine: Engine, name: str = "engine", on_rank_failure: Callable[[Exception], None] | None = None,
+                 source=None, ack: Callable[[object, str], None] = _ack_in_process, stuck_after_s: float = 30.0):
         self.engine = engine
         self.on_rank_failure = on_rank_failure
+        self.source = self if source is None else source
+        self.ack = ack
+        self.stuck_after_s = stuck_after_s
+        self._blocked_since: float | None = None
+        self.invariant_error: str | None = None
+        self._checked_idle = False
         self.lock = threading.RLock()
         self.wake = threading.Event()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -37,6 +55,9 @@ class EngineLoop:
     # ---- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self.stopping:
+            with self.lock:
+                self.engine.reclaim_expired_offers()
+                self._watch()
             if not self.healthy or not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -44,7 +65,7 @@ class EngineLoop:
             with self.lock:
                 t0 = time.perf_counter()
                 try:
-                    outs = self.engine.step_overlap() if self.engine.config.overlap else self.engine.step()
+                    outs = self.engine.step()
                 except RankFailure as e:
                     if self.on_rank_failure is None:
                         raise
@@ -63,6 +84,33 @@ class EngineLoop:
                     del self.step_seconds[:-1000]
             self._deliver(outs)
 
+    def _watch(self) -> None:
+        """Cheap checks between steps: stuck (work queued, nothing running, no progress) and,
+        each time the replica becomes idle, its pool invariants."""
+        e = self.engine
+        blocked = bool(e.waiting or any(not r.hold for r in e.retracted)) and not e.running and not e.has_inflight()
+        now = time.monotonic()
+        self._blocked_since = (self._blocked_since or now) if blocked else None
+        idle = not e.has_unfinished() and not e.has_inflight()
+        if idle and not self._checked_idle:
+            try:
+                e.check_invariants()
+                if not e.is_idle_clean():
+                    raise AssertionError(f"idle with pool units still allocated: {e.pool_usage()}")
+            except AssertionError as err:
+                self.invariant_error = str(err)
+                log.error("pool invariant violated at idle: %s", err)
+        self._checked_idle = idle
+
+    def stuck_reason(self) -> str | None:
+        if self.invariant_error:
+            return f"pool invariant violated: {self.invariant_error}"
+        if self._blocked_since is not None and time.monotonic() - self._blocked_since > self.stuck_after_s:
+            c = self.engine.counts()
+            return (f"stuck: {c['waiting']} waiting and {c['retracted']} retracted requests, nothing running "
+                    f"for {time.monotonic() - self._blocked_since:.0f} s (pools: {self.engine.pool_usage()})")
+        return None
+
     def _deliver(self, outs) -> None:
         for o in outs:
             target = self.streams.get(o.req_id)
@@ -71,7 +119,7 @@ class EngineLoop:
             loop, q = target
             item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
             if o.handoff is not None:
-                item["handoff"] = o.handoff
+                item["handoff"] = dict(o.handoff, source=self.source)
             if o.logprobs:
                 item["logprobs"] = o.logprobs
             if o.finished:
@@ -98,7 +146,14 @@ class EngineLoop:
         first item acknowledges the import: {"imported": result, "token_ids": []}."""
         rid = handoff["request"]["id"]
         results = []
-        async for item in self._stream(rid, lambda: results.append(self.engine.import_request(handoff))):
+
+        def admit():
+            results.append(self.engine.import_request(handoff))
+            # the state is ours now (imported, or rebuilt by prefill from the tokens): tell the source
+            if handoff.get("source") is not None:
+                self.ack(handoff["source"], rid)
+
+        async for item in self._stream(rid, admit):
             if results:
                 yield {"token_ids": [], "finished": False, "finish_reason": None, "imported": results.pop()}
             yield item
@@ -136,9 +191,9 @@ class EngineLoop:
             req = self.engine.requests.get(request_id)
             if req is None or request_id not in self.streams:
                 return False
-            if req.state.value != "running":
+            if req.state != State.RUNNING:
                 raise HyraxInputError(f"request {request_id} is {req.state.value}; only running requests migrate")
-            handoff = self.engine.export_running(request_id)
+            handoff = dict(self.engine.export_running(request_id), source=self.source)
             # tokens the export's sync committed go out first: the stream ends with the hand-off
             outs = self.engine.step_outputs_flush()
             loop, q = self.streams[request_id]
@@ -158,20 +213,28 @@ class EngineLoop:
         self._deliver(outs)  # the stream ends now, even if the loop has nothing left to step
         return ok
 
-    def retract(self, request_ids: list[str] | None = None, count: int | None = None, all_: bool = False,
-                mode: str | None = None, hold: bool = False) -> dict:
+    def retract(self, which: Selection, mode: str | None = None, hold: bool = False) -> dict[str, Outcome]:
+        """An operator's retraction: does what was asked, the last running request included."""
         with self.lock:
-            if all_:
+            self.engine.sync()  # what runs is what the step in flight leaves running
+            if which.all:
                 ids = [r.id for r in self.engine.running]
-            elif count is not None:
-                ids = [r.id for r in pick_victims(self.engine.running, count)]
+            elif which.count is not None:
+                ids = [r.id for r in pick_victims(self.engine.running, which.count, keep_last=False)]
             else:
-                ids = list(request_ids or [])
+                ids = list(which.ids)
             return self.engine.retract(ids, mode=mode, hold=hold)
 
-    def resume(self, request_ids: list[str]) -> dict:
+    def resume(self, which: Selection) -> dict[str, Outcome]:
+        """Release retracted requests (oldest first for `count`)."""
         with self.lock:
-            out = self.engine.resume(request_ids)
+            if which.all:
+                ids = [r.id for r in self.engine.retracted]
+            elif which.count is not None:
+                ids = [r.id for r in self.engine.retracted[: which.count]]
+            else:
+                ids = list(which.ids)
+            out = self.engine.resume(ids)
         self.wake.set()
         return out
 
@@ -204,6 +267,7 @@ class EngineLoop:
             s.update(self.engine.counts())
         steps = sorted(self.step_seconds)
         s["step_ms_p50"] = round(1000 * steps[len(steps) // 2], 3) if steps else None
+        s["stuck"] = self.stuck_reason() is not None
         return s
 
     def load(self) -> int:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from hyrax.actors.engine.allocator import AllocationError, IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
-from hyrax.actors.engine.manifest import ComponentRecord, Manifest, ManifestError
-from hyrax.actors.engine.request import Request, State
+from hyrax.actors.engine.manifest import ComponentRecord, Manifest
+from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.actors.engine.request import Request
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import live_page_numbers, live_rows, pages_needed
 from hyrax.actors.model.state import ComponentSpec
@@ -26,19 +27,24 @@ class Backup:
     payload: list | None = None  # exported shards (object-store refs) from another replica
 
 
-def pick_victims(running: list[Request], n: int, exclude: set[str] = frozenset()) -> list[Request]:
-    """Default policy: fewest generated tokens first, then longest prompt; never the last running."""
+def pick_victims(running: list[Request], n: int, exclude: set[str] = frozenset(),
+                 keep_last: bool = True) -> list[Request]:
+    """Victim order: fewest generated tokens first, then longest prompt. Forced and
+    memory-pressure retraction never take the last running request (`keep_last`); an
+    operator's explicit retraction may."""
     cands = [r for r in running if r.id not in exclude]
     cands.sort(key=lambda r: (len(r.output_ids), -len(r.prompt_ids), r.arrival))
-    n = min(n, len(running) - 1, len(cands))
+    n = min(n, len(running) - 1 if keep_last else len(running), len(cands))
     return cands[: max(n, 0)]
 
 
 class Retractor:
     def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig, executor,
                  allocators: dict[str, IndexAllocator], host_allocators: dict[str, IndexAllocator],
-                 stats: EngineStats):
+                 stats: EngineStats, release=None):
         self.components = components
+        # the engine's one free point (deferred past the step in flight); direct by default
+        self.release = release or (lambda owner, indices: [self.alloc[n].free(owner, i) for n, i in indices.items()])
         self.config = config
         self.executor = executor
         self.alloc = allocators
@@ -48,10 +54,8 @@ class Retractor:
 
     # ---- indices ---------------------------------------------------------------------
     def free_device(self, req: Request) -> None:
-        for c in self.components:
-            owned = [i for i in req.indices.get(c.name, []) if i >= 0]
-            if owned:
-                self.alloc[c.name].free(req.id, owned)
+        owned = {c.name: [i for i in req.indices.get(c.name, []) if i >= 0] for c in self.components}
+        self.release(req.id, {n: i for n, i in owned.items() if i})
         req.indices = {}
 
     def _allocate_live(self, req: Request, num_tokens: int, avoid: dict[str, set[int]] | None = None
@@ -89,9 +93,6 @@ class Retractor:
             if backup is None:
                 mode = "recompute"
         self.free_device(req)  # only after every rank acknowledged its backup
-        req.state = State.RETRACTED
-        req.hold = hold
-        req.retractions += 1
         req.backup = backup
         if backup is None:
             req.num_computed = 0
@@ -147,12 +148,13 @@ class Retractor:
             req.backup = None
 
     # ---- restore ---------------------------------------------------------------------
-    def restore(self, req: Request) -> str:
-        """Bring a retracted request back. Returns 'verified', 'recompute' (state rebuilt by
-        prefill), a fallback reason, or 'no_capacity' (left retracted, nothing changed)."""
+    def restore(self, req: Request) -> Outcome:
+        """Bring a retracted request's state back into the device pools. VERIFIED: it can run;
+        RECOMPUTE / FALLBACK / CHECKSUM_MISMATCH: its state is dropped, it must be rebuilt by
+        prefill; NO_CAPACITY: left as it was. The caller moves it in the request table."""
         backup: Backup | None = req.backup
         if backup is None:
-            return self._to_recompute(req, "recompute", count=False)
+            return self._to_recompute(req, Outcome.RECOMPUTE, count=False)
         m = backup.manifest
         # New memory, really: the allocator hands out the most recently freed index first,
         # which after a retract-then-restore would be the request's own old slot and pages,
@@ -162,7 +164,7 @@ class Retractor:
         old = {name: set(rec.indices) for name, rec in m.components.items()} if backup.payload is None else None
         new = self._allocate_live(req, m.num_tokens, old)
         if new is None:
-            return "no_capacity"
+            return Outcome.NO_CAPACITY
         t0 = time.perf_counter()
         req.indices = new
         try:
@@ -182,16 +184,13 @@ class Retractor:
                 res = self.executor.import_(req.id, target, m.by_rank(), backup.payload)
                 ok = all(isinstance(r.get(c.name), list) and r[c.name][0] == r[c.name][1]
                          for r in res.values() for c in self.components)
-        except (ManifestError, AllocationError):
-            self.free_device(req)
-            return self._to_recompute(req, "fallback")
-        except Exception:  # a failed copy on any rank: never resume on partial state
-            self.free_device(req)
-            return self._to_recompute(req, "fallback")
+        except Exception:  # incomplete manifest, ownership, or a failed copy on any rank:
+            self.free_device(req)  # never resume on partial state
+            return self._to_recompute(req, Outcome.FALLBACK)
         if self.verify and not ok:
             self.stats.checksum_failures += 1
             self.free_device(req)
-            return self._to_recompute(req, "checksum_mismatch")
+            return self._to_recompute(req, Outcome.CHECKSUM_MISMATCH)
         moved = self.stats.bytes_transferred if backup.payload is not None else self.stats.bytes_restored
         for name, rec in m.components.items():
             moved[name] += rec.bytes * len(rec.checksums)
@@ -199,12 +198,10 @@ class Retractor:
                 req.transferred_bytes[name] = req.transferred_bytes.get(name, 0) + rec.bytes * len(rec.checksums)
         self.release_backup(req)
         req.num_computed = m.num_tokens
-        req.state = State.RUNNING
-        req.hold = False
         if backup.payload is None:  # imports are counted as transfers by the engine
-            self.stats.restores["verified"] += 1
+            self.stats.restores[Outcome.VERIFIED.value] += 1
             self.stats.restore_seconds.append(time.perf_counter() - t0)
-        return "verified"
+        return Outcome.VERIFIED
 
     def _rows_from_old(self, m: Manifest) -> dict[str, list[int]]:
         """Fault injection: the rows the request had before retraction."""
@@ -230,7 +227,7 @@ class Retractor:
             if not units <= owned:
                 raise AllocationError(f"{req.id}: restore target of {c.name} is not owned by the request")
 
-    def _to_recompute(self, req: Request, result: str, count: bool = True) -> str:
+    def _to_recompute(self, req: Request, result: Outcome, count: bool = True) -> Outcome:
         if req.backup is not None and req.backup.payload is not None:
             count = False  # a failed import: counted as a transfer result, not a restore
             transfer = True
@@ -239,10 +236,8 @@ class Retractor:
         self.release_backup(req)
         req.num_computed = 0
         req.indices = {}
-        req.state = State.WAITING
-        req.hold = False
         if count:
             self.stats.restore_fallbacks += 1
         if not transfer:
-            self.stats.restores[result] += 1
+            self.stats.restores[result.value] += 1
         return result

@@ -98,7 +98,8 @@ class Scheduler:
     def schedule(self, step: int, running: list[Request], waiting: list[Request],
                  make_room: Callable[[Request, dict[str, int], set[str]], bool],
                  on_no_room: Callable[[Request], None], admit_new: bool) -> tuple[StepPlan, list[Request]]:
-        """Returns the plan and the requests admitted from `waiting` (now running)."""
+        """Returns the plan and the requests admitted from `waiting`, in queue order (their
+        indices are allocated; the engine moves them to running)."""
         budget = self.config.max_batch_tokens
         entries: list[PlanEntry] = []
         planned: set[str] = set()
@@ -121,8 +122,11 @@ class Scheduler:
             budget -= n
         admitted: list[Request] = []
         n_running = sum(1 for r in running if r.state == State.RUNNING)
-        while admit_new and waiting and budget > 0 and n_running + len(admitted) < self.config.max_running:
-            req = waiting[0]
+        queue = iter(list(waiting))
+        while admit_new and budget > 0 and n_running + len(admitted) < self.config.max_running:
+            req = next(queue, None)
+            if req is None:
+                break
             n = self.chunk_len(req, budget)
             if n == 0:
                 break
@@ -133,14 +137,12 @@ class Scheduler:
                     need[c.name] = 1
             if not self._fits(need) or not self._reserve_ok(running + admitted, need):
                 break
-            waiting.pop(0)
             for c in self.components:
                 if not c.paged:
                     req.indices[c.name] = self.alloc[c.name].allocate(req.id, 1)
                     zero[c.name].extend(req.indices[c.name])
             self._allocate_pages(req, add)
-            req.state = State.RUNNING
-            admitted.append(req)
+            admitted.append(req)  # the engine starts them in the request table
             entries.append(self._entry(req, n))
             budget -= n
         self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)

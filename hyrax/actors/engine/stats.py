@@ -28,6 +28,7 @@ class EngineStats:
     restore_fallbacks: int = 0
     host_pool_full: int = 0
     recoveries: int = 0
+    offers_reclaimed: int = 0  # hand-offs whose lease ended without an acknowledgement
 
     def summary(self) -> dict:
         return {
@@ -42,6 +43,7 @@ class EngineStats:
             "checksum_failures": self.checksum_failures,
             "host_pool_full": self.host_pool_full,
             "recoveries": self.recoveries,
+            "offers_reclaimed": self.offers_reclaimed,
             "finished": dict(self.finished),
             "bytes_backed_up": dict(self.bytes_backed_up),
             "bytes_restored": dict(self.bytes_restored),

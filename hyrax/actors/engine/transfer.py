@@ -1,0 +1,95 @@
+"""Hand-offs between replicas (prefill -> decode, live migration), the source's and the
+target's halves of one protocol:
+
+1. the source **offers**: every rank exports its shard of every component into the object
+   store; the request moves to OFFERED with a lease, its device state and the payload's refs
+   kept alive;
+2. the target **imports** into new indices, verifies every shard on every rank, and
+   **acknowledges** to the source;
+3. the source **frees** on the acknowledgement, or when the lease ends without one.
+
+A client that goes away aborts the request wherever it is, OFFERED included (`Engine.abort`).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.actors.engine.request import Request, State
+from hyrax.actors.engine.retraction import Backup
+from hyrax.actors.model.errors import HyraxInputError
+
+if TYPE_CHECKING:
+    from hyrax.actors.engine.engine import Engine
+
+
+class Transfers:
+    def __init__(self, engine: Engine):
+        self.e = engine
+
+    # ---- source side -----------------------------------------------------------------
+    def offer(self, req_id: str) -> dict:
+        """Export a running request for another replica and hold its state under a lease."""
+        e = self.e
+        req = e.table.get(req_id)
+        if req is None or req.state != State.RUNNING:
+            raise HyraxInputError(f"request {req_id!r} is not running here")
+        if e._inflight is not None and any(x.req_id == req_id for x in e._inflight[0].entries):
+            e.sync()  # the exported state is exactly the committed tokens
+        t0 = time.perf_counter()
+        rows = e.retractor._rows(req.indices, req.num_computed)
+        sums, payload = e.executor.export(req_id, rows)
+        manifest = e.retractor.make_manifest(req, rows, sums, "transfer")
+        e.table.offer(req, e.config.offer_lease_s)
+        # the exported shards are objects this replica owns: hold their refs until the importer
+        # acknowledged, so they cannot be freed while it is still fetching them
+        req.export_payload = payload
+        e.stats.transfer_seconds.append(time.perf_counter() - t0)
+        return {
+            "request": {"id": req.id, "prompt_ids": list(req.prompt_ids), "output_ids": list(req.output_ids),
+                        "params": req.params, "seed": req.seed, "retractions": req.retractions,
+                        "arrival_wall": time.time() - (time.monotonic() - req.arrival)},
+            "manifest": manifest,
+            "payload": payload,
+            "lease_s": e.config.offer_lease_s,
+        }
+
+    def acknowledged(self, req_id: str) -> bool:
+        """The importer has the request: free its state here. Not counted as finished."""
+        req = self.e.table.offered.get(req_id)
+        if req is None:
+            return False
+        self.e._finish(req, "transferred", counted=False)
+        self.e.stats.transfers_out += 1
+        return True
+
+    def reclaim_expired(self, now: float) -> list[str]:
+        """Offers whose lease ended without an acknowledgement: the importer (or the gateway
+        carrying the offer) is gone. Free their state here."""
+        out = []
+        for req in self.e.table.expired_offers(now):
+            self.e._finish(req, "lease_expired", counted=False)
+            self.e.stats.offers_reclaimed += 1
+            out.append(req.id)
+        return out
+
+    # ---- target side -------------------------------------------------------------------
+    def import_(self, handoff: dict) -> Outcome:
+        """Take over a request offered by another replica: allocate new indices, import and
+        verify every component on every rank. VERIFIED, a fallback (FALLBACK,
+        CHECKSUM_MISMATCH: rebuilt by prefill here), or NO_CAPACITY (queued, imported when
+        memory allows)."""
+        e = self.e
+        r = handoff["request"]
+        if r["id"] in e.table:
+            raise HyraxInputError(f"request id {r['id']!r} is already in use")
+        req = Request(r["id"], list(r["prompt_ids"]), r["params"], r["seed"], output_ids=list(r["output_ids"]))
+        req.retractions = r.get("retractions", 0)
+        req.backup = Backup(handoff["manifest"], None, handoff["payload"])
+        e.table.import_(req)
+        t0 = time.perf_counter()
+        result = e._restore(req)
+        e.stats.transfer_seconds.append(time.perf_counter() - t0)
+        e.stats.transfers_in[result.value] += 1
+        return result
