@@ -111,7 +111,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], params: SamplingParam
     plist = params if isinstance(params, list) else [params] * len(prompts)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
     for _ in range(10_000):
-        if not engine.has_unfinished():
+        if not engine.has_unfinished() and not engine.has_inflight():
             break
         engine.step()
         if check_every_step:

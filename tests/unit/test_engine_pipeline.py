@@ -1,0 +1,146 @@
+"""The request table's transition rules, and the pipeline's one free point: under overlap
+scheduling no index is given back while a submitted step may still write it (issue 14
+item 8: a request finishing on EOS had its pages and slot freed while step N+1, already
+submitted, still wrote them)."""
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, make_prompts, run_requests, tiny_model
+from hyrax.actors.engine.lifecycle import IllegalTransition, Outcome, RequestTable
+from hyrax.actors.engine.request import Request, SamplingParams, State
+
+
+class InflightSpy:
+    """Wraps an engine's executor and allocators: records what each submitted step
+    references until it is collected, and fails any free of an index such a step holds."""
+
+    def __init__(self, engine):
+        self.inner, self.inflight, self.violations = engine.executor, {}, []
+        engine.executor = self
+        for name, alloc in engine.alloc.items():
+            alloc.free = self._checked(name, alloc.free)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, plan):
+        refs = {}
+        for e in plan.entries:
+            for name, table in e.page_tables.items():
+                refs.setdefault(name, set()).update(p for p in table if p >= 0)
+            for name, slot in e.slots.items():
+                refs.setdefault(name, set()).add(slot)
+        handle = self.inner.submit(plan)
+        self.inflight[id(handle)] = (plan.step, refs)
+        return handle
+
+    def collect(self, handle):
+        self.inflight.pop(id(handle), None)
+        return self.inner.collect(handle)
+
+    def _checked(self, name, free):
+        def spy(owner, indices):
+            for step, refs in self.inflight.values():
+                hit = set(indices) & refs.get(name, set())
+                if hit:
+                    self.violations.append((name, owner, sorted(hit), step))
+            return free(owner, indices)
+        return spy
+
+
+def _stop_on_third_token(model, prompts):
+    """Per prompt, the greedy token it produces third: used as its stop token, so requests
+    end on "EOS" mid-run, where the scheduler could not know they would."""
+    outs = run_requests(make_engine(model), prompts, greedy())
+    return [greedy(stop_token_ids=(o[2],)) for o in outs]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_no_index_is_freed_while_a_submitted_step_still_references_it(overlap):
+    model = tiny_model(HYBRID)
+    prompts = make_prompts(8, seed=5)
+    params = _stop_on_third_token(model, prompts)
+    engine = make_engine(model, overlap=overlap, deterministic=False)
+    spy = InflightSpy(engine)
+    outs = run_requests(engine, prompts, params)
+    assert spy.violations == [], spy.violations[:5]
+    assert all(o[-1] in p.stop_token_ids for o, p in zip(outs, params))
+    assert engine.stats.finished["stop"] == len(prompts)
+    assert_idle_clean(engine)
+
+
+def test_an_abort_under_overlap_frees_after_the_step_in_flight():
+    model = tiny_model(HYBRID)
+    engine = make_engine(model, overlap=True, deterministic=False)
+    spy = InflightSpy(engine)
+    ids = [engine.add_request(p, greedy(max_tokens=30)) for p in make_prompts(4, seed=6)]
+    for _ in range(6):
+        engine.step()
+    assert engine.has_inflight()
+    for rid in ids:
+        assert engine.abort(rid)
+    for _ in range(3):
+        engine.step()
+    assert spy.violations == []
+    assert_idle_clean(engine)
+
+
+# ---- the request table ---------------------------------------------------------------------
+def _req(rid="r"):
+    return Request(rid, [1, 2, 3], SamplingParams(), seed=0)
+
+
+def test_the_table_walks_the_legal_lifecycle_and_keeps_each_request_in_one_list():
+    t = RequestTable()
+    r = _req()
+    t.admit(r)
+    assert r.state == State.WAITING and t.waiting == [r]
+    t.start(r)
+    t.retract(r, hold=True)
+    assert r.state == State.RETRACTED and r.hold and r.retractions == 1 and t.retracted == [r]
+    t.restore(r)
+    assert r.state == State.RUNNING and not r.hold and t.running == [r]
+    t.offer(r, lease_s=5.0)
+    assert r.state == State.OFFERED and t.offered == {"r": r} and not t.running
+    assert t.expired_offers(r.offer_deadline - 1) == [] and t.expired_offers(r.offer_deadline) == [r]
+    assert t.finish(r, "transferred") == State.OFFERED
+    assert r.state == State.FINISHED and len(t) == 0 and not t.offered
+
+
+@pytest.mark.parametrize("setup,move", [
+    ((), "start"),  # not in the table
+    (("admit",), "retract"),  # waiting is not running
+    (("admit",), "restore"),
+    (("admit",), "offer"),
+    (("admit", "start"), "restore"),  # running is not retracted
+    (("admit", "start", "retract"), "offer"),
+    (("admit", "start"), "admit"),  # the same id twice
+])
+def test_illegal_transitions_raise(setup, move):
+    t, r = RequestTable(), _req()
+    args = {"retract": (False,), "offer": (1.0,)}
+    for step in setup:
+        getattr(t, step)(r, *args.get(step, ()))
+    before = (r.state, list(t.waiting), list(t.running), list(t.retracted))
+    with pytest.raises(IllegalTransition):
+        getattr(t, move)(r, *args.get(move, ()))
+    assert (r.state, list(t.waiting), list(t.running), list(t.retracted)) == before
+
+
+def test_finishing_twice_raises_and_requeue_puts_a_request_first_in_line():
+    t = RequestTable()
+    a, b = _req("a"), _req("b")
+    t.admit(a)
+    t.admit(b)
+    t.start(b)
+    t.requeue(b)
+    assert t.waiting == [b, a]
+    t.finish(a, "abort")
+    with pytest.raises(IllegalTransition):
+        t.finish(a, "abort")
+
+
+def test_outcomes_are_typed_and_refusals_are_not_ok():
+    assert Outcome.VERIFIED == "verified" and Outcome.VERIFIED.ok
+    assert not Outcome.UNKNOWN.ok and not Outcome.NOT_RUNNING.ok and Outcome.QUEUED.ok
