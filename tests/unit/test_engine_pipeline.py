@@ -144,3 +144,36 @@ def test_finishing_twice_raises_and_requeue_puts_a_request_first_in_line():
 def test_outcomes_are_typed_and_refusals_are_not_ok():
     assert Outcome.VERIFIED == "verified" and Outcome.VERIFIED.ok
     assert not Outcome.UNKNOWN.ok and not Outcome.NOT_RUNNING.ok and Outcome.QUEUED.ok
+
+
+# ---- offers under a lease ------------------------------------------------------------------
+def _offered(model):
+    engine = make_engine(model, role="prefill", offer_lease_s=2.0)
+    rid = engine.add_request(make_prompts(1, seed=7)[0], greedy())
+    handoffs = []
+    for _ in range(50):
+        handoffs += [o.handoff for o in engine.step() if o.handoff is not None]
+        if handoffs:
+            break
+    assert handoffs and engine.requests[rid].state == State.OFFERED
+    assert not engine.is_idle_clean()  # its state is kept for the importer
+    return engine, rid
+
+
+@pytest.mark.parametrize("ending", ["lease", "abort", "ack"])
+def test_an_offer_is_freed_by_its_lease_an_abort_or_the_importers_acknowledgement(ending):
+    import time
+
+    engine, rid = _offered(tiny_model(HYBRID))
+    req = engine.requests[rid]
+    assert engine.reclaim_expired_offers(time.monotonic()) == []  # the lease is still running
+    if ending == "lease":
+        assert engine.reclaim_expired_offers(req.offer_deadline) == [rid]
+        assert engine.stats.offers_reclaimed == 1
+    elif ending == "abort":
+        assert engine.abort(rid) and engine.stats.finished["abort"] == 1
+    else:
+        assert engine.release_handoff(rid) and engine.stats.transfers_out == 1
+        assert not engine.release_handoff(rid)  # a late second acknowledgement changes nothing
+    assert req.export_payload is None
+    assert_idle_clean(engine)
