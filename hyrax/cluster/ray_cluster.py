@@ -29,7 +29,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if address:
         ray.init(address=address, namespace="hyrax", log_to_driver=not quiet)
         return False
-    ray.init(num_cpus=num_cpus, namespace="hyrax", include_dashboard=dashboard,
+    # address="local": always a new cluster of our own, never one that Ray finds by itself
+    # (a stale /tmp/ray/ray_current_cluster, another user's cluster)
+    ray.init(address="local", num_cpus=num_cpus, namespace="hyrax", include_dashboard=dashboard,
              dashboard_host="127.0.0.1", log_to_driver=not quiet)
     return True
 
