@@ -99,7 +99,7 @@ class Engine:
     # ---- request API -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request. Bad input raises HyraxInputError and changes nothing."""
-        params.validate()
+        params.validate(self.vocab_size)
         if not prompt_ids:
             raise HyraxInputError("the prompt is empty")
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_ids):
