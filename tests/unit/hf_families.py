@@ -6,7 +6,6 @@ Imported by the test modules next to it (pytest puts this folder on sys.path).
 """
 from __future__ import annotations
 
-import threading
 
 import torch
 
@@ -19,7 +18,7 @@ from hyrax.actors.engine.rank_runtime import RankRuntime
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.state import derive_components
-from test_tp_math import LockstepAllReduce
+from test_tp_math import LockstepAllReduce, in_threads
 from tiny_models import run_in_chunks  # noqa: F401 - re-exported for the tests
 
 MODES = ("cpu_tensor", "host_pool", "recompute")
@@ -161,29 +160,6 @@ def engine_greedy(engine: Engine, prompt_list: list[list[int]], new: int = NEW_T
         engine.check_invariants()
     assert_idle_clean(engine)
     return [engine.finished_requests[i].output_ids for i in ids]
-
-
-def in_threads(fns, on_error=lambda: None) -> list:
-    """Run each function in its own thread; return their results in order, re-raising the
-    first exception (after calling `on_error`, e.g. to release ranks waiting at a barrier)."""
-    out: list = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            out[i] = e
-            on_error()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for o in out:
-        if isinstance(o, BaseException):
-            raise o
-    return out
 
 
 def rank_logits(path, tp_size: int, ids: list[int], chunks: list[int]) -> list[torch.Tensor]:

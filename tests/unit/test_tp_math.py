@@ -51,29 +51,39 @@ def run_steps(model, toks: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def run_ranks(path, tp_size: int, toks: list[int], reduce=True) -> list[torch.Tensor]:
-    """Load every rank's shard from `path` and run them concurrently; returns each rank's logits."""
-    ar = LockstepAllReduce(tp_size)
-    results: list = [None] * tp_size
+def in_threads(fns, on_error=lambda: None) -> list:
+    """Run each function in its own thread; return their results in order, re-raising the
+    first exception (after calling `on_error`, e.g. to release ranks waiting at a barrier)."""
+    out: list = [None] * len(fns)
 
-    def rank_main(r: int) -> None:
+    def run(i: int) -> None:
         try:
-            fn = ar.for_rank(r) if reduce else identity_allreduce
-            model = load_model(path, TP(r, tp_size), torch.float64, allreduce=fn)
-            results[r] = run_steps(model, toks)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            results[r] = e
-            ar.barrier.abort()  # release ranks waiting for this one
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            out[i] = e
+            on_error()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp_size)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
+
+
+def run_ranks(path, tp_size: int, toks: list[int], reduce=True) -> list[torch.Tensor]:
+    """Load every rank's shard from `path` and run them concurrently; returns each rank's logits."""
+    ar = LockstepAllReduce(tp_size)
+
+    def rank_main(r: int):
+        fn = ar.for_rank(r) if reduce else identity_allreduce
+        return run_steps(load_model(path, TP(r, tp_size), torch.float64, allreduce=fn), toks)
+
+    # a failing rank releases the ranks waiting for it at the barrier
+    return in_threads([lambda r=r: rank_main(r) for r in range(tp_size)], on_error=ar.barrier.abort)
 
 
 # (layout, kv heads, mamba groups): counts below, equal to and above the TP size

@@ -250,6 +250,10 @@ class Engine:
     def has_inflight(self) -> bool:
         return self._inflight is not None
 
+    def in_flight_ids(self) -> set[str]:
+        """Requests the step in flight runs."""
+        return {e.req_id for e in self._inflight[0].entries} if self._inflight else set()
+
     def sync(self) -> None:
         """Collect and commit the step in flight; the frees that waited for it happen then."""
         if self._inflight is None:
@@ -382,8 +386,7 @@ class Engine:
         while True:
             if all(self.alloc[k].can_allocate(n) for k, n in need.items()):
                 return True
-            inflight = {e.req_id for e in self._inflight[0].entries} if self._inflight else set()
-            victims = pick_victims(self.running, 1, exclude=planned | {needy.id} | inflight)
+            victims = pick_victims(self.running, 1, exclude=planned | {needy.id} | self.in_flight_ids())
             if not victims:
                 self._pressure = self._inflight is not None  # retry after the step in flight
                 return False
@@ -414,27 +417,28 @@ class Engine:
     def reset_for_recovery(self) -> list[str]:
         """After the ranks were lost and restarted with empty pools: every request keeps its
         tokens and is rebuilt by prefill (recompute). Returns the ids affected."""
-        self._inflight, self._frees, self._forget, self._pressure = None, [], [], False
-        live = self.table.rebuild_all()
-        for req in live:
-            req.indices, req.backup, req.num_computed, req.export_payload = {}, None, 0, None
-        self._reset_pools()
+        live = self._drop_all_state()
         self.stats.recoveries += 1
         return [r.id for r in live]
 
     def fail_all(self, reason: str = "error") -> list[str]:
         """Finish every unfinished request (ranks gone for good); nothing stays queued."""
-        ids = self.reset_for_recovery()
-        self.stats.recoveries -= 1
-        for rid in list(self.requests):
+        self._drop_all_state()
+        ids = list(self.requests)
+        for rid in ids:
             self._finish(self.requests[rid], reason)
-        self._reset_pools()
         return ids
 
-    def _reset_pools(self) -> None:
+    def _drop_all_state(self) -> list[Request]:
+        """Forget every index, backup and step in flight; every live request back to waiting."""
+        self._inflight, self._frees, self._forget, self._pressure = None, [], [], False
+        live = self.table.rebuild_all()
+        for req in live:
+            req.indices, req.backup, req.num_computed, req.export_payload = {}, None, 0, None
+        # in place: the scheduler and the retractor hold these same dicts
         self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
         self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
-        self.retractor.alloc, self.retractor.host_alloc, self.scheduler.alloc = self.alloc, self.host_alloc, self.alloc
+        return live
 
     # ---- inspection --------------------------------------------------------------------
     def describe_requests(self) -> list[dict]:

@@ -78,7 +78,8 @@ class Retractor:
                 out[c.name] = got
         return out
 
-    def _rows(self, indices: dict[str, list[int]], num_tokens: int) -> dict[str, list[int]]:
+    def rows(self, indices: dict[str, list[int]], num_tokens: int) -> dict[str, list[int]]:
+        """The pool rows holding the live state of `num_tokens` tokens, per component."""
         return {c.name: live_rows(c, indices[c.name], num_tokens, self.config.page_size) for c in self.components}
 
     # ---- retract ---------------------------------------------------------------------
@@ -114,7 +115,7 @@ class Retractor:
 
     def _backup(self, req: Request, mode: str) -> Backup | None:
         n = req.num_computed
-        rows = self._rows(req.indices, n)
+        rows = self.rows(req.indices, n)
         host_rows = None
         if mode == "host_pool":
             need = {c.name: len(rows[c.name]) for c in self.components}
@@ -173,7 +174,7 @@ class Retractor:
             if self.config.faults.restore_into_old_indices and backup.payload is None:
                 target = self._rows_from_old(m)
             else:
-                target = self._rows(new, m.num_tokens)
+                target = self.rows(new, m.num_tokens)
             if self.verify:
                 self._check_owned(req, target)
             if backup.payload is None:

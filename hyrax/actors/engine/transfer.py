@@ -35,10 +35,10 @@ class Transfers:
         req = e.table.get(req_id)
         if req is None or req.state != State.RUNNING:
             raise HyraxInputError(f"request {req_id!r} is not running here")
-        if e._inflight is not None and any(x.req_id == req_id for x in e._inflight[0].entries):
+        if req_id in e.in_flight_ids():
             e.sync()  # the exported state is exactly the committed tokens
         t0 = time.perf_counter()
-        rows = e.retractor._rows(req.indices, req.num_computed)
+        rows = e.retractor.rows(req.indices, req.num_computed)
         sums, payload = e.executor.export(req_id, rows)
         manifest = e.retractor.make_manifest(req, rows, sums, "transfer")
         e.table.offer(req, e.config.offer_lease_s)
