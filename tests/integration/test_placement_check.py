@@ -17,8 +17,11 @@ def _free_cpus() -> float:
 
 @pytest.fixture
 def one_cpu_free(ray_session):
-    """Reserve all but one of the cluster's free CPUs, as other jobs on a shared cluster would."""
-    before = _free_cpus()
+    """Reserve all but one of the cluster's CPUs, as other jobs on a shared cluster would.
+
+    Sized from the cluster's total, not from what is free right now: a previous module's actors
+    may still be releasing CPUs, which would leave more than one free once they are gone."""
+    before = ray.cluster_resources().get("CPU", 0)
     squat = int(before) - 1
     pg = placement_group([{"CPU": 1}] * squat, strategy="SPREAD", name="test/squatter") if squat > 0 else None
     if pg is not None:
