@@ -24,8 +24,8 @@ from tiny_models import run_in_chunks  # noqa: F401 - re-exported for the tests
 MODES = ("cpu_tensor", "host_pool", "recompute")
 VOCAB = 128
 NEW_TOKENS = 8
-# prompt lengths: shorter than, equal to and longer than BASE_CONFIG's prefill_chunk (8)
-PROMPT_LENGTHS = (3, 8, 13, 21, 30)
+# 9 prompt lengths: shorter than, equal to and longer than BASE_CONFIG's prefill_chunk (8)
+PROMPT_LENGTHS = (2, 3, 5, 8, 11, 13, 17, 21, 30)
 
 
 def randomize_hf_(hf: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

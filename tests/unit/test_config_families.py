@@ -24,12 +24,15 @@ def hf_config_dict(tmp_path, name: str) -> dict:
             num_local_experts=4, position_embedding_type="rope"),
         "bamba": lambda: transformers.BambaConfig(
             hidden_size=64, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16),
+        "falcon_h1": lambda: transformers.FalconH1Config(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128,
+            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, key_multiplier=0.5),
     }[name]()
     cfg.save_pretrained(tmp_path)
     return json.loads((tmp_path / "config.json").read_text())
 
 
-FAMILIES = ["nemotron_h", "granitemoehybrid", "bamba"]
+FAMILIES = ["nemotron_h", "granitemoehybrid", "bamba", "falcon_h1"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -52,6 +55,8 @@ def test_unknown_key_is_refused_by_name(tmp_path, family):
     ("granitemoehybrid", "position_embedding_type", "alibi"),
     ("nemotron_h", "residual_in_fp32", True),
     ("nemotron_h", "num_nextn_predict_layers", 1),
+    ("falcon_h1", "hidden_act", "gelu"),
+    ("falcon_h1", "mamba_use_mlp", False),
 ])
 def test_unsupported_value_is_refused_by_key(tmp_path, family, key, value):
     d = hf_config_dict(tmp_path, family)
@@ -88,5 +93,6 @@ def test_unknown_nemotron_layer_symbol_is_refused(tmp_path):
 
 def test_inert_keys_are_training_or_bookkeeping_only():
     # mutation guard: a key that changes the computation must never be declared inert
-    for key in ("hidden_act", "rope_parameters", "residual_multiplier", "time_step_limit", "sliding_window"):
+    for key in ("hidden_act", "rope_parameters", "residual_multiplier", "time_step_limit", "sliding_window",
+                "key_multiplier", "ssm_multipliers", "mlp_multipliers", "projectors_bias", "mamba_rms_norm"):
         assert key not in INERT_KEYS

@@ -56,8 +56,30 @@ def qwen3_next():
     ))
 
 
+FALCON = dict(num_hidden_layers=3, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2,
+              mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8)
+FALCON_MUP = dict(embedding_multiplier=1.7, lm_head_multiplier=0.6, attention_in_multiplier=0.8,
+                  attention_out_multiplier=1.3, key_multiplier=0.7, ssm_in_multiplier=1.4, ssm_out_multiplier=0.9,
+                  ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], mlp_multipliers=[1.3, 0.7])
+
+
+def falcon_h1(**overrides):
+    """Falcon-H1: attention ∥ Mamba2 in every layer, every µP multiplier set, a Mamba width
+    (mamba_d_ssm = 96) unlike mamba_expand * hidden_size, the norm before the gate, biases on
+    attention and the Mamba out_proj (projectors_bias) but not its in_proj, randomised."""
+    cfg = {**COMMON, **FALCON, **FALCON_MUP, "mamba_rms_norm": True, "mamba_norm_before_gate": True,
+           "attention_bias": True, "projectors_bias": True, "mamba_proj_bias": False, **overrides}
+    hf = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**cfg))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return hf
+
+
 FAMILIES = {"nemotron_h": nemotron_h, "granite_rope_moe": granite_rope_moe, "granite_nope_dense": granite_nope_dense,
-            "qwen3_next": qwen3_next}
+            "qwen3_next": qwen3_next, "falcon_h1": falcon_h1}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.component, self.local_layer, self.window = component, local_layer, window
         self.scale = cfg.softmax_scale
         self.use_rope = cfg.use_rope
+        self.key_multiplier = cfg.mup.key  # Falcon-H1 scales K after k_proj
         h = cfg.hidden_size
         bias = cfg.attention_bias
         # with an output gate, q_proj yields [q | gate] per head (2 * head_dim rows each)
@@ -87,6 +88,8 @@ class Attention(nn.Module):
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).view(B, T, -1, hd)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         v = self.v_proj(x).view(B, T, -1, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -29,6 +29,11 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # gated: SwiGLU (gate/up/down); relu2: up -> relu^2 -> down (NemotronH); moe: routed experts
 # plus shared expert(s) (MoeConfig); none: the layer has no feed-forward part.
 FFN_TYPES = ("gated", "relu2", "moe", "none")
+# How Mamba2 combines its scan output y with the gate z before out_proj:
+# gate_then_norm: groupnorm(y * silu(z)) * w (Mamba2, Bamba, NemotronH, Granite);
+# norm_then_gate: groupnorm(y) * w * silu(z); gate_only: y * silu(z), no norm weight
+# (the last two: Falcon-H1 with mamba_norm_before_gate / without mamba_rms_norm).
+MAMBA_NORMS = ("gate_then_norm", "norm_then_gate", "gate_only")
 # Hyrax's own dialect accepts these spellings in `layer_types`.
 _LAYER_ALIASES = {"linear_attention": "mamba2", "mamba": "mamba2", "attention": "full_attention"}
 
@@ -72,6 +77,38 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class Multipliers:
+    """Falcon-H1's µP scalars, applied where its layers compute (1.0: no-op).
+
+    attention_in / ssm_in scale the normalised input of the attention / Mamba2 mixer,
+    attention_out / ssm_out their outputs; key scales K after k_proj; ssm_sections scale the
+    five parts [z | x | B | C | dt] of Mamba2's in_proj output; mlp_gate scales the gate
+    projection before its activation and mlp_down the MLP output.
+    """
+
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    key: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    ssm_sections: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
+
+    def __post_init__(self):
+        if len(self.ssm_sections) != 5:
+            raise HyraxInputError("ssm_multipliers must list 5 values (z, x, B, C, dt)")
+
+    def mixer_scales(self, mixer: str) -> tuple[float, float]:
+        """(input, output) multipliers of one mixer kind inside a layer."""
+        if mixer == "mamba2":
+            return self.ssm_in, self.ssm_out
+        if mixer in ATTENTION_TYPES:
+            return self.attention_in, self.attention_out
+        return 1.0, 1.0
+
+
+@dataclass(frozen=True)
 class GdnConfig:
     """Gated DeltaNet (Qwen3-Next linear attention) dimensions."""
 
@@ -111,6 +148,8 @@ class ModelConfig:
     mamba_chunk_size: int = 64
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
+    mamba_out_proj_bias: bool | None = None  # None: as mamba_proj_bias (Falcon-H1: projectors_bias)
+    mamba_norm: str = "gate_then_norm"  # MAMBA_NORMS
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     sliding_window: int | None = None
     rope_theta: float = 10000.0
@@ -138,6 +177,7 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight) (Qwen3-Next: 1)
     attn_output_gate: bool = False  # q_proj also yields a per-channel gate: out * sigmoid(gate)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
+    mup: Multipliers = Multipliers()  # Falcon-H1's per-mixer / MLP multipliers
 
     def __post_init__(self):
         for i, t in enumerate(self.layer_types):
@@ -164,6 +204,8 @@ class ModelConfig:
                 raise HyraxInputError("mamba_n_heads must be a multiple of mamba_n_groups")
             if min(self.mamba_d_head, self.mamba_d_state, self.mamba_d_conv) < 1:
                 raise HyraxInputError("mamba_d_head, mamba_d_state and mamba_d_conv must be positive")
+            if self.mamba_norm not in MAMBA_NORMS:
+                raise HyraxInputError(f"unknown Mamba2 norm {self.mamba_norm!r}")
         if self.layers_of("gated_deltanet"):
             g = self.gdn
             if g is None or min(g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim, g.conv_kernel) < 1:
@@ -195,6 +237,10 @@ class ModelConfig:
     @property
     def mamba_conv_dim(self) -> int:
         return self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def mamba_out_bias(self) -> bool:
+        return self.mamba_proj_bias if self.mamba_out_proj_bias is None else self.mamba_out_proj_bias
 
     @property
     def rotary_dim(self) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from hyrax.actors.model.config import GdnConfig, ModelConfig, MoeConfig, _json_float, _LAYER_ALIASES
+from hyrax.actors.model.config import GdnConfig, ModelConfig, MoeConfig, Multipliers, _json_float, _LAYER_ALIASES
 from hyrax.actors.model.errors import HyraxInputError
 
 # Keys that never change the forward computation, for every family.
@@ -296,12 +296,61 @@ def _qwen3_next(k: Keys) -> ModelConfig:
     )
 
 
+def _falcon_h1(k: Keys) -> ModelConfig:
+    """Falcon-H1: every layer runs attention (full RoPE, K scaled) and Mamba2 in parallel on one
+    normalised input, then a SwiGLU MLP; µP multipliers everywhere (`Multipliers`)."""
+    n = int(k.req("num_hidden_layers"))
+    k.choice("hidden_act", ACTIVATIONS, "silu")  # the MLP's and the Mamba conv's activation
+    k.choice("attn_layer_indices", (None,), None)  # attention runs in every layer
+    k.choice("mamba_use_mlp", (True,), True)  # every layer has its MLP
+    k.get("mlp_expansion_factor")  # intermediate_size is the MLP width
+    k.choice("sliding_window", (None,), None)  # Falcon-H1 attention is always full
+    common = _common(k, n)
+    hidden = common["hidden_size"]
+    heads = int(k.req("mamba_n_heads"))
+    expand = int(k.get("mamba_expand", 2))  # sets the Mamba width only when mamba_d_ssm is absent
+    inner = k.get("mamba_d_ssm")
+    inner = int(inner) if inner is not None else expand * hidden
+    d_head = k.get("mamba_d_head", "auto")
+    d_head = inner // heads if d_head == "auto" else int(d_head)
+    if heads * d_head != inner:
+        raise HyraxInputError(f"config.json: mamba_n_heads * mamba_d_head = {heads * d_head} does not equal the "
+                              f"Mamba width {inner} (mamba_d_ssm, or mamba_expand * hidden_size)")
+    rms_norm = bool(k.get("mamba_rms_norm", False))
+    before_gate = bool(k.get("mamba_norm_before_gate", True))  # only read with mamba_rms_norm
+    gate, down = (_json_float(v) for v in k.get("mlp_multipliers", (1.0, 1.0)))
+    sections = tuple(_json_float(v) for v in k.get("ssm_multipliers", (1.0,) * 5))
+    if len(sections) != 5:
+        raise HyraxInputError(f"config.json key 'ssm_multipliers' must list 5 values, got {len(sections)}")
+    mup = Multipliers(
+        attention_in=float(k.get("attention_in_multiplier", 1.0)),
+        attention_out=float(k.get("attention_out_multiplier", 1.0)),
+        key=float(k.get("key_multiplier", 1.0)),
+        ssm_in=float(k.get("ssm_in_multiplier", 1.0)), ssm_out=float(k.get("ssm_out_multiplier", 1.0)),
+        ssm_sections=sections, mlp_gate=gate, mlp_down=down,
+    )
+    return ModelConfig(
+        **common, intermediate_size=int(k.req("intermediate_size")), layer_types=("attention_mamba2",) * n,
+        mamba_n_heads=heads, mamba_d_head=d_head, mamba_d_state=int(k.req("mamba_d_state")),
+        mamba_n_groups=int(k.get("mamba_n_groups", 1)), mamba_d_conv=int(k.get("mamba_d_conv", 4)),
+        mamba_chunk_size=int(k.get("mamba_chunk_size", 256)), mamba_conv_bias=bool(k.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(k.get("mamba_proj_bias", False)),
+        mamba_out_proj_bias=bool(k.get("projectors_bias", False)),
+        mamba_norm=("norm_then_gate" if before_gate else "gate_then_norm") if rms_norm else "gate_only",
+        time_step_limit=_time_step_limit(k), **_rope(k, 1.0),
+        rms_norm_eps=float(k.get("rms_norm_eps", 1e-5)), model_type="falcon_h1",
+        embedding_multiplier=float(k.get("embedding_multiplier", 1.0)),
+        logits_multiplier=float(k.get("lm_head_multiplier", 1.0)), mup=mup,
+    )
+
+
 _PARSERS: dict[str, Callable[[Keys], ModelConfig]] = {
     "hyrax_hybrid": lambda k: _hyrax_or_bamba(k, "hyrax_hybrid"),
     "bamba": lambda k: _hyrax_or_bamba(k, "bamba"),
     "granitemoehybrid": _granite,
     "nemotron_h": _nemotron_h,
     "qwen3_next": _qwen3_next,
+    "falcon_h1": _falcon_h1,
 }
 _INERT: dict[str, frozenset[str]] = {
     "nemotron_h": frozenset({"time_step_min"}),

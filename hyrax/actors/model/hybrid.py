@@ -28,7 +28,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _feed_forward(cfg: ModelConfig, kind: str, tp: TP, dtype: torch.dtype, allreduce: AllReduce) -> nn.Module:
     h, n = cfg.hidden_size, cfg.intermediate_size
     if kind == "gated":
-        return GatedMLP(h, n, tp, dtype, allreduce, cfg.mlp_bias)
+        return GatedMLP(h, n, tp, dtype, allreduce, cfg.mlp_bias, cfg.mup.mlp_gate, cfg.mup.mlp_down)
     if kind == "relu2":
         return ReluSqMLP(h, n, tp, dtype, allreduce, cfg.mlp_bias)
     granite = cfg.model_type == "granitemoehybrid"
@@ -38,7 +38,8 @@ def _feed_forward(cfg: ModelConfig, kind: str, tp: TP, dtype: torch.dtype, allre
 class DecoderLayer(nn.Module):
     """x + r * mixer(norm(x)), then x + r * ffn(norm(x)) (r: residual_multiplier). A layer may
     lack either part (NemotronH layers hold one of them); a Falcon-H1 layer runs attention and
-    Mamba2 side by side on the same normalised input and adds both."""
+    Mamba2 side by side on the same normalised input and adds both, each mixer's input and
+    output scaled by its µP multipliers (`cfg.mup.mixer_scales`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TP, layer_id: int, components: tuple[ComponentSpec, ...],
                  dtype: torch.dtype, allreduce: AllReduce, device: torch.device | str, attn_backend: str):
@@ -46,6 +47,7 @@ class DecoderLayer(nn.Module):
         ltype = cfg.layer_types[layer_id]
         self.layer_type = ltype
         self.mixers = MIXERS[ltype]
+        self.scales = {m: cfg.mup.mixer_scales(m) for m in self.mixers}  # mixer -> (in, out)
         self.residual_multiplier = cfg.residual_multiplier
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
@@ -75,12 +77,16 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
             out = None
             for mixer in self.mixers:
+                s_in, s_out = self.scales[mixer]
+                h_in = h * s_in if s_in != 1.0 else h
                 if mixer == "mamba2":
-                    y = self.mamba(h, batch, pools)
+                    y = self.mamba(h_in, batch, pools)
                 elif mixer == "gated_deltanet":
-                    y = self.linear_attn(h, batch, pools)
+                    y = self.linear_attn(h_in, batch, pools)
                 else:
-                    y = self.self_attn(h, batch, pools, rope, cos_sin)
+                    y = self.self_attn(h_in, batch, pools, rope, cos_sin)
+                if s_out != 1.0:
+                    y = y * s_out
                 out = y if out is None else out + y
             x = x + out * r
         if self.ffn_kind != "none":

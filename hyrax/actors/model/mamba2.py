@@ -1,5 +1,9 @@
 """Mamba2 mixer: in_proj -> causal depthwise conv -> SSD -> gated group RMSNorm -> out_proj.
 
+Falcon-H1 variants (from the config): per-section multipliers on in_proj's output
+[z | x | B | C | dt] (`cfg.mup.ssm_sections`), the norm applied before the gate or not at
+all (`cfg.mamba_norm`), and an out_proj bias set apart from in_proj's.
+
 State per request lives in two slot pools: `mamba_conv` (the last d_conv-1 conv inputs,
 (conv_dim, d_conv-1)) and `mamba_ssm` ((heads, head_dim, d_state), float32/64). A step
 reads each sequence's slot, runs its tokens (chunked scan when T > 1, the one-step update
@@ -14,9 +18,19 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.conv import causal_conv_step
-from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm
+from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.ssd import ssd_chunked, ssd_step
+
+
+def _section_scales(cfg: ModelConfig) -> torch.Tensor | None:
+    """(2 * inner + 2 * G * N + H,) multipliers of the unsharded in_proj rows, or None if all 1."""
+    m = cfg.mup.ssm_sections
+    if all(v == 1.0 for v in m):
+        return None
+    gn = cfg.mamba_n_groups * cfg.mamba_d_state
+    sizes = (cfg.mamba_intermediate, cfg.mamba_intermediate, gn, gn, cfg.mamba_n_heads)
+    return torch.cat([torch.full((n,), float(v), dtype=torch.float64) for n, v in zip(sizes, m)])
 
 
 class Mamba2Mixer(nn.Module):
@@ -37,12 +51,18 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(nh, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(nh, dtype=dtype), requires_grad=False)
         self.D = nn.Parameter(torch.ones(nh, dtype=dtype), requires_grad=False)
-        self.norm = GatedGroupRMSNorm(
-            inner, self.inner_ch[0], cfg.mamba_intermediate // cfg.mamba_n_groups, cfg.mamba_n_groups,
-            cfg.rms_norm_eps, dtype, allreduce,
-        )
-        self.out_proj = nn.Linear(inner, h, bias=cfg.mamba_proj_bias and tp.rank == 0, dtype=dtype)
+        if cfg.mamba_norm == "gate_only":
+            self.norm = SiluGate()
+        else:
+            self.norm = GatedGroupRMSNorm(
+                inner, self.inner_ch[0], cfg.mamba_intermediate // cfg.mamba_n_groups, cfg.mamba_n_groups,
+                cfg.rms_norm_eps, dtype, allreduce, norm_first=cfg.mamba_norm == "norm_then_gate",
+            )
+        self.out_proj = nn.Linear(inner, h, bias=cfg.mamba_out_bias and tp.rank == 0, dtype=dtype)
         self.allreduce = allreduce
+        # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
+        scales = _section_scales(cfg)
+        self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
 
     def shard_rules(self) -> dict[str, tuple[int, list[int]] | None]:
         return {
@@ -62,6 +82,8 @@ class Mamba2Mixer(nn.Module):
         conv_slots, ssm_slots = batch.slots["mamba_conv"], batch.slots["mamba_ssm"]
 
         zxbcdt = self.in_proj(x)
+        if self.in_scale is not None:
+            zxbcdt = zxbcdt * self.in_scale
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.nh], dim=-1)
 
         xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)

@@ -1,7 +1,8 @@
 """Feed-forward blocks, column-parallel in, row-parallel out: each rank holds a contiguous
 slice of the intermediate dimension and the caller (or `allreduce`) sums the ranks.
 
-- `GatedMLP`: down(silu(gate(x)) * up(x)) with separate gate/up projections (Bamba, Qwen).
+- `GatedMLP`: down(silu(gate(x)) * up(x)) with separate gate/up projections (Bamba, Qwen);
+  Falcon-H1 scales gate(x) before the activation and the output by its mlp_multipliers.
 - `FusedGatedMLP`: the same with gate and up stacked in one `input_linear` (Granite).
 - `ReluSqMLP`: down(relu(up(x))^2) (NemotronH).
 """
@@ -21,8 +22,10 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, tp: TP, dtype: torch.dtype,
-                 allreduce: AllReduce = identity_allreduce, bias: bool = False):
+                 allreduce: AllReduce = identity_allreduce, bias: bool = False,
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
         super().__init__()
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         self.cols = list(sharding.columns(intermediate, tp, "intermediate_size"))
         n = len(self.cols)
         self.gate_proj = nn.Linear(hidden, n, bias=bias, dtype=dtype)
@@ -39,8 +42,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., hidden) -> (..., hidden), summed over TP ranks by `allreduce`."""
-        h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.allreduce(self.down_proj(h))
+        g = self.gate_proj(x)
+        if self.gate_multiplier != 1.0:
+            g = g * self.gate_multiplier
+        out = self.allreduce(self.down_proj(nn.functional.silu(g) * self.up_proj(x)))
+        return out * self.down_multiplier if self.down_multiplier != 1.0 else out
 
 
 class ReluSqMLP(nn.Module):

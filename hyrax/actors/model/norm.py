@@ -34,7 +34,9 @@ class RMSNorm(nn.Module):
 
 
 class GatedGroupRMSNorm(nn.Module):
-    """y = rmsnorm_per_group(y * silu(z)) * weight, groups of `group_size` global channels.
+    """y = rmsnorm_per_group(y * silu(z)) * weight, groups of `group_size` global channels;
+    with `norm_first`, y = rmsnorm_per_group(y) * weight * silu(z) (Falcon-H1's
+    mamba_norm_before_gate).
 
     A rank holds `local_channels` contiguous global channels starting at `first_channel`.
     When a group straddles ranks, the partial sums of squares are all-reduced (one
@@ -42,9 +44,10 @@ class GatedGroupRMSNorm(nn.Module):
     """
 
     def __init__(self, local_channels: int, first_channel: int, group_size: int, n_groups: int,
-                 eps: float, dtype: torch.dtype, allreduce: AllReduce):
+                 eps: float, dtype: torch.dtype, allreduce: AllReduce, norm_first: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(local_channels, dtype=dtype), requires_grad=False)
+        self.norm_first = norm_first
         self.eps = eps
         self.group_size = group_size
         self.n_groups = n_groups
@@ -55,7 +58,8 @@ class GatedGroupRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z: (..., local_channels); y may be float32/64, z in model dtype. Returns y's dtype."""
         f = y.dtype
-        h = y * torch.nn.functional.silu(z.to(f))
+        gate = torch.nn.functional.silu(z.to(f))
+        h = y if self.norm_first else y * gate
         if not self.split:
             g = h.view(*h.shape[:-1], -1, self.group_size)
             g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,4 +70,13 @@ class GatedGroupRMSNorm(nn.Module):
             partial[..., grp] = h.pow(2).sum(-1)
             total = self.allreduce(partial)[..., grp : grp + 1]
             h = h * torch.rsqrt(total / self.group_size + self.eps)
-        return self.weight.to(f) * h
+        h = self.weight.to(f) * h
+        return h * gate if self.norm_first else h
+
+
+class SiluGate(nn.Module):
+    """y * silu(z), no normalisation and no weight (Falcon-H1 without mamba_rms_norm)."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y, z: (..., local_channels). Returns y's dtype."""
+        return y * torch.nn.functional.silu(z.to(y.dtype))
