@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError
@@ -23,6 +24,25 @@ def _check_model(request: Request, body: _Sampling) -> None:
     if body.model != name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
                        param="model", code="model_not_found")
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
+
+
+def _call_id(request: Request) -> str:
+    """The API call's id: the client's `X-Request-Id` when given (so that the client, the
+    admin API and the logs name the same request), else a fresh one. Choice k of the call runs
+    as engine request `<id>-<k>-<nonce>`: a client may reuse an id (or two clients pick the
+    same) while the first call's requests are still being aborted, and two requests must never
+    share one engine id."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-100 characters of A-Z a-z 0-9 . _ : - "
+                            "starting with a letter or digit", param=REQUEST_ID_HEADER)
+    return given
 
 
 def _admit(request: Request, choices: list) -> Reservation:
@@ -68,10 +88,10 @@ def _penalty_params(body: _Sampling, vocab: int) -> dict:
             "stop_token_ids": tuple(body.stop_token_ids or ())}
 
 
-def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_tokens: int | None,
+def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list[int]], max_tokens: int | None,
              default_max: int | None, logprobs: int | None = None) -> list[Choice]:
     info = request.app.state.client.model
-    out = []
+    out, nonce = [], uuid.uuid4().hex[:8]
     for pi, ids in enumerate(prompts):
         room = info.max_model_len - len(ids)
         if room < 1:
@@ -90,7 +110,9 @@ def _choices(request: Request, body: _Sampling, prompts: list[list[int]], max_to
                 "stop": body.stop_list(), "ignore_eos": body.ignore_eos, "logprobs": logprobs,
                 **_penalty_params(body, info.vocab_size),
             }
-            out.append(Choice(pi * body.n + k, ids, params, TextStream(info.tokenizer.decode, body.stop_list())))
+            index = pi * body.n + k
+            out.append(Choice(index, ids, params, TextStream(info.tokenizer.decode, body.stop_list()),
+                              request_id=f"{call_id}-{index}-{nonce}"))
     return out
 
 
@@ -151,16 +173,18 @@ async def models(request: Request):
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request, response: Response):
     _check_model(request, body)
+    call_id = _call_id(request)
     if body.logprobs is not None and body.echo:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
     info = request.app.state.client.model
     prompts = _prompts(body, info.tokenizer, info.vocab_size)
-    choices = _choices(request, body, prompts, body.max_tokens, 16, body.logprobs)
+    choices = _choices(request, body, call_id, prompts, body.max_tokens, 16, body.logprobs)
     reservation = _admit(request, choices)
     client = request.app.state.client
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    rid, created = f"cmpl-{call_id}", int(time.time())
+    headers = {REQUEST_ID_HEADER: call_id}
     echo = {c.index: info.tokenizer.decode(c.prompt_ids) if body.echo else "" for c in choices}
 
     want_lp = body.logprobs is not None
@@ -185,9 +209,11 @@ async def completions(body: CompletionRequest, request: Request):
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})
             yield "data: [DONE]\n\n"
-        return ClosingStreamingResponse(events(), on_close=reservation.release_all, media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), on_close=reservation.release_all, media_type="text/event-stream",
+                                        headers=headers)
 
     await _collect(request, choices, reservation)
+    response.headers.update(headers)
     texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
     return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "text": texts[c.index],
@@ -197,8 +223,9 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 @router.post("/v1/chat/completions")
-async def chat(body: ChatRequest, request: Request):
+async def chat(body: ChatRequest, request: Request, response: Response):
     _check_model(request, body)
+    call_id = _call_id(request)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     want_lp = bool(body.logprobs)
@@ -209,11 +236,12 @@ async def chat(body: ChatRequest, request: Request):
         raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
     ids = info.tokenizer.encode(prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    choices = _choices(request, body, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
+    choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
                        (body.top_logprobs or 0) if want_lp else None)
     reservation = _admit(request, choices)
     client = request.app.state.client
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    rid, created = f"chatcmpl-{call_id}", int(time.time())
+    headers = {REQUEST_ID_HEADER: call_id}
 
     def chunk(c, delta, finish, lp=None):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
@@ -238,9 +266,11 @@ async def chat(body: ChatRequest, request: Request):
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})
             yield "data: [DONE]\n\n"
-        return ClosingStreamingResponse(events(), on_close=reservation.release_all, media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), on_close=reservation.release_all, media_type="text/event-stream",
+                                        headers=headers)
 
     await _collect(request, choices, reservation)
+    response.headers.update(headers)
     return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "message": {"role": "assistant",
                                                        "content": c.text.emitted},
