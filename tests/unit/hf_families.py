@@ -114,6 +114,13 @@ class ThreadedTPExecutor:
     def discard(self, req_id):
         self._all(lambda rk: rk.discard(req_id))
 
+    def export(self, req_id, rows):
+        out = self._all(lambda rk: rk.export(req_id, rows))
+        return {r: sums for r, (sums, _) in enumerate(out)}, [payload for _, payload in out]
+
+    def import_(self, req_id, rows, expect, payload):
+        return dict(enumerate(self._all(lambda rk: rk.import_state(req_id, rows, expect, *payload))))
+
     def num_backups(self):
         return {r: rk.num_backups() for r, rk in enumerate(self.ranks)}
 
@@ -152,7 +159,11 @@ def make_engine(path, tp_size: int = 1, **overrides) -> Engine:
 
 
 def engine_greedy(engine: Engine, prompt_list: list[list[int]], new: int = NEW_TOKENS) -> list[list[int]]:
-    ids = [engine.add_request(p, greedy(new)) for p in prompt_list]
+    return run_to_end(engine, [engine.add_request(p, greedy(new)) for p in prompt_list])
+
+
+def run_to_end(engine: Engine, ids: list[str]) -> list[list[int]]:
+    """Step until nothing is left, checking invariants; the requests' outputs, in order."""
     for _ in range(10_000):
         if not engine.has_unfinished():
             break
