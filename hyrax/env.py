@@ -27,3 +27,17 @@ def apply_torch_threads() -> None:
     import torch
 
     torch.set_num_threads(torch_threads())
+
+
+def hf_hub_cache() -> "Path":
+    """The local Hugging Face hub cache that `--model org/name` is looked up in: HF_HUB_CACHE,
+    else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub
+    (the layout and precedence huggingface_hub uses). Hyrax only reads it, never downloads."""
+    from pathlib import Path
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"

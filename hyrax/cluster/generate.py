@@ -19,7 +19,8 @@ from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline in this process (no Ray, no server)",
                        description="Run prompts through the Hyrax engine in-process.")
-    p.add_argument("--model", default="demo", help="checkpoint directory, or 'demo' (default)")
+    p.add_argument("--model", default="demo", help="checkpoint directory, a Hugging Face repo id in the local cache "
+                   "(org/name[@revision], never downloaded), or 'demo' (default)")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} or {\"prompt_ids\": [...]} per line")

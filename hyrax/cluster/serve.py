@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.demo import resolve_model_path
+from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
@@ -30,8 +30,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API on a Ray cluster",
                        description="Deploy a hybrid model on Ray and serve the OpenAI and admin APIs.")
     p.add_argument("--config", help="YAML file whose keys are these options' long names (CLI flags win)")
-    p.add_argument("--model", default="demo", help="checkpoint directory, or 'demo' (default)")
-    p.add_argument("--served-model-name", default=None, help="name clients use (default: 'hyrax-demo' or the dir name)")
+    p.add_argument("--model", default="demo", help="checkpoint directory, a Hugging Face repo id in the local cache "
+                   "(org/name[@revision], never downloaded), or 'demo' (default)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one on 127.0.0.1)")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="logical CPUs of a local Ray cluster (default: one per TP rank of the deployment)")
@@ -188,7 +190,7 @@ def validate(a) -> tuple:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
     if not a.address:
         local_num_cpus(cpus_needed(roles), a.num_cpus)  # --num-cpus too small for the deployment
-    name = a.served_model_name or ("hyrax-demo" if a.model == "demo" else Path(path).resolve().name)
+    name = a.served_model_name or default_served_name(a.model)
     return config, path, cfg, roles, name
 
 

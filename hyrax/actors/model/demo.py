@@ -26,8 +26,25 @@ DEMO_CONFIG = ModelConfig(
 
 
 def resolve_model_path(name: str) -> Path:
-    """`demo` names the shipped checkpoint; anything else is a directory."""
-    return DEMO_DIR if name == "demo" else Path(name)
+    """`demo` names the shipped checkpoint; an existing directory is itself; `org/name[@rev]`
+    is looked up in the local Hugging Face cache (hub_cache.py); anything else is returned as
+    a path for ModelConfig.from_dir to refuse."""
+    from hyrax.actors.model.hub_cache import looks_like_repo_id, snapshot_dir
+    from hyrax.env import hf_hub_cache
+
+    if name == "demo":
+        return DEMO_DIR
+    if Path(name).is_dir() or not looks_like_repo_id(name):
+        return Path(name)
+    return snapshot_dir(name, hf_hub_cache())
+
+
+def default_served_name(name: str) -> str:
+    """The model name clients see when --served-model-name is not given (for a `--model` that
+    resolved): `hyrax-demo`, a directory's name, or the repo id without its @revision."""
+    if name == "demo":
+        return "hyrax-demo"
+    return Path(name).resolve().name if Path(name).is_dir() else name.partition("@")[0]
 
 
 def _byte_chars() -> list[str]:
