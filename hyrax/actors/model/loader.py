@@ -1,8 +1,9 @@
 """Checkpoint loading and saving (HF-format directories with `*.safetensors`).
 
 A rank reads only its shard: for each parameter the model's shard rules give the global
-indices along one dimension, and contiguous runs of them are read with safetensors'
-lazy slices.
+indices along one dimension, and contiguous runs of them are read with positional reads
+straight into the parameter (safetensors_io.py), so a rank's memory holds its shard and not
+the checkpoint. Replicated parameters (embeddings, norms, LM head, routers) are read whole.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyrax.actors.model.config import ModelConfig
@@ -18,30 +18,18 @@ from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.families import weight_namer
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.norm import AllReduce, identity_allreduce
+from hyrax.actors.model.safetensors_io import SafetensorsFile
 from hyrax.actors.model.sharding import TP, check_tp
 
-def _runs(idx: list[int]) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) runs of a sorted-or-not index list, in order."""
-    runs: list[tuple[int, int]] = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
-
-def _read(handle, name: str, rule) -> torch.Tensor:
-    if rule is None:
-        return handle.get_tensor(name)
-    dim, idx = rule
-    sl = handle.get_slice(name)
-    parts = []
-    for a, b in _runs(idx):
-        key = [slice(None)] * len(sl.get_shape())
-        key[dim] = slice(a, b)
-        parts.append(sl[tuple(key)])
-    return torch.cat(parts, dim=dim)
+def _fill(h: SafetensorsFile, name: str, rule, target: torch.Tensor) -> None:
+    """Copy a checkpoint tensor (or this rank's slice of it, `rule` = (dim, indices)) into
+    `target`: read in place when dtype and device allow, else through one slice-sized buffer."""
+    dim, idx = rule if rule is not None else (None, None)
+    if h.dtype(name) == target.dtype and target.device.type == "cpu" and target.is_contiguous():
+        h.read_into(name, target.data, dim, idx)
+    else:
+        target.copy_(h.read(name, dim, idx).to(target.dtype))
 
 
 def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float32,
@@ -61,7 +49,7 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     loaded: set[str] = set()
     name_of = weight_namer(cfg)
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with SafetensorsFile(f) as h:
             for ckpt_name in h.keys():
                 name = name_of(ckpt_name)
                 if name is None:
@@ -71,20 +59,22 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
                 if name not in params:
                     raise HyraxInputError(f"checkpoint weight {ckpt_name!r} has no place in the model the config "
                                           f"describes (model_type {cfg.model_type!r})")
-                saved = tuple(h.get_slice(ckpt_name).get_shape())
+                saved = h.shape(ckpt_name)
                 if saved != full_shapes[name]:
                     raise HyraxInputError(
                         f"weight {name}: checkpoint shape {saved} does not fit the config (expected {full_shapes[name]})"
                     )
-                t = _read(h, ckpt_name, rules.get(name))
-                target = params[name]
-                if tuple(t.shape) != tuple(target.shape):
+                rule, target = rules.get(name), params[name]
+                local = list(saved)
+                if rule is not None:
+                    local[rule[0]] = len(rule[1])
+                if tuple(local) != tuple(target.shape):
                     raise HyraxInputError(
-                        f"weight {name}: checkpoint shape {tuple(t.shape)} does not fit the config "
+                        f"weight {name}: checkpoint shape {tuple(local)} does not fit the config "
                         f"(expected {tuple(target.shape)} on TP rank {tp.rank}/{tp.size})"
                     )
                 with torch.no_grad():
-                    target.copy_(t.to(dtype))
+                    _fill(h, ckpt_name, rule, target)
                 loaded.add(name)
     missing = set(params) - loaded
     if cfg.tie_word_embeddings:
