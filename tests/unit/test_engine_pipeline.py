@@ -177,3 +177,22 @@ def test_an_offer_is_freed_by_its_lease_an_abort_or_the_importers_acknowledgemen
         assert not engine.release_handoff(rid)  # a late second acknowledgement changes nothing
     assert req.export_payload is None
     assert_idle_clean(engine)
+
+
+def test_exporting_a_request_whose_step_in_flight_finishes_it_declines_instead_of_failing():
+    """A migration (or a drain) picks a running request; committing the step in flight, which
+    the export does first, finishes it. The export declines (None) and the state is freed once,
+    after that step (the soak found a KeyError on the freed indices here)."""
+    model = tiny_model(HYBRID)
+    engine = make_engine(model, overlap=True, deterministic=False)
+    spy = InflightSpy(engine)
+    rid = engine.add_request(make_prompts(1, seed=8)[0], greedy(max_tokens=4))
+    while len(engine.requests[rid].output_ids) < 3:
+        engine.step()
+    assert rid in engine.in_flight_ids()  # the step producing token 4 of 4 is in flight
+    assert engine.export_running(rid) is None
+    assert engine.requests.get(rid) is None or engine.requests[rid].state == State.FINISHED
+    while engine.has_unfinished() or engine.has_inflight():
+        engine.step()
+    assert spy.violations == [] and engine.stats.finished["length"] == 1
+    assert_idle_clean(engine)

@@ -397,7 +397,7 @@ class Engine:
         self._finish(req, "length")
 
     # ---- hand-offs (see transfer.py) -----------------------------------------------------
-    def export_running(self, req_id: str) -> dict:
+    def export_running(self, req_id: str) -> dict | None:
         return self.transfers.offer(req_id)
 
     def release_handoff(self, req_id: str) -> bool:

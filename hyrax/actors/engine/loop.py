@@ -186,14 +186,16 @@ class EngineLoop:
                 self.engine.finished_requests.pop(request_id, None)
 
     def migrate_out(self, request_id: str) -> bool:
-        """Export a running request; its stream ends with the hand-off for the new replica."""
+        """Export a running request; its stream ends with the hand-off for the new replica.
+        False when it is not running here (any more): unknown, finished, retracted, offered."""
         with self.lock:
             req = self.engine.requests.get(request_id)
-            if req is None or request_id not in self.streams:
+            if req is None or request_id not in self.streams or req.state != State.RUNNING:
                 return False
-            if req.state != State.RUNNING:
-                raise HyraxInputError(f"request {request_id} is {req.state.value}; only running requests migrate")
-            handoff = dict(self.engine.export_running(request_id), source=self.source)
+            exported = self.engine.export_running(request_id)
+            if exported is None:
+                return False
+            handoff = dict(exported, source=self.source)
             # tokens the export's sync committed go out first: the stream ends with the hand-off
             outs = self.engine.step_outputs_flush()
             loop, q = self.streams[request_id]

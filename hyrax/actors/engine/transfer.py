@@ -29,14 +29,17 @@ class Transfers:
         self.e = engine
 
     # ---- source side -----------------------------------------------------------------
-    def offer(self, req_id: str) -> dict:
-        """Export a running request for another replica and hold its state under a lease."""
+    def offer(self, req_id: str) -> dict | None:
+        """Export a running request for another replica and hold its state under a lease.
+        None when committing the step in flight ended or retracted it meanwhile."""
         e = self.e
         req = e.table.get(req_id)
         if req is None or req.state != State.RUNNING:
             raise HyraxInputError(f"request {req_id!r} is not running here")
         if req_id in e.in_flight_ids():
             e.sync()  # the exported state is exactly the committed tokens
+            if req.state != State.RUNNING:  # that step finished it, or a retraction took it
+                return None
         t0 = time.perf_counter()
         rows = e.retractor.rows(req.indices, req.num_computed)
         sums, payload = e.executor.export(req_id, rows)
