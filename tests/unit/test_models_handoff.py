@@ -38,11 +38,10 @@ def _migrate_mid_decode(src, dst, prompt_list: list[list[int]]) -> list[list[int
     return hff.run_to_end(dst, ids)
 
 
-@pytest.mark.parametrize("tp_pair", [(1, 2), (2, 1)], ids=["prefill_tp1_decode_tp2", "prefill_tp2_decode_tp1"])
-def test_prefill_to_decode_handoff_keeps_transformers_tokens(checkpoint, tp_pair):
+def test_prefill_tp1_to_decode_tp2_handoff_keeps_transformers_tokens(checkpoint):
     path, _, ps, ref = checkpoint
-    prefill = hff.make_engine(path, tp_pair[0], role="prefill")
-    decode = hff.make_engine(path, tp_pair[1], role="decode")
+    prefill = hff.make_engine(path, 1, role="prefill")
+    decode = hff.make_engine(path, 2, role="decode")
     ids = [prefill.add_request(p, greedy(hff.NEW_TOKENS)) for p in ps]
     offered: set[str] = set()
     for _ in range(1_000):
@@ -64,11 +63,14 @@ def test_migration_mid_decode_tp2_to_tp1_keeps_transformers_tokens(checkpoint):
     assert _migrate_mid_decode(hff.make_engine(path, 2), hff.make_engine(path, 1), ps) == ref
 
 
-def test_mutation_a_handoff_that_loses_the_recurrent_state_changes_the_tokens(checkpoint, monkeypatch):
-    """The check above could not pass by rebuilding state: zero every slot component right
-    after an import (while reporting it verified) and the tokens differ."""
+def test_mutation_a_handoff_that_loses_the_recurrent_state_changes_the_tokens(checkpoint, monkeypatch, request):
+    """The checks above could not pass by rebuilding state: zero every slot component right
+    after an import (while reporting it verified) and the tokens differ. (One family is
+    enough to show the check bites; every family's state passes through the same import.)"""
     from hyrax.actors.engine.rank_runtime import RankRuntime
 
+    if request.node.callspec.params["checkpoint"] != "falcon_h1":
+        pytest.skip("run for falcon_h1 only")
     path, _, ps, ref = checkpoint
     real = RankRuntime.import_state
 
