@@ -73,3 +73,42 @@ def test_migrated_stream_delivers_every_token_of_the_exported_state(overlap):
         loop.shutdown()
     # the importer resumes after `exported`: the client must have seen exactly those tokens
     assert seen == exported, f"stream delivered {len(seen)} tokens, the exported state holds {len(exported)}"
+
+
+def test_an_abort_that_overtakes_its_start_or_import_refuses_them():
+    """Over Ray an async actor may run a caller's abort before the start (or import) sent
+    earlier. The late start must not run a request nobody reads (the soak saw such orphans
+    running on a decode replica for seconds after their client left)."""
+    from hyrax.actors.engine.local import load_engine
+    from hyrax.actors.engine.loop import EngineLoop
+
+    config = EngineConfig(deterministic=True)
+    prefill = EngineLoop(load_engine(DEMO_MODEL, EngineConfig(deterministic=True, role="prefill")), "ea-prefill")
+    decode = EngineLoop(load_engine(DEMO_MODEL, config), "ea-decode")
+
+    async def items(gen) -> list[dict]:
+        return [item async for item in gen]
+
+    async def scenario():
+        assert not decode.abort("early0")  # unknown yet: remembered
+        started = await items(decode.generate("early0", prompt(12, seed=4), {"max_tokens": 50}))
+        handoff = None
+        async for item in prefill.generate("early1", prompt(12, seed=5), {"max_tokens": 50}):
+            if "handoff" in item:
+                handoff = item["handoff"]
+                break
+        assert not decode.abort("early1")  # the gateway's abort overtakes the import
+        assert prefill.abort("early1")  # and reaches the source, which holds the offer
+        imported = await items(decode.generate_imported(handoff))
+        return started, imported
+
+    try:
+        started, imported = asyncio.run(scenario())
+        for got in (started, imported):
+            assert got == [{"finished": True, "finish_reason": "abort", "token_ids": []}], got
+        assert decode.stats()["early_aborts_refused"] == 2
+        for loop in (prefill, decode):
+            assert loop.is_idle_clean() and loop.check_invariants() and loop.list_requests() == []
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

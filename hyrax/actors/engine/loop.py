@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Callable
 
+from hyrax.actors.engine.early_aborts import EarlyAborts
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.remote_executor import RankFailure
@@ -45,6 +46,7 @@ class EngineLoop:
         self.lock = threading.RLock()
         self.wake = threading.Event()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.early_aborts = EarlyAborts()
         self.stopping = False
         self.healthy = True
         self.last_error: str | None = None
@@ -161,6 +163,9 @@ class EngineLoop:
     async def _stream(self, request_id: str, admit):
         q: asyncio.Queue = asyncio.Queue()
         with self.lock:
+            if self.early_aborts.take(request_id):  # its client left before it got here
+                yield {"finished": True, "finish_reason": "abort", "token_ids": []}
+                return
             self.streams[request_id] = (asyncio.get_running_loop(), q)
             try:
                 admit()
@@ -211,6 +216,8 @@ class EngineLoop:
     def abort(self, request_id: str) -> bool:
         with self.lock:
             ok = self.engine.abort(request_id)
+            if not ok and request_id not in self.streams:
+                self.early_aborts.remember(request_id)
             outs = self.engine.step_outputs_flush()
         self._deliver(outs)  # the stream ends now, even if the loop has nothing left to step
         return ok
@@ -270,6 +277,7 @@ class EngineLoop:
         steps = sorted(self.step_seconds)
         s["step_ms_p50"] = round(1000 * steps[len(steps) // 2], 3) if steps else None
         s["stuck"] = self.stuck_reason() is not None
+        s["early_aborts_refused"] = self.early_aborts.refused
         return s
 
     def load(self) -> int:
