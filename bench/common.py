@@ -41,6 +41,12 @@ class Profile:
     memory_concurrency: int = 8
     memory_forced_interval: int = 2
     memory_formula_prompts: tuple[int, ...] = (5, 40, 300, 1000)
+    # soak: requests in the chaos run, share of vanishing clients, clients at once, chaos pace
+    soak_requests: int = 10_000
+    soak_vanish_share: float = 0.25
+    soak_concurrency: int = 32
+    soak_forced_interval: int = 3
+    soak_operator_period_s: float = 1.0
 
     def target(self, t: str) -> str:
         """A timing target, or none at sizes too small to judge timing."""
@@ -64,6 +70,7 @@ QUICK = Profile(
     transfer_reps=5,
     memory_total=300,
     memory_first=50,
+    soak_requests=1000,
 )
 TINY = Profile(  # the smoke test: plumbing only, seconds
     name="tiny",
@@ -81,6 +88,9 @@ TINY = Profile(  # the smoke test: plumbing only, seconds
     memory_first=8,
     memory_concurrency=4,
     memory_formula_prompts=(5, 100),
+    soak_requests=60,
+    soak_concurrency=8,
+    soak_operator_period_s=0.3,
 )
 PROFILES = {p.name: p for p in (FULL, QUICK, TINY)}
 

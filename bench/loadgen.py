@@ -77,9 +77,10 @@ async def run(job: dict) -> dict:
     return {"wall": wall, "results": results}
 
 
-def main() -> int:
+def main(run_job=None) -> int:
+    """Read a JSON job on stdin, run it (`run_job`, default: this module's `run`), answer JSON."""
     job = json.load(sys.stdin)
-    json.dump(asyncio.run(run(job)), sys.stdout)
+    json.dump(asyncio.run((run_job or run)(job)), sys.stdout)
     return 0
 
 

@@ -13,7 +13,7 @@ import time
 from bench.common import PROFILES, env_summary, progress, shutdown_ray, single_thread_torch
 from bench.report import Row, markdown, write_json
 
-SUITES = ("serving", "coordination", "retraction", "transfer", "memory")
+SUITES = ("serving", "coordination", "retraction", "transfer", "memory", "soak")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

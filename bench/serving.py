@@ -20,26 +20,18 @@ from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import random
-import secrets
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from bench.common import (BENCH_SEED, Profile, ensure_ray, make_bamba_checkpoint, percentile, progress, prompt_ids,
+from bench.common import (BENCH_SEED, Profile, make_bamba_checkpoint, percentile, progress, prompt_ids,
                           quiet_transformers)
 from bench.report import Row, ratio
+from bench.stack import GatewayStack, serve_defaults
 
 MODEL_NAME = "bench-bamba"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def workload(profile: Profile, concurrency: int) -> list[dict]:
@@ -120,70 +112,18 @@ class _Transformers:
 
 
 # ---- Hyrax: gateway + Ray deployment ---------------------------------------------------------
-def serve_defaults():
-    """The EngineConfig `hyrax serve` builds when given no engine options."""
-    from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
+def _stack(model_dir: Path, max_concurrency: int) -> GatewayStack:
+    """One colocated TP=1 replica with `hyrax serve`'s defaults, pools sized so that the
+    workload never retracts."""
+    from hyrax.cluster.deployment import RoleSpec
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return engine_config_from_args(p.parse_args([]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    config = dataclasses.replace(serve_defaults(), kv_capacity_tokens=65536, mamba_slots=max_concurrency + 8,
+                                 max_running=max(64, max_concurrency))
+    return GatewayStack(str(model_dir), MODEL_NAME, [RoleSpec("colocated", 1, 1)], config, "serving")
 
 
-class _Stack:
-    """Ray deployment + gateway served by uvicorn in a daemon thread of this process."""
-
-    def __init__(self, model_dir: Path, max_concurrency: int):
-        import httpx
-        import uvicorn
-
-        from hyrax.api.app import GatewaySettings, create_app
-        from hyrax.cluster.deployment import Deployment, RoleSpec
-        from hyrax.cluster.ray_client import client_for
-
-        ensure_ray()
-        # `hyrax serve`'s defaults, with pools sized so that the workload never retracts
-        self.config = config = dataclasses.replace(serve_defaults(), kv_capacity_tokens=65536,
-                                                   mamba_slots=max_concurrency + 8,
-                                                   max_running=max(64, max_concurrency))
-        progress("serving: starting the Ray deployment (colocated x1, tp=1) and the gateway")
-        self.dep = Deployment(str(model_dir), [RoleSpec("colocated", 1, 1)], config)
-        self.dep.start(timeout_s=300)
-        app = create_app(client_for(self.dep, MODEL_NAME), GatewaySettings(admin_token=secrets.token_urlsafe(16)))
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]),
-                                                    log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="bench-gateway", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the benchmark gateway did not become healthy")
-            time.sleep(0.1)
-
-    def load(self, reqs: list[dict], concurrency: int, warmup: list[dict]) -> dict:
-        job = {"url": self.url, "model": MODEL_NAME, "concurrency": concurrency, "requests": reqs, "warmup": warmup}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        p = subprocess.run([sys.executable, "-m", "bench.loadgen"], input=json.dumps(job), capture_output=True,
-                           text=True, cwd=REPO_ROOT, env=env, timeout=3600)
-        if p.returncode != 0:
-            raise RuntimeError(f"load generator failed: {p.stderr[-2000:]}")
-        return json.loads(p.stdout)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.dep.shutdown()
+def _load(stack: GatewayStack, reqs: list[dict], concurrency: int, warmup: list[dict]) -> dict:
+    return stack.run_clients("bench.loadgen", {"concurrency": concurrency, "requests": reqs, "warmup": warmup})
 
 
 def _in_process_tps(model_dir: Path, reqs: list[dict], concurrency: int, config) -> float:
@@ -217,7 +157,7 @@ def run(profile: Profile) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="hyrax-bench-bamba-") as tmp:
         path = make_bamba_checkpoint(Path(tmp))
         base_reqs = workload(profile, target_c)
-        stack = _Stack(path, max(conc))
+        stack = _stack(path, max(conc))
         try:
             hf = _Transformers(path)
             hf.run_share(base_reqs, target_c, 0)
@@ -226,7 +166,7 @@ def run(profile: Profile) -> list[Row]:
             for c in conc:
                 reqs = workload(profile, c)
                 progress(f"serving: Hyrax over HTTP, concurrency {c} ({len(reqs)} requests)")
-                out = stack.load(reqs, c, warm)
+                out = _load(stack, reqs, c, warm)
                 warm = []
                 res = out["results"]
                 ok = [r for r in res if not r.get("error") and r["tokens"] == r["expected"]]

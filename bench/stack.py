@@ -1,0 +1,85 @@
+"""A Ray deployment with the gateway in front of it, served by uvicorn in a daemon thread of
+the bench process, and the runner for the load-generating client processes."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench.common import ensure_ray, progress
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def serve_defaults():
+    """The EngineConfig `hyrax serve` builds when given no engine options."""
+    from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config_from_args(p.parse_args([]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayStack:
+    """`roles` (RoleSpecs) deployed on Ray with `config`, the gateway on 127.0.0.1."""
+
+    def __init__(self, model_dir: str, model_name: str, roles, config, what: str):
+        import httpx
+        import uvicorn
+
+        from hyrax.api.app import GatewaySettings, create_app
+        from hyrax.cluster.deployment import Deployment
+        from hyrax.cluster.ray_client import client_for
+
+        ensure_ray()
+        self.model_name, self.config = model_name, config
+        self.admin_token = secrets.token_urlsafe(16)
+        layout = ", ".join(f"{r.name} x{r.replicas} tp={r.tp}" for r in roles)
+        progress(f"{what}: starting the Ray deployment ({layout}) and the gateway")
+        self.dep = Deployment(str(model_dir), list(roles), config)
+        self.dep.start(timeout_s=300)
+        app = create_app(client_for(self.dep, model_name), GatewaySettings(admin_token=self.admin_token))
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="bench-gateway", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the benchmark gateway did not become healthy")
+            time.sleep(0.1)
+
+    def run_clients(self, module: str, job: dict, timeout_s: float = 3600) -> dict:
+        """Run `python -m <module>` with `job` (plus url, model, admin token) on stdin; its JSON answer."""
+        job = {"url": self.url, "model": self.model_name, "admin_token": self.admin_token, **job}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        p = subprocess.run([sys.executable, "-m", module], input=json.dumps(job), capture_output=True, text=True,
+                           cwd=REPO_ROOT, env=env, timeout=timeout_s)
+        if p.returncode != 0:
+            raise RuntimeError(f"{module} failed: {p.stderr[-2000:]}")
+        return json.loads(p.stdout)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.dep.shutdown()
