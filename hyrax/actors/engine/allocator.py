@@ -51,6 +51,25 @@ class IndexAllocator:
             self._owner[i] = owner
         return out
 
+    def peek(self, n: int) -> list[int]:
+        """The next `n` indices `allocate` would hand out, in that order (fewer if fewer are free)."""
+        return self._free[-n:][::-1] if n > 0 else []
+
+    def claim(self, owner: str, indices: tuple[int, ...] | list[int]) -> None:
+        """Give `owner` exactly these free indices (a scheduler took them from `peek`)."""
+        k = len(indices)
+        if k == 0:
+            return
+        if self._free[-k:][::-1] == list(indices):  # the usual case: the next ones, in order
+            del self._free[len(self._free) - k:]
+        else:
+            taken = set(indices)
+            if len(taken) != k or not taken <= set(self._free):
+                raise AllocationError(f"{self.name}: cannot claim {list(indices)}: not all free")
+            self._free = [i for i in self._free if i not in taken]
+        for i in indices:
+            self._owner[i] = owner
+
     def free(self, owner: str, indices: list[int]) -> None:
         for i in indices:
             if self._owner.get(i) != owner:

@@ -23,11 +23,13 @@ from hyrax.actors.engine.lifecycle import Outcome, RequestTable
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.pools import PoolSizes
 from hyrax.actors.engine.request import Request, SamplingParams, State
-from hyrax.actors.engine.retraction import Retractor, pick_victims
-from hyrax.actors.engine.scheduler import Scheduler
+from hyrax.actors.engine.retraction import Retractor
+from hyrax.actors.engine.scheduler import NeedRoom, Scheduled, Scheduler
+from hyrax.actors.engine.selection import pick_victims
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import pages_needed, releasable_pages
 from hyrax.actors.engine.transfer import Transfers
+from hyrax.actors.engine.view import build_view
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.state import ComponentSpec, WINDOW
 
@@ -59,7 +61,8 @@ class Engine:
                            for c in components}
         self.stats = EngineStats()
         self.table = RequestTable()
-        self.scheduler = Scheduler(components, config, self.alloc)
+        self.scheduler = Scheduler(components, config)
+        self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
         self.retractor = Retractor(components, config, executor, self.alloc, self.host_alloc, self.stats,
                                    release=self._release)
         self.transfers = Transfers(self)
@@ -223,29 +226,48 @@ class Engine:
         return out
 
     def _plan(self) -> StepPlan:
-        """The scheduler sees each request as it will be once the step in flight commits."""
-        if self._inflight is not None:
-            self.scheduler.ahead = {
-                e.req_id: (e.end, len(self.requests[e.req_id].output_ids) + (e.sample is not None))
-                for e in self._inflight[0].entries if e.req_id in self.requests
-            }
-        try:
-            plan, admitted = self.scheduler.schedule(
-                self.step_count, self.running, self.waiting, self._make_room, self._no_room,
-                admit_new=not any(not r.hold for r in self.retracted),
-            )
-        finally:
-            self.scheduler.ahead = {}
-        now = time.monotonic()
-        for r in admitted:
-            self.table.start(r)
-            if r.first_scheduled_at is None:
-                r.first_scheduled_at = now
-                self.stats.queue_seconds.append(now - r.arrival)
+        """Ask the scheduler, make the room it needs (retract victims, give up on a request
+        that can never grow) and ask again; then claim what the plan takes."""
+        while True:
+            got = self.scheduler.schedule(build_view(
+                self.step_count, self.running, self.waiting, self.alloc,
+                self._inflight[0] if self._inflight is not None else None, self.config.max_running,
+                self.config.max_batch_tokens, not any(not r.hold for r in self.retracted), self.reserve_ratio))
+            if isinstance(got, Scheduled):
+                break
+            self._make_room(got)
+        self._pressure = got.pressure
+        self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)
+        self._claim(got)
+        plan = got.plan
         if self._forget and plan.entries:
             plan = dataclasses.replace(plan, forget=tuple(self._forget))
             self._forget = []
         return plan
+
+    def _make_room(self, need: NeedRoom) -> None:
+        for rid in need.victims:
+            self._retract(self.table.get(rid), "memory", None, False)
+            self.reserve_ratio = 1.0
+        for rid in need.hopeless:
+            self._finish(self.table.get(rid), "length")
+
+    def _claim(self, got: Scheduled) -> None:
+        """The plan's units become its requests' (in the order the scheduler took them); the
+        admitted requests start running."""
+        for e in got.plan.entries:
+            req = self.table.get(e.req_id)
+            for name, units in got.grants.get(e.req_id, {}).items():
+                self.alloc[name].claim(req.id, units)
+            req.indices.update({name: list(t) for name, t in e.page_tables.items()})
+            req.indices.update({name: [slot] for name, slot in e.slots.items()})
+        now = time.monotonic()
+        for rid in got.admitted:
+            r = self.table.get(rid)
+            self.table.start(r)
+            if r.first_scheduled_at is None:
+                r.first_scheduled_at = now
+                self.stats.queue_seconds.append(now - r.arrival)
 
     def has_inflight(self) -> bool:
         return self._inflight is not None
@@ -381,21 +403,6 @@ class Engine:
             if self._restore(req) == Outcome.NO_CAPACITY:
                 break  # keep order: the oldest retracted request goes first
 
-    def _make_room(self, needy: Request, need: dict[str, int], planned: set[str]) -> bool:
-        """Memory pressure: retract victims until `need` fits. False if it cannot."""
-        while True:
-            if all(self.alloc[k].can_allocate(n) for k, n in need.items()):
-                return True
-            victims = pick_victims(self.running, 1, exclude=planned | {needy.id} | self.in_flight_ids())
-            if not victims:
-                self._pressure = self._inflight is not None  # retry after the step in flight
-                return False
-            self._retract(victims[0], "memory", None, False)
-            self.scheduler.reserve_ratio = 1.0
-
-    def _no_room(self, req: Request) -> None:
-        self._finish(req, "length")
-
     # ---- hand-offs (see transfer.py) -----------------------------------------------------
     def export_running(self, req_id: str) -> dict | None:
         return self.transfers.offer(req_id)
@@ -435,7 +442,7 @@ class Engine:
         live = self.table.rebuild_all()
         for req in live:
             req.indices, req.backup, req.num_computed, req.export_payload = {}, None, 0, None
-        # in place: the scheduler and the retractor hold these same dicts
+        # in place: the retractor holds these same dicts
         self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
         self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
         return live

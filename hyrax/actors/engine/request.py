@@ -110,6 +110,14 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids)
+
+    @property
     def pending(self) -> int:
         """Tokens known but not yet run through the model."""
         return self.num_tokens - self.num_computed

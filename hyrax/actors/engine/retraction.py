@@ -15,6 +15,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.manifest import ComponentRecord, Manifest
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.request import Request
+from hyrax.actors.engine.selection import pick_victims  # noqa: F401 - loop.py still imports it from here
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import live_page_numbers, live_rows, pages_needed
 from hyrax.actors.model.state import ComponentSpec
@@ -25,17 +26,6 @@ class Backup:
     manifest: Manifest
     host_rows: dict[str, list[int]] | None  # host-pool rows per component, None for cpu_tensor
     payload: list | None = None  # exported shards (object-store refs) from another replica
-
-
-def pick_victims(running: list[Request], n: int, exclude: set[str] = frozenset(),
-                 keep_last: bool = True) -> list[Request]:
-    """Victim order: fewest generated tokens first, then longest prompt. Forced and
-    memory-pressure retraction never take the last running request (`keep_last`); an
-    operator's explicit retraction may."""
-    cands = [r for r in running if r.id not in exclude]
-    cands.sort(key=lambda r: (len(r.output_ids), -len(r.prompt_ids), r.arrival))
-    n = min(n, len(running) - 1 if keep_last else len(running), len(cands))
-    return cands[: max(n, 0)]
 
 
 class Retractor:

@@ -1,164 +1,174 @@
-"""Continuous batching: which requests run this step, with how many tokens.
+"""Continuous batching as a pure function: `Scheduler(components, config).schedule(view)`
+returns `Scheduled` (the step's plan and the units it takes) or `NeedRoom` (retract these
+victims, or give up on a request that can never grow, and ask again).
 
 Decode tokens first, then prefill chunks of running requests, then new admissions, under a
-per-step token budget. Pages are allocated here, for exactly the positions a step writes;
-a running request that cannot get a page makes room by retracting victims (memory
-pressure). In deterministic mode prefill chunks end at fixed multiples of `prefill_chunk`,
-so a request's numerics never depend on what else shares the step.
+per-step token budget. Units are taken from the view's free lists, for exactly the positions
+a step writes; the engine claims them when it applies the result. In deterministic mode
+prefill chunks end at fixed multiples of `prefill_chunk`, so a request's numerics never
+depend on what else shares the step.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Mapping
 
-from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
-from hyrax.actors.engine.request import Request, State
-from hyrax.actors.model.state import ComponentSpec
+from hyrax.actors.engine.selection import pick_victims
+from hyrax.actors.engine.view import FreePool, RequestView, SchedulerView
+from hyrax.actors.model.state import TOKEN, ComponentSpec
 
 
-PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
+@dataclass(frozen=True)
+class Scheduled:
+    plan: StepPlan
+    admitted: tuple[str, ...]  # from the queue, in queue order: the engine starts them
+    grants: Mapping[str, Mapping[str, tuple[int, ...]]]  # req id -> component -> units taken, in order
+    pressure: bool = False  # a request did not fit while frees wait for the step in flight
+
+
+@dataclass(frozen=True)
+class NeedRoom:
+    victims: tuple[str, ...] = ()  # retract these (memory pressure), then schedule again
+    hopeless: tuple[str, ...] = ()  # running alone and still no room: finish with "length"
+
+
+class _Pools:
+    """Free units as this planning pass takes them (a scratch copy of the view's)."""
+
+    def __init__(self, free: Mapping[str, FreePool]):
+        self.count = {n: p.count for n, p in free.items()}
+        self.next = {n: p.next for n, p in free.items()}
+        self.taken = {n: 0 for n in free}
+
+    def fits(self, need: Mapping[str, int]) -> bool:
+        return all(n <= self.count[name] for name, n in need.items())
+
+    def take(self, name: str, n: int) -> tuple[int, ...]:
+        k = self.taken[name]
+        out = self.next[name][k : k + n]
+        if len(out) != n:
+            raise RuntimeError(f"{name}: the view lists {len(self.next[name])} free units, a step took more")
+        self.taken[name] += n
+        self.count[name] -= n
+        return out
 
 
 class Scheduler:
-    def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig,
-                 allocators: dict[str, IndexAllocator]):
+    def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig):
         self.components = components
+        self.paged = tuple(c for c in components if c.paged)
+        self.slotted = tuple(c for c in components if not c.paged)
         self.config = config
-        self.alloc = allocators
-        self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
-        # overlap scheduling: req id -> (computed, outputs) once the in-flight step commits.
-        # Read here instead of advancing the requests' own fields ahead of their results.
-        self.ahead: dict[str, tuple[int, int]] = {}
 
-    # ---- a request as the next step will find it --------------------------------------
-    def computed(self, req: Request) -> int:
-        a = self.ahead.get(req.id)
-        return a[0] if a else req.num_computed
-
-    def n_outputs(self, req: Request) -> int:
-        a = self.ahead.get(req.id)
-        return a[1] if a else len(req.output_ids)
-
-    def pending(self, req: Request) -> int:
-        return len(req.prompt_ids) + self.n_outputs(req) - self.computed(req)
-
-    # ---- sizing ----------------------------------------------------------------------
-    def chunk_len(self, req: Request, budget: int) -> int:
-        pending = self.pending(req)
-        if pending <= 0 or self.n_outputs(req) >= req.params.max_tokens:
+    def chunk_len(self, r: RequestView, budget: int) -> int:
+        """Tokens `r` runs this step (0: none)."""
+        if r.pending <= 0 or r.num_outputs >= r.params.max_tokens:
             return 0  # nothing to run, or it finishes with the step in flight
-        if self.config.role == "prefill" and self.n_outputs(req) >= 1:
+        if self.config.role == "prefill" and r.num_outputs >= 1:
             return 0  # a prefill replica never decodes: the request is handed off
-        if pending == 1:
+        if r.pending == 1:
             return 1 if budget >= 1 else 0
         c = self.config.prefill_chunk
         if self.config.deterministic:
-            n = min(pending, c - self.computed(req) % c)
+            n = min(r.pending, c - r.computed % c)
             return n if n <= budget else 0
-        return min(pending, c, budget)
+        return min(r.pending, c, budget)
 
-    def _pages_to_add(self, req: Request, end: int) -> dict[str, list[int]]:
-        """Page numbers a request must newly allocate to write positions < end."""
+    def _pages_to_add(self, r: RequestView, end: int) -> dict[str, list[int]]:
+        """Page numbers `r` must newly take to write positions < end, per paged component."""
         ps = self.config.page_size
         out = {}
-        for c in self.components:
-            if not c.paged:
-                continue
-            table = req.indices.get(c.name, [])
-            first = self.computed(req) // ps
-            out[c.name] = [n for n in range(first, -(-end // ps)) if n >= len(table) or table[n] < 0]
+        for c in self.paged:
+            table = r.indices.get(c.name, ())
+            out[c.name] = [n for n in range(r.computed // ps, -(-end // ps)) if n >= len(table) or table[n] < 0]
         return out
 
-    def _fits(self, need: dict[str, int]) -> bool:
-        return all(self.alloc[name].can_allocate(n) for name, n in need.items())
-
-    def _allocate_pages(self, req: Request, add: dict[str, list[int]]) -> None:
-        for name, numbers in add.items():
-            got = self.alloc[name].allocate(req.id, len(numbers))
-            table = req.indices.setdefault(name, [])
-            for n, page in zip(numbers, got):
-                while len(table) <= n:
-                    table.append(-1)
-                table[n] = page
-
-    def _reserve_ok(self, running: list[Request], add: dict[str, int]) -> bool:
+    def _reserve_ok(self, growing: list[RequestView], need: dict[str, int], pools: _Pools, ratio: float) -> bool:
         """After a retraction, admit only while pages stay free for the running requests' growth."""
-        if self.reserve_ratio <= 0.0:
+        if ratio <= 0.0:
             return True
-        ps = self.config.page_size
-        growth = sum(max(r.params.max_tokens - self.n_outputs(r), 0) for r in running) / ps
-        for c in self.components:
-            if c.kind == "token":
-                if self.alloc[c.name].num_free - add.get(c.name, 0) < self.reserve_ratio * growth:
-                    return False
-        return True
+        growth = sum(max(r.params.max_tokens - r.num_outputs, 0) for r in growing) / self.config.page_size
+        return all(pools.count[c.name] - need.get(c.name, 0) >= ratio * growth
+                   for c in self.components if c.kind == TOKEN)
 
-    # ---- the step --------------------------------------------------------------------
-    def schedule(self, step: int, running: list[Request], waiting: list[Request],
-                 make_room: Callable[[Request, dict[str, int], set[str]], bool],
-                 on_no_room: Callable[[Request], None], admit_new: bool) -> tuple[StepPlan, list[Request]]:
-        """Returns the plan and the requests admitted from `waiting`, in queue order (their
-        indices are allocated; the engine moves them to running)."""
+    def _victims(self, view: SchedulerView, needy: RequestView, need: dict[str, int], planned: set[str],
+                 pools: _Pools) -> tuple[str, ...]:
+        """The fewest victims, in victim order, whose units make `need` fit (all of them if
+        none suffice: they are retracted anyway, as a one-at-a-time loop would)."""
+        cands = pick_victims(view.running, len(view.running), exclude=planned | {needy.id} | view.in_flight)
+        freed = dict.fromkeys(need, 0)
+        for k, v in enumerate(cands):
+            for name in freed:
+                freed[name] += v.owned(name)
+            if all(pools.count[name] + freed[name] >= n for name, n in need.items()):
+                return tuple(c.id for c in cands[: k + 1])
+        return tuple(c.id for c in cands)
+
+    def schedule(self, view: SchedulerView) -> Scheduled | NeedRoom:
         budget = self.config.max_batch_tokens
+        pools = _Pools(view.free)
         entries: list[PlanEntry] = []
+        grants: dict[str, dict[str, tuple[int, ...]]] = {}
         planned: set[str] = set()
-        zero: dict[str, list[int]] = {c.name: [] for c in self.components if not c.paged}
-        for req in sorted(running, key=lambda r: (self.pending(r) > 1, r.arrival)):
-            if req.state != State.RUNNING:
-                continue  # retracted as a victim earlier in this loop
-            n = self.chunk_len(req, budget)
+        pressure = False
+        for r in sorted(view.running, key=lambda r: (r.pending > 1, r.arrival)):
+            n = self.chunk_len(r, budget)
             if n == 0:
                 continue
-            add = self._pages_to_add(req, self.computed(req) + n)
-            need = {k: len(v) for k, v in add.items()}
-            if not self._fits(need) and not make_room(req, need, planned):
-                if len([r for r in running if r.state == State.RUNNING]) == 1 and not entries:
-                    on_no_room(req)  # alone and still no room: it can never grow
+            add = self._pages_to_add(r, r.computed + n)
+            need = {name: len(pages) for name, pages in add.items()}
+            if not pools.fits(need):
+                if view.in_flight:  # frees wait for the step in flight: plan again after it
+                    pressure = True
+                    continue
+                victims = self._victims(view, r, need, planned, pools)
+                if victims:
+                    return NeedRoom(victims=victims)
+                if len(view.running) == 1 and not entries:
+                    return NeedRoom(hopeless=(r.id,))
                 continue
-            self._allocate_pages(req, add)
-            entries.append(self._entry(req, n))
-            planned.add(req.id)
+            entries.append(self._entry(r, n, add, {}, pools, grants))
+            planned.add(r.id)
             budget -= n
-        admitted: list[Request] = []
-        n_running = sum(1 for r in running if r.state == State.RUNNING)
-        queue = iter(list(waiting))
-        while admit_new and budget > 0 and n_running + len(admitted) < self.config.max_running:
-            req = next(queue, None)
-            if req is None:
+        admitted: list[RequestView] = []
+        for r in view.waiting:
+            if not view.admit_new or budget <= 0 or len(view.running) + len(admitted) >= self.config.max_running:
                 break
-            n = self.chunk_len(req, budget)
+            n = self.chunk_len(r, budget)
             if n == 0:
                 break
-            add = self._pages_to_add(req, self.computed(req) + n)
-            need = {k: len(v) for k, v in add.items()}
-            for c in self.components:
-                if not c.paged:
-                    need[c.name] = 1
-            if not self._fits(need) or not self._reserve_ok(running + admitted, need):
+            add = self._pages_to_add(r, r.computed + n)
+            need = {name: len(pages) for name, pages in add.items()} | {c.name: 1 for c in self.slotted}
+            if not pools.fits(need) or not self._reserve_ok([*view.running, *admitted], need, pools,
+                                                             view.reserve_ratio):
                 break
-            for c in self.components:
-                if not c.paged:
-                    req.indices[c.name] = self.alloc[c.name].allocate(req.id, 1)
-                    zero[c.name].extend(req.indices[c.name])
-            self._allocate_pages(req, add)
-            admitted.append(req)  # the engine starts them in the request table
-            entries.append(self._entry(req, n))
+            slots = {c.name: pools.take(c.name, 1) for c in self.slotted}
+            entries.append(self._entry(r, n, add, slots, pools, grants))
+            admitted.append(r)
             budget -= n
-        self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)
-        plan = StepPlan(step, tuple(entries), {k: tuple(v) for k, v in zero.items()}, self.config.deterministic)
-        return plan, admitted
+        zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
+        plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic)
+        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure)
 
-    def _entry(self, req: Request, n: int) -> PlanEntry:
-        start = self.computed(req)
-        n_out = self.n_outputs(req)
-        ids = req.all_ids + [PLACEHOLDER] * (n_out - len(req.output_ids))
-        sample = None
-        if start + n == len(ids):
-            sample = SamplingSpec.of(req.params, req.seed, n_out, ids)
+    def _entry(self, r: RequestView, n: int, add: dict[str, list[int]], slots: dict[str, tuple[int, ...]],
+               pools: _Pools, grants: dict) -> PlanEntry:
+        """The plan entry running `n` tokens of `r`, taking the pages in `add` (and `slots`, newly
+        taken for an admission); what it took is recorded in `grants`."""
+        got = dict(slots)
+        tables = {}
+        for c in self.paged:
+            table = list(r.indices.get(c.name, ()))
+            got[c.name] = pools.take(c.name, len(add[c.name]))
+            for number, unit in zip(add[c.name], got[c.name]):
+                table.extend([-1] * (number + 1 - len(table)))
+                table[number] = unit
+            tables[c.name] = tuple(table)
+        grants[r.id] = {name: units for name, units in got.items() if units}
+        start, ids = r.computed, r.ids
+        sample = SamplingSpec.of(r.params, r.seed, r.num_outputs, ids) if start + n == len(ids) else None
         return PlanEntry(
-            req_id=req.id, token_ids=tuple(ids[start : start + n]), start=start,
-            page_tables={c.name: tuple(req.indices[c.name]) for c in self.components if c.paged},
-            slots={c.name: req.indices[c.name][0] for c in self.components if not c.paged},
-            sample=sample,
+            req_id=r.id, token_ids=ids[start : start + n], start=start, page_tables=tables,
+            slots={c.name: (slots.get(c.name) or r.indices[c.name])[0] for c in self.slotted}, sample=sample,
         )
