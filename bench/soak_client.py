@@ -147,18 +147,35 @@ class _Operator:
                 pass
 
 
-async def _poll(client, job: dict, last_seen: dict[str, float], where: dict[str, str], statuses: list[int],
-                stop: asyncio.Event):
-    headers = {"Authorization": f"Bearer {job['admin_token']}"}
-    while not stop.is_set():
-        r = await client.get(f"{job['url']}/admin/requests", headers=headers)
-        statuses.append(r.status_code)
-        now = time.monotonic()
-        if r.status_code == 200:
-            for x in r.json()["requests"]:
-                cid = x["id"].rsplit("-", 2)[0]  # engine id: <call id>-<choice>-<nonce>
-                last_seen[cid], where[cid] = now, f"{x['role']}/{x['replica']} {x['state']}"
-        await asyncio.sleep(job["poll_s"])
+class _Listings:
+    """When each call's requests were last listed by `/admin/requests`, and where. A listing
+    shows the replicas' state at some moment between sending the call and its answer, so each
+    sighting keeps both ends: the send time bounds how long a request stayed from below, the
+    answer time from above."""
+
+    def __init__(self, client, job: dict):
+        self.client, self.job = client, job
+        self.headers = {"Authorization": f"Bearer {job['admin_token']}"}
+        self.seen: dict[str, tuple[float, float, str]] = {}  # call id -> (sent, answered, where)
+        self.statuses: list[int] = []
+        self.round_trips: list[float] = []
+
+    async def list(self) -> list[dict]:
+        sent = time.monotonic()
+        r = await self.client.get(f"{self.job['url']}/admin/requests", headers=self.headers)
+        answered = time.monotonic()
+        self.statuses.append(r.status_code)
+        self.round_trips.append(answered - sent)
+        listed = r.json()["requests"] if r.status_code == 200 else []
+        for x in listed:
+            cid = x["id"].rsplit("-", 2)[0]  # engine id: <call id>-<choice>-<nonce>
+            self.seen[cid] = (sent, answered, f"{x['role']}/{x['replica']} {x['state']}")
+        return listed
+
+    async def poll(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.list()
+            await asyncio.sleep(self.job["poll_s"])
 
 
 async def run(job: dict) -> dict:
@@ -169,9 +186,7 @@ async def run(job: dict) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         results: list[dict | None] = [None] * len(reqs)
         queue = list(enumerate(reqs))[::-1]
-        last_seen: dict[str, float] = {}
-        where: dict[str, str] = {}  # call id -> where it was last listed
-        poll_statuses: list[int] = []
+        listings = _Listings(client, job)
         stop = asyncio.Event()
         operator = _Operator(client, job)
 
@@ -180,7 +195,7 @@ async def run(job: dict) -> dict:
                 i, req = queue.pop()
                 results[i] = await _client(client, job, req)
 
-        side = [asyncio.ensure_future(_poll(client, job, last_seen, where, poll_statuses, stop))]
+        side = [asyncio.ensure_future(listings.poll(stop))]
         if job["chaos"]:
             side.append(asyncio.ensure_future(operator.run(stop)))
         t0 = time.perf_counter()
@@ -191,17 +206,13 @@ async def run(job: dict) -> dict:
         # the last vanished clients' requests may still be on their way out
         deadline = time.monotonic() + job["settle_s"]
         while time.monotonic() < deadline:
-            r = await client.get(f"{job['url']}/admin/requests", headers=operator.headers)
-            now = time.monotonic()
-            listed = r.json()["requests"]
-            for x in listed:
-                cid = x["id"].rsplit("-", 2)[0]
-                last_seen[cid], where[cid] = now, f"{x['role']}/{x['replica']} {x['state']}"
+            listed = await listings.list()
             if not listed:
                 break
             await asyncio.sleep(job["poll_s"])
-    return {"wall": wall, "results": results, "last_seen": last_seen, "where": where, "operator": operator.statuses,
-            "poll_statuses": poll_statuses, "still_listed": [x["id"] for x in listed]}
+    return {"wall": wall, "results": results, "seen": listings.seen, "operator": operator.statuses,
+            "poll_statuses": listings.statuses, "poll_round_trips": listings.round_trips,
+            "still_listed": [x["id"] for x in listed]}
 
 
 if __name__ == "__main__":
