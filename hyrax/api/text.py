@@ -2,6 +2,8 @@
 templates."""
 from __future__ import annotations
 
+import functools
+
 DEFAULT_CHAT_TEMPLATE = (
     # Used when the checkpoint's tokenizer_config.json has no chat_template.
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -84,24 +86,59 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+@functools.lru_cache(maxsize=8)
+def _compile(source: str):
+    """The Jinja environment of transformers' apply_chat_template (immutable sandbox, trim and
+    lstrip blocks, loop controls, tojson, raise_exception, strftime_now, a `namespace` that
+    refuses underscore names and a `dict` that is only a constructor), compiled once per template."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
+
+    def check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat template: namespace attribute {name!r} starts with an underscore")
+
+    class TemplateNamespace(Namespace):
+        def __init__(*args, **kwargs):  # Namespace's own signature trick, so namespace(self=...) works
+            attrs = dict(*args[1:], **kwargs)
+            for name in attrs:
+                check(name)
+            Namespace.__init__(args[0], attrs)
+
+        def __setitem__(self, name, value):
+            check(name)
+            Namespace.__setitem__(self, name, value)
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, namespace=TemplateNamespace,
+                       dict=TemplateDict())
+    return env.from_string(source)
+
+
 def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list | None = None):
     """Render messages with the checkpoint's Jinja template, or the default, the way
     transformers' `apply_chat_template` does: an immutable sandbox with trim_blocks,
     lstrip_blocks and loop controls, `tojson`, `raise_exception` and `strftime_now`, and the
-    variables messages, add_generation_prompt, bos_token, eos_token (and tools when given).
+    variables messages (on a copy without None-valued keys), add_generation_prompt, tools and
+    documents (None when not given), and the checkpoint's named special tokens (bos_token,
+    eos_token, pad_token, ...). With tools, a checkpoint's "tool_use" template is preferred.
     Returns a `ChatPrompt`, which the tokenizer encodes without adding special tokens."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     from hyrax.actors.model.tokenizer import ChatPrompt
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = _strftime_now
-    extra = {"tools": tools} if tools is not None else {}
-    return ChatPrompt(env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=add_generation_prompt,
-        bos_token=getattr(template, "bos_token", ""), eos_token=getattr(template, "eos_token", ""), **extra,
+    source = (getattr(template, "tool_use", None) if tools is not None else None) or template
+    messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+    return ChatPrompt(_compile(str(source or DEFAULT_CHAT_TEMPLATE)).render(
+        **getattr(template, "special_tokens", {}), messages=messages, tools=tools, documents=None,
+        add_generation_prompt=add_generation_prompt,
     ))

@@ -8,8 +8,8 @@ Fidelity with transformers:
 - a rendered chat prompt (`ChatPrompt`, from `hyrax.api.text.render_chat`) already holds its
   special tokens and is encoded without adding any, as `apply_chat_template` does;
 - decoding skips special tokens;
-- `chat_template` returns the template together with the checkpoint's `bos_token` and
-  `eos_token` strings, which the template is rendered with.
+- `chat_template` returns the template together with the checkpoint's named special-token
+  strings (bos_token, eos_token, pad_token, ...), which the template is rendered with.
 """
 from __future__ import annotations
 
@@ -38,18 +38,32 @@ class ChatPrompt(str):
 
 
 class ChatTemplate(str):
-    """A checkpoint's Jinja chat template, with the special-token strings it is rendered with."""
+    """A checkpoint's Jinja chat template, with the named special-token strings it is rendered
+    with (`special_tokens`: bos_token, eos_token, unk_token, ... as transformers'
+    `special_tokens_map`, only those the tokenizer has) and, when tokenizer_config.json names
+    one, the "tool_use" template that transformers renders instead when tools are given."""
 
     bos_token: str = ""
     eos_token: str = ""
 
-    def __new__(cls, template: str, bos_token: str = "", eos_token: str = ""):
+    def __new__(cls, template: str, bos_token: str = "", eos_token: str = "", tool_use: str | None = None,
+                **special_tokens: str):
         obj = super().__new__(cls, template)
-        obj.bos_token, obj.eos_token = bos_token, eos_token
+        obj.bos_token, obj.eos_token, obj.tool_use = bos_token, eos_token, tool_use
+        named = {"bos_token": bos_token, "eos_token": eos_token, **special_tokens}
+        obj.special_tokens = {k: v for k, v in named.items() if v}
         return obj
 
     def __reduce__(self):  # crosses Ray's object store with its tokens
-        return ChatTemplate, (str(self), self.bos_token, self.eos_token)
+        return _chat_template, (str(self), self.tool_use, self.special_tokens)
+
+
+def _chat_template(template: str, tool_use: str | None, special_tokens: dict) -> ChatTemplate:
+    return ChatTemplate(template, tool_use=tool_use, **special_tokens)
+
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens a chat template sees.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _token_str(v) -> str:
@@ -114,8 +128,11 @@ def chat_template(model_dir: str | Path) -> ChatTemplate | None:
     template = tc.get("chat_template")
     if template is None and (p / "chat_template.jinja").is_file():
         template = (p / "chat_template.jinja").read_text()
-    if isinstance(template, list):  # named templates: transformers uses "default"
-        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    tool_use = None
+    if isinstance(template, list):  # named templates: "default", and "tool_use" when tools are given
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template, tool_use = named.get("default"), named.get("tool_use")
     if not isinstance(template, str):
         return None
-    return ChatTemplate(template, _token_str(tc.get("bos_token")), _token_str(tc.get("eos_token")))
+    tokens = {k: _token_str(tc.get(k)) for k in SPECIAL_TOKEN_NAMES}
+    return ChatTemplate(template, tool_use=tool_use if isinstance(tool_use, str) else None, **tokens)
