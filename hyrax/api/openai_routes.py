@@ -13,7 +13,9 @@ from hyrax.api.errors import APIError
 from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
+from hyrax.api.structured import grammar_of
 from hyrax.api.text import TextStream, render_chat
+from hyrax.api.tools import ToolCallStream, plan_tools
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -89,8 +91,12 @@ def _penalty_params(body: _Sampling, vocab: int) -> dict:
 
 
 def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list[int]], max_tokens: int | None,
-             default_max: int | None, logprobs: int | None = None) -> list[Choice]:
+             default_max: int | None, logprobs: int | None = None, grammar=None) -> list[Choice]:
     info = request.app.state.client.model
+    if grammar is not None and (body.ignore_eos or body.min_tokens):
+        raise APIError(400, "structured output and tool calls end the answer with EOS when the grammar is complete: "
+                            "they cannot be combined with ignore_eos or min_tokens",
+                       param="ignore_eos" if body.ignore_eos else "min_tokens")
     out, nonce = [], uuid.uuid4().hex[:8]
     for pi, ids in enumerate(prompts):
         room = info.max_model_len - len(ids)
@@ -110,6 +116,8 @@ def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list
                 "stop": body.stop_list(), "ignore_eos": body.ignore_eos, "logprobs": logprobs,
                 **_penalty_params(body, info.vocab_size),
             }
+            if grammar is not None:
+                params["grammar"] = grammar
             index = pi * body.n + k
             out.append(Choice(index, ids, params, TextStream(info.tokenizer.decode, body.stop_list()),
                               request_id=f"{call_id}-{index}-{nonce}"))
@@ -180,7 +188,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
     info = request.app.state.client.model
     prompts = _prompts(body, info.tokenizer, info.vocab_size)
-    choices = _choices(request, body, call_id, prompts, body.max_tokens, 16, body.logprobs)
+    choices = _choices(request, body, call_id, prompts, body.max_tokens, 16, body.logprobs, grammar_of(body))
     reservation = _admit(request, choices)
     client = request.app.state.client
     rid, created = f"cmpl-{call_id}", int(time.time())
@@ -230,14 +238,23 @@ async def chat(body: ChatRequest, request: Request, response: Response):
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     want_lp = bool(body.logprobs)
     info = request.app.state.client.model
+    tools = plan_tools(body, info.chat_template)
+    grammar = grammar_of(body)
+    if tools.calls and grammar is not None:
+        raise APIError(400, "a forced tool call already constrains the answer: drop response_format or "
+                            "structured_outputs", param="tool_choice")
     try:
-        prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages])
+        prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages], tools=tools.tools)
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
         raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
     ids = info.tokenizer.encode(prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
-                       (body.top_logprobs or 0) if want_lp else None)
+                       (body.top_logprobs or 0) if want_lp else None, tools.grammar or grammar)
+    calls = {c.index: ToolCallStream(tools) for c in choices} if tools.calls else {}
+
+    def finish_reason(c):  # a complete forced call ends as OpenAI's do
+        return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
     reservation = _admit(request, choices)
     client = request.app.state.client
     rid, created = f"chatcmpl-{call_id}", int(time.time())
@@ -253,15 +270,19 @@ async def chat(body: ChatRequest, request: Request, response: Response):
             async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
                 if c.index not in started:
                     started.add(c.index)
-                    yield _sse(chunk(c, {"role": "assistant", "content": ""}, None))
-                if delta:
+                    yield _sse(chunk(c, {"role": "assistant", "content": None if calls else ""}, None))
+                if calls:
+                    parts = calls[c.index].feed(delta) + (calls[c.index].finish() if finished else [])
+                    if parts:
+                        yield _sse(chunk(c, {"tool_calls": parts}, None))
+                elif delta:
                     lp = None
                     if want_lp:
                         n0, n1 = sent_lp[c.index], len(c.logprobs)
                         lp, sent_lp[c.index] = _chat_logprobs(c, info.tokenizer, n0, n1), n1
                     yield _sse(chunk(c, {"content": delta}, None, lp))
                 if finished:
-                    yield _sse(chunk(c, {}, c.finish_reason))
+                    yield _sse(chunk(c, {}, finish_reason(c)))
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})
@@ -272,9 +293,16 @@ async def chat(body: ChatRequest, request: Request, response: Response):
     await _collect(request, choices, reservation)
     response.headers.update(headers)
     return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
-            "choices": [{"index": c.index, "message": {"role": "assistant",
-                                                       "content": c.text.emitted},
+            "choices": [{"index": c.index, "message": _message(c, calls.get(c.index)),
                          "logprobs": _chat_logprobs(c, info.tokenizer, 0, len(c.logprobs)) if want_lp else None,
-                         "finish_reason": c.finish_reason}
+                         "finish_reason": finish_reason(c)}
                         for c in sorted(choices, key=lambda c: c.index)],
             "usage": _usage(choices, body.n)}
+
+
+def _message(c: Choice, call: ToolCallStream | None) -> dict:
+    if call is None:
+        return {"role": "assistant", "content": c.text.emitted}
+    call.feed(c.text.emitted)
+    call.finish()
+    return {"role": "assistant", "content": None, "tool_calls": call.calls()}

@@ -23,17 +23,12 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 NO_OP_FIELDS = ("user",)
 # Known OpenAI / vLLM fields that Hyrax does not implement yet: a 400 that says so.
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured output",
-    "tools": "tool calls",
-    "tool_choice": "tool calls",
-    "parallel_tool_calls": "tool calls",
-    "functions": "tool calls",
-    "function_call": "tool calls",
-    "structured_outputs": "structured output",
-    "guided_json": "structured output",
-    "guided_regex": "structured output",
-    "guided_choice": "structured output",
-    "guided_grammar": "structured output",
+    "functions": "the deprecated functions API (use tools)",
+    "function_call": "the deprecated functions API (use tool_choice)",
+    "guided_json": "guided_* fields (use structured_outputs or response_format)",
+    "guided_regex": "guided_* fields (use structured_outputs)",
+    "guided_choice": "guided_* fields (use structured_outputs)",
+    "guided_grammar": "grammars other than JSON schema, regex and choice",
     "best_of": "best_of",
     "suffix": "suffix",
     "min_p": "min_p",
@@ -45,8 +40,6 @@ UNSUPPORTED_FIELDS = {
     "store": "stored completions",
     "metadata": "stored completions",
     "service_tier": "service tiers",
-    "tool_calls": "tool calls",
-    "tool_call_id": "tool calls",
 }
 
 
@@ -86,6 +79,39 @@ class StreamOptions(Body):
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class JSONSchemaFormat(Body):
+    name: Name
+    description: Text | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema", description="a JSON schema the answer matches")
+    strict: bool | None = Field(default=None, description="true: no properties or items the schema does not name")
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(Body):
+    """vLLM's structured-output extras: exactly one of json, regex, choice."""
+
+    json_: Union[dict, Text, None] = Field(default=None, alias="json", description="a JSON schema (object or text)")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if sum(v is not None for v in (self.json_, self.regex, self.choice)) != 1:
+            raise ValueError("give exactly one of json, regex, choice")
+        return self
 
 
 class _Sampling(Body):
@@ -112,6 +138,8 @@ class _Sampling(Body):
         default=None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias added to its logit")
     min_tokens: StrictInt = Field(default=0, ge=0, description="EOS and stop_token_ids are masked until then")
     user: Text | None = Field(default=None, description="accepted and ignored (no per-user accounting)")
+    response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM's json / regex / choice")
 
     @field_validator("stop")
     @classmethod
@@ -159,10 +187,23 @@ class TextPart(Body):
     text: Text
 
 
+class FunctionCall(Body):
+    name: Name
+    arguments: Text = Field(description="the arguments as JSON text")
+
+
+class ToolCall(Body):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[Text, list[TextPart], None] = None
     name: Text | None = Field(default=None, description="passed to the chat template")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="an assistant's earlier calls (to the template)")
+    tool_call_id: Text | None = Field(default=None, description="a tool answer's call (to the template)")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -187,7 +228,44 @@ class ChatMessage(Body):
         m = {"role": self.role, "content": self.text()}
         if self.name is not None:
             m["name"] = self.name
+        if self.tool_calls is not None:
+            # as transformers' templates read them: arguments as a mapping when they parse as one
+            m["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
         return m
+
+
+def _arguments(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(Body):
+    name: Name
+    description: Text | None = None
+    parameters: dict | None = Field(default=None, description="a JSON schema of the arguments (default: any object)")
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Body):
+    name: Name
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(_Sampling):
@@ -195,6 +273,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        default=None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(default=None, description="accepted; an answer makes at most one call")
 
 
 class TokenizeRequest(Body):
@@ -268,9 +350,16 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: dict = Field(description='{"name": str, "arguments": JSON text}')
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -45,11 +45,10 @@ def test_unknown_field_of_a_chat_message_is_400(local, no_generation):
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/chat/completions", "parallel_tool_calls", True),
-    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "guided_regex", "a+"),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "min_p", 0.1),

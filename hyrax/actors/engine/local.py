@@ -13,12 +13,13 @@ from hyrax.actors.model.loader import load_model
 
 
 def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
-                     device: str | torch.device = "cpu") -> Engine:
+                     device: str | torch.device = "cpu", tokenizer_dir: str | None = None) -> Engine:
+    """`tokenizer_dir`: where tokenizer.json is, for structured output (None: byte tokens)."""
     comps = model.components
     sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                        config.swa_capacity_tokens)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
-    rank = RankRuntime(model, sizes, host, rank=0, faults=config.faults, device=device)
+    rank = RankRuntime(model, sizes, host, rank=0, faults=config.faults, device=device, tokenizer_dir=tokenizer_dir)
     cfg = model.cfg
     return Engine(comps, sizes, host, LocalExecutor(rank), config, cfg.vocab_size,
                   cfg.max_position_embeddings, cfg.eos_token_id, decode)
@@ -26,7 +27,7 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
 
 def load_engine(model_dir: str, config: EngineConfig, decode=None, device: str = "cpu") -> Engine:
     model = load_model(model_dir, dtype=DTYPES[config.dtype], device=device, attn_backend=config.attention_backend)
-    return engine_for_model(model, config, decode, device)
+    return engine_for_model(model, config, decode, device, tokenizer_dir=model_dir)
 
 
 def run_to_completion(engine: Engine, max_steps: int = 1_000_000) -> None:

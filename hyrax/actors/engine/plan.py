@@ -8,6 +8,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+from hyrax.actors.engine.grammar import GrammarStep
+
 
 @dataclass(frozen=True)
 class LogitProcessing:
@@ -34,6 +36,7 @@ class SamplingSpec:
     draw: int  # index of the token being drawn (number of outputs so far)
     logprobs: int | None = None  # also report logprobs: the chosen token's and this many top ones
     process: LogitProcessing | None = None  # None: sample from the model's logits as they are
+    grammar: GrammarStep | None = None  # structured output: rank 0 masks what the grammar does not allow
 
     @classmethod
     def of(cls, p, seed: int, draw: int, ids: list[int]) -> SamplingSpec:
@@ -45,7 +48,8 @@ class SamplingSpec:
         if p.processes_logits:
             process = LogitProcessing(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
                                       tuple(p.stop_token_ids), p.min_tokens, p.ignore_eos, array("i", ids))
-        return cls(p.temperature, p.top_p, p.top_k, seed, draw, p.logprobs, process)
+        return cls(p.temperature, p.top_p, p.top_k, seed, draw, p.logprobs, process,
+                   GrammarStep.of(p.grammar, ids, draw))
 
 
 @dataclass(frozen=True)

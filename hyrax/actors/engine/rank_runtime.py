@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from hyrax.actors.engine.config import UnsafeFaults
+from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.manifest import checksum
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
@@ -20,7 +21,8 @@ Rows = dict[str, list[int]]
 
 class RankRuntime:
     def __init__(self, model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
-                 faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None):
+                 faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None,
+                 tokenizer_dir: str | None = None):
         self.model = model
         for backend in model.attention_backends:
             backend.check_page_size(sizes.page_size)
@@ -42,6 +44,8 @@ class RankRuntime:
         self.last_token: dict[str, int] = {}
         self.eos = tuple(model.cfg.eos_token_id)  # masked by min_tokens unless a request ignores EOS
         self.broadcast = broadcast
+        # structured output: rank 0's grammar matchers (request state rebuilt from each plan's tokens)
+        self.grammars = GrammarMasks(tokenizer_dir, model.cfg.vocab_size, self.eos) if rank == 0 else None
 
     # ---- forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -60,7 +64,11 @@ class RankRuntime:
         rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]
         specs = [plan.entries[i].sample for i in rows]
         if self.rank == 0:
-            tokens = sample(logits[rows], specs, [self._history(plan.entries[i]) for i in rows], self.eos)
+            ids, grammars = [plan.entries[i].req_id for i in rows], [s.grammar for s in specs]
+            allowed = self.grammars.allowed(ids, grammars, self.last_token)
+            tokens = sample(logits[rows], specs, [self._history(plan.entries[i]) for i in rows], self.eos, allowed)
+            if allowed is not None:
+                self.grammars.advance(ids, grammars, tokens)
         else:
             tokens = [0] * len(rows)
         if self.broadcast is not None and rows:
@@ -69,6 +77,8 @@ class RankRuntime:
             self.last_token[plan.entries[i].req_id] = tok
         for rid in plan.forget:
             self.last_token.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.forget(rid)
         if self.rank != 0:
             return []
         if any(sp.logprobs is not None for sp in specs):

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from hyrax.actors.engine.grammar import GrammarSpec
 from hyrax.actors.model.errors import HyraxInputError
 
 
@@ -26,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of prompt or output: positive logits / p, negative * p
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    grammar: GrammarSpec | None = None  # structured output: the answer matches it, then EOS ends it
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises HyraxInputError; token ids (logit_bias, stop_token_ids) are checked against
@@ -55,6 +57,11 @@ class SamplingParams:
             raise HyraxInputError(f"logit_bias and stop_token_ids must be token ids in [0, {vocab_size or 'vocab'})")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise HyraxInputError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.grammar is not None:
+            if self.ignore_eos or self.min_tokens:
+                raise HyraxInputError("structured output ends the answer with EOS when the grammar is complete: "
+                                      "it cannot be combined with ignore_eos or min_tokens")
+            self.grammar.check()
 
     @property
     def processes_logits(self) -> bool:

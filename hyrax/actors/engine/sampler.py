@@ -88,12 +88,16 @@ def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: l
 
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None] | None = None,
-           eos: tuple[int, ...] = ()) -> list[int]:
+           eos: tuple[int, ...] = (), allowed: torch.Tensor | None = None) -> list[int]:
     """logits: (B, V) for the rows that sample; histories as `process_logits` takes them
-    (needed only when some spec has a LogitProcessing). One host sync for the batch."""
+    (needed only when some spec has a LogitProcessing); allowed: (B, V) bool, the tokens each
+    row's grammar allows (structured output), applied after the logit processing and before
+    temperature and filtering. One host sync for the batch."""
     if not specs:
         return []
     logits = process_logits(logits, specs, histories or [None] * len(specs), eos)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     out = torch.argmax(logits, dim=-1)
     for i, s in enumerate(specs):
         if s.temperature < GREEDY_BELOW:

@@ -1,0 +1,50 @@
+"""Structured output requested over the API: OpenAI's `response_format` and vLLM's
+`structured_outputs` extras (json, regex, choice), as the engine's `GrammarSpec`."""
+from __future__ import annotations
+
+import json
+
+from hyrax.actors.engine.grammar import GrammarKind, GrammarSpec
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.api.errors import APIError
+from hyrax.api.schemas import _Sampling
+
+
+def grammar_of(body: _Sampling) -> GrammarSpec | None:
+    """The grammar the answer must match (None: free text); a bad one is a 400 naming its field."""
+    rf, so = body.response_format, body.structured_outputs
+    spec, param = None, None
+    if rf is not None and rf.type != "text":
+        param = "response_format"
+        if rf.type == "json_object":
+            spec = GrammarSpec(GrammarKind.JSON_OBJECT)
+        else:
+            spec = GrammarSpec.json_schema(rf.json_schema.schema_, strict=bool(rf.json_schema.strict))
+    if so is not None:
+        if spec is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        param = "structured_outputs"
+        if so.json_ is not None:
+            schema = so.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise APIError(400, "structured_outputs.json is not valid JSON", param=param) from None
+            if not isinstance(schema, dict):
+                raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
+            spec = GrammarSpec.json_schema(schema)
+        elif so.regex is not None:
+            spec = GrammarSpec(GrammarKind.REGEX, so.regex)
+        else:
+            spec = GrammarSpec.choice(so.choice)
+    if spec is not None:
+        check(spec, param)
+    return spec
+
+
+def check(spec: GrammarSpec, param: str) -> None:
+    try:
+        spec.check()
+    except HyraxInputError as e:
+        raise APIError(400, str(e), param=param) from None

@@ -1,0 +1,150 @@
+"""Structured output and tool calls over HTTP with the official `openai` client (issue 19):
+json_schema answers parse and validate against their schema, all of 50 under forced
+retraction every 3 steps and over an in-process PD deployment; vLLM's regex and choice
+extras; forced tool calls (required, named), streamed deltas reassembling into valid
+arguments; `auto` with a template that has no tool format is a clear 400."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+from openai import BadRequestError, OpenAI
+
+from e2e_harness import E2E_CONFIG, MODEL, wait_until
+from pd_local_harness import local_pd_gateway
+
+SCHEMA = {  # small: the demo model writes one byte per token, and 50 answers must stay cheap
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 4}, "sunny": {"type": "boolean"},
+                   "level": {"enum": ["low", "mid", "high"]}},
+    "required": ["city", "sunny", "level"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def _ask_json(c: OpenAI, k: int) -> tuple[str, str]:
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Weather report {k}"}],
+                                  response_format=FORMAT, max_tokens=60, temperature=1.0, seed=k)
+    return r.choices[0].message.content, r.choices[0].finish_reason
+
+
+def _all_valid(c: OpenAI, n: int = 50) -> None:
+    c = c.with_options(timeout=600)  # 50 answers share two cores (deterministic mode runs them one by one)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda k: _ask_json(c, k), range(n)))
+    for text, finish in answers:
+        assert finish == "stop", (finish, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_50_json_schema_answers_validate_under_forced_retraction_every_3_steps(local, oai):
+    before = local.loop.stats()["retractions"] if "retractions" in local.loop.stats() else None
+    local.loop.set_forced_retraction(3)
+    _all_valid(oai)
+    if before is not None:
+        assert local.loop.stats()["retractions"] > before + 5
+
+
+def test_50_json_schema_answers_validate_over_pd():
+    with local_pd_gateway(E2E_CONFIG) as stack:
+        with OpenAI(base_url=f"{stack.url}/v1", api_key="any", max_retries=0, timeout=120) as c:
+            _all_valid(c)
+        wait_until(stack.clean, 20, what="both replicas idle and clean")
+        assert stack.decode.engine.executor.rank.grammars.rebuilt > 0  # the decode side replayed the grammar
+
+
+def test_structured_outputs_regex_and_choice_as_vllm_names_them(local, oai):
+    msgs = [{"role": "user", "content": "pick"}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, seed=1, temperature=1.0,
+                                    extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert r.choices[0].message.content in ("red", "green", "blue")
+    r = oai.completions.create(model=MODEL, prompt="code:", max_tokens=20, seed=2, temperature=1.0,
+                               extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}})
+    text = r.choices[0].text
+    assert len(text) == 6 and text[:3].isalpha() and text[3] == "-" and text[4:].isdigit(), text
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=200, seed=3, temperature=0.0,
+                                    response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+     "invalid json_schema"),
+    ("response_format", {"type": "json_schema"}, "json_schema is required"),
+    ("structured_outputs", {"regex": "[a-"}, "invalid regex"),
+    ("structured_outputs", {"regex": "a", "choice": ["a"]}, "exactly one"),
+    ("tool_choice", "required", "tool_choice needs tools"),
+])
+def test_bad_structured_output_requests_are_400_naming_the_field(local, oai, field, value, needle):
+    with pytest.raises(BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                    extra_body={field: value})
+    assert needle in e.value.body["message"] and e.value.body["param"] == field, e.value.body
+
+
+def test_tool_choice_auto_without_a_tool_format_in_the_template_is_a_clear_400(local, oai):
+    with pytest.raises(BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                    tools=[WEATHER_TOOL])  # auto is the default with tools
+    assert "no tool format" in str(e.value)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_answers_in_openais_shape(local, oai, choice):
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                    tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice, max_tokens=80, seed=5,
+                                    temperature=1.0)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None
+    (call,) = m.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_tool_call_deltas_reassemble_into_valid_arguments(local, oai, choice):
+    for seed in range(4):
+        stream = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice=choice, max_tokens=80, seed=seed, temperature=1.0, stream=True)
+        ids, names, args, finish, pieces = set(), [], "", None, 0
+        for chunk in stream:
+            ch = chunk.choices[0]
+            assert not ch.delta.content
+            for d in ch.delta.tool_calls or []:
+                assert d.index == 0
+                if d.id:
+                    ids.add(d.id)
+                if d.function and d.function.name:
+                    names.append(d.function.name)
+                if d.function and d.function.arguments:
+                    args += d.function.arguments
+                    pieces += 1
+            finish = ch.finish_reason or finish
+        assert finish == "tool_calls" and len(ids) == 1 and len(names) == 1 and pieces > 1
+        tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[names[0]]
+        jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+
+
+def test_a_tool_conversation_renders_earlier_calls_and_answers(local, oai):
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], tool_choice="none",
+                                    max_tokens=3)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
