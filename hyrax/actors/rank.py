@@ -46,7 +46,8 @@ class RankWorker:
         allreduce, broadcast = _identity, None
         if self.tp.size > 1:
             self._join_group(dist_address)
-            allreduce, broadcast = _dist_allreduce, _dist_broadcast_tokens
+            group = ReplicaGroup(self.device)
+            allreduce, broadcast = group.all_reduce, group.broadcast_tokens
         model = load_model(model_dir, self.tp, DTYPES[config.dtype], allreduce, self.device, config.attention_backend)
         comps = model.components
         sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
@@ -137,17 +138,30 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _dist_broadcast_tokens(tokens: list[int]) -> list[int]:
-    """Rank 0's sampled tokens, on every rank (they feed the next step's placeholders)."""
-    import torch.distributed as dist
+class ReplicaGroup:
+    """The replica's torch.distributed group as one rank uses it.
 
-    t = torch.tensor(tokens, dtype=torch.long)
-    dist.broadcast(t, src=0)
-    return t.tolist()
+    Every tensor handed to a collective lives on `device`, the device the group's backend
+    serves: the rank's GPU under NCCL (which accepts CUDA tensors only), the CPU under gloo.
+    `_join_group` picks the backend from the same device, so the two cannot disagree.
+    """
 
+    def __init__(self, device: torch.device):
+        self.device = device
 
-def _dist_allreduce(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """t: a row-parallel layer's partial output, any shape, already on `device` (the
+        model's activations) -> the sum over the group, in place."""
+        import torch.distributed as dist
 
-    dist.all_reduce(t)
-    return t
+        dist.all_reduce(t)
+        return t
+
+    def broadcast_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's sampled tokens, on every rank (they feed the next step's placeholders).
+        tokens: (n,) ints; other ranks pass n placeholders."""
+        import torch.distributed as dist
+
+        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        dist.broadcast(t, src=0)
+        return t.tolist()
