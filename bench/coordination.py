@@ -5,7 +5,7 @@ In-process (TP=1): an `Engine` over one in-process `RankRuntime`; `Engine.step()
 around, `RankRuntime.execute` inside (wrapped on the instance). The difference is the
 coordinator's own work: scheduling, plan building, result commit.
 
-Ray (TP=1, TP=2): the same `Engine` + `RemoteExecutor` the `RoleCoordinator` actor runs,
+Ray (TP=1, TP=2): the same `Engine` + `RayExecutor` the `RoleCoordinator` actor runs,
 driven from this process over rank actors. The rank actors are `hyrax.actors.rank.RankWorker`
 with one addition made here, in the benchmark: a timer around `execute` (a subclass of the
 actor's class, `RankWorker.__ray_actor_class__`; setup, model, pools and all-reduce are
@@ -109,7 +109,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool,
     owns every index, so a new engine starts from empty pools as far as it knows)."""
     from hyrax.actors.engine.engine import Engine
     from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
-    from hyrax.actors.engine.remote_executor import RemoteExecutor
+    from hyrax.actors.ray_executor import RayExecutor
     from hyrax.actors.model.config import ModelConfig
     from hyrax.actors.model.hybrid import DTYPES
     from hyrax.actors.model.sharding import TP
@@ -139,7 +139,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool,
                 sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                                    config.swa_capacity_tokens)
                 engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb),
-                                RemoteExecutor(ranks, ray.get, 120.0), config, cfg.vocab_size,
+                                RayExecutor(ranks, 120.0), config, cfg.vocab_size,
                                 cfg.max_position_embeddings, cfg.eos_token_id)
                 ray.get([r.bench_times.remote() for r in ranks])  # drop the previous engine's timings
                 out[(overlap, batch)] = _timed_decode(engine, batch, steps, forward)

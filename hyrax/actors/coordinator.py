@@ -22,13 +22,13 @@ from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.loop import EngineLoop
 from hyrax.actors.engine.selection import Selection
-from hyrax.actors.engine.remote_executor import RemoteExecutor
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.hybrid import DTYPES
 from hyrax.actors.model.sharding import TP, check_tp
 from hyrax.actors.model.state import derive_components
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.actors.rank import RankWorker
+from hyrax.actors.ray_executor import RayExecutor
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)  # one coroutine per open stream
@@ -51,7 +51,7 @@ class RoleCoordinator:
         self.restarts = 0
         self.last_error: str | None = None
         self._start_ranks()
-        self.executor = RemoteExecutor(self.ranks, ray.get, rank_timeout_s)
+        self.executor = RayExecutor(self.ranks, rank_timeout_s)
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)

@@ -12,6 +12,7 @@ import torch
 from engine_helpers import BASE_CONFIG, assert_idle_clean, greedy
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.executor import RankCalls, StepResult
 from hyrax.actors.engine.local import engine_for_model
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
 from hyrax.actors.engine.rank_runtime import RankRuntime
@@ -85,7 +86,7 @@ def engine_config(**overrides) -> EngineConfig:
     return EngineConfig(**{**BASE_CONFIG, **overrides})
 
 
-class ThreadedTPExecutor:
+class ThreadedTPExecutor(RankCalls):
     """The executor interface over `tp_size` in-process ranks: every call runs on all ranks
     concurrently (threads), all-reduces and the token broadcast go through lockstep barriers."""
 
@@ -93,36 +94,14 @@ class ThreadedTPExecutor:
         self.ranks = ranks
         self.num_ranks = len(ranks)
 
-    def _all(self, fn) -> list:
-        return in_threads([lambda rk=rk: fn(rk) for rk in self.ranks])
-
-    def execute(self, plan):
-        return self._all(lambda rk: rk.execute(plan))[0]
+    def _each(self, method: str, *args) -> list:
+        return in_threads([lambda rk=rk: getattr(rk, method)(*args) for rk in self.ranks])
 
     def submit(self, plan):
-        return self.execute(plan)
+        return self._each("execute", plan)[0]
 
-    def collect(self, handle):
-        return handle
-
-    def backup(self, req_id, rows, host_rows):
-        return dict(enumerate(self._all(lambda rk: rk.backup(req_id, rows, host_rows))))
-
-    def restore(self, req_id, rows, host_rows):
-        return dict(enumerate(self._all(lambda rk: rk.restore(req_id, rows, host_rows))))
-
-    def discard(self, req_id):
-        self._all(lambda rk: rk.discard(req_id))
-
-    def export(self, req_id, rows):
-        out = self._all(lambda rk: rk.export(req_id, rows))
-        return {r: sums for r, (sums, _) in enumerate(out)}, [payload for _, payload in out]
-
-    def import_(self, req_id, rows, expect, payload):
-        return dict(enumerate(self._all(lambda rk: rk.import_state(req_id, rows, expect, *payload))))
-
-    def num_backups(self):
-        return {r: rk.num_backups() for r, rk in enumerate(self.ranks)}
+    def collect(self, handle) -> StepResult:
+        return StepResult.of(handle)
 
 
 class _Broadcast:

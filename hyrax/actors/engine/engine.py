@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.executor import Executor, StepResult
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
+from hyrax.actors.engine.moves import Place, make_moves
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.pools import PoolSizes
 from hyrax.actors.engine.request import Request, SamplingParams, State
-from hyrax.actors.engine.retraction import Retractor
 from hyrax.actors.engine.scheduler import NeedRoom, Scheduled, Scheduler
 from hyrax.actors.engine.selection import pick_victims
 from hyrax.actors.engine.stats import EngineStats
@@ -46,7 +47,7 @@ class StepOutput:
 
 class Engine:
     def __init__(self, components: tuple[ComponentSpec, ...], sizes: PoolSizes, host_rows: dict[str, int],
-                 executor, config: EngineConfig, vocab_size: int, max_model_len: int,
+                 executor: Executor, config: EngineConfig, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), decode=None):
         self.components = components
         self.config = config
@@ -63,8 +64,8 @@ class Engine:
         self.table = RequestTable()
         self.scheduler = Scheduler(components, config)
         self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
-        self.retractor = Retractor(components, config, executor, self.alloc, self.host_alloc, self.stats,
-                                   release=self._release)
+        self.moves = make_moves(components, config, executor, self.alloc, self.host_alloc, self.stats,
+                                release=self._release)
         self.transfers = Transfers(self)
         self.step_count = 0
         self.forced_interval = config.forced_retraction_interval
@@ -185,13 +186,13 @@ class Engine:
         self.forced_interval = interval
 
     def _retract(self, req: Request, trigger: str, mode: str | None, hold: bool) -> Outcome:
-        used = self.retractor.retract(req, trigger, mode, hold)
+        used = self.moves.retract(req, trigger, mode)
         self.table.retract(req, hold)
         req.retracted_at_step = self.step_count
         return Outcome(used)
 
     def _restore(self, req: Request) -> Outcome:
-        result = self.retractor.restore(req)
+        result = self.moves.load(req)
         if result == Outcome.VERIFIED:
             self.table.restore(req)
         elif result != Outcome.NO_CAPACITY:
@@ -313,12 +314,9 @@ class Engine:
         self._frees = keep
 
     # ---- results -------------------------------------------------------------------------
-    def commit(self, plan: StepPlan, tokens) -> None:
-        """Apply a step's results using the step's own plan snapshot. `tokens` is the list of
-        sampled ids, or (ids, {sampling row: logprobs}) when some request asked for logprobs."""
-        lps: dict[int, dict] = {}
-        if isinstance(tokens, tuple):
-            tokens, lps = tokens
+    def commit(self, plan: StepPlan, result: StepResult) -> None:
+        """Apply a step's results using the step's own plan snapshot."""
+        tokens, lps = result.tokens, result.logprobs
         row = iter(range(len(tokens)))
         it = iter(tokens)
         new: dict[str, list[int]] = {}
@@ -385,9 +383,9 @@ class Engine:
         was = self.table.finish(req, reason)
         if was in (State.RUNNING, State.OFFERED):
             req.export_payload = None
-            self.retractor.free_device(req)
+            self.moves.free_device(req)
         elif was == State.RETRACTED:
-            self.retractor.release_backup(req)
+            self.moves.release_backup(req)
         if not counted:  # taken over by another replica
             return
         if self.decode is not None and not req.text:
@@ -442,7 +440,7 @@ class Engine:
         live = self.table.rebuild_all()
         for req in live:
             req.indices, req.backup, req.num_computed, req.export_payload = {}, None, 0, None
-        # in place: the retractor holds these same dicts
+        # in place: the state mover holds these same dicts
         self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
         self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
         return live
@@ -478,8 +476,7 @@ class Engine:
                 req = self.table.get(owner)
                 if req is None or req.state != State.RETRACTED:
                     raise AssertionError(f"host {c.name}: rows owned by {owner}, which is not retracted")
-        kept = sum(1 for r in self.retracted if r.backup is not None and r.backup.host_rows is None
-                   and r.backup.payload is None)
+        kept = sum(1 for r in self.retracted if r.backup is not None and r.backup.location.place == Place.RANK_MEMORY)
         for rank, n in self.executor.num_backups().items():
             if n != kept:
                 raise AssertionError(f"rank {rank} holds {n} cpu backups, expected {kept}")

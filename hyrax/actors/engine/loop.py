@@ -14,10 +14,9 @@ from typing import Callable
 from hyrax.actors.engine.early_aborts import EarlyAborts
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.lifecycle import Outcome
-from hyrax.actors.engine.remote_executor import RankFailure
+from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams, State
-from hyrax.actors.engine.retraction import pick_victims
-from hyrax.actors.engine.selection import Selection
+from hyrax.actors.engine.selection import Selection, pick_victims
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")

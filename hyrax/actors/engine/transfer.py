@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.request import Request, State
-from hyrax.actors.engine.retraction import Backup
+from hyrax.actors.engine.moves import Backup, Location, Place
 from hyrax.actors.model.errors import HyraxInputError
 
 if TYPE_CHECKING:
@@ -41,9 +41,8 @@ class Transfers:
             if req.state != State.RUNNING:  # that step finished it, or a retraction took it
                 return None
         t0 = time.perf_counter()
-        rows = e.retractor.rows(req.indices, req.num_computed)
-        sums, payload = e.executor.export(req_id, rows)
-        manifest = e.retractor.make_manifest(req, rows, sums, "transfer")
+        saved = e.moves.save(req, Location(Place.OBJECT_STORE))
+        payload = list(saved.location.payload)
         e.table.offer(req, e.config.offer_lease_s)
         # the exported shards are objects this replica owns: hold their refs until the importer
         # acknowledged, so they cannot be freed while it is still fetching them
@@ -53,7 +52,7 @@ class Transfers:
             "request": {"id": req.id, "prompt_ids": list(req.prompt_ids), "output_ids": list(req.output_ids),
                         "params": req.params, "seed": req.seed, "retractions": req.retractions,
                         "arrival_wall": time.time() - (time.monotonic() - req.arrival)},
-            "manifest": manifest,
+            "manifest": saved.manifest,
             "payload": payload,
             "lease_s": e.config.offer_lease_s,
         }
@@ -89,7 +88,7 @@ class Transfers:
             raise HyraxInputError(f"request id {r['id']!r} is already in use")
         req = Request(r["id"], list(r["prompt_ids"]), r["params"], r["seed"], output_ids=list(r["output_ids"]))
         req.retractions = r.get("retractions", 0)
-        req.backup = Backup(handoff["manifest"], None, handoff["payload"])
+        req.backup = Backup(handoff["manifest"], Location(Place.OBJECT_STORE, payload=tuple(handoff["payload"])))
         e.table.import_(req)
         t0 = time.perf_counter()
         result = e._restore(req)

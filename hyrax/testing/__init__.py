@@ -1,0 +1,1 @@
+"""Test support that must also run inside Ray actors: fault injection (`faults`)."""
