@@ -26,6 +26,15 @@ def kernel_absent():
     return None
 
 
+def sm(major, minor):
+    """A device query that answers compute capability (major, minor) for any device."""
+    return lambda device: (major, minor)
+
+
+def no_gpu_query(device):
+    raise AssertionError(f"asked the compute capability of {device}")
+
+
 @pytest.mark.parametrize("requested", ["auto", "sdpa"])
 def test_cpu_layers_use_sdpa(requested):
     model = HybridModel(tiny_config("full_swa_mamba"), attn_backend=requested)
@@ -35,7 +44,7 @@ def test_cpu_layers_use_sdpa(requested):
 
 
 def test_auto_picks_flash_only_on_cuda_half_precision_when_it_imports():
-    pick = lambda dev, dt, hd=64, imp=kernel_present: select_backend("auto", dev, dt, hd, imp)  # noqa: E731
+    pick = lambda dev, dt, hd=64, imp=kernel_present: select_backend("auto", dev, dt, hd, imp, sm(9, 0))  # noqa: E731
     assert isinstance(pick("cuda", torch.bfloat16), FlashPaged)
     assert isinstance(pick("cuda:1", torch.float16), FlashPaged)
     assert isinstance(pick("cuda", torch.bfloat16, imp=kernel_absent), SdpaPaged)
@@ -55,6 +64,43 @@ def test_auto_picks_flash_only_on_cuda_half_precision_when_it_imports():
 def test_requesting_flash_where_it_cannot_run_is_a_clear_error(device, dtype, importer, why):
     with pytest.raises(HyraxInputError, match=why):
         select_backend("vllm_flash_attn", device, dtype, 64, importer)
+
+
+@pytest.mark.parametrize("capability,flash", [
+    ((7, 0), False), ((7, 5), False),  # V100, T4: no vllm-flash-attn 2.6 kernels
+    ((8, 0), True), ((8, 6), True), ((8, 9), True), ((9, 0), True),  # A100, A10/3090, L4/4090, H100
+    ((10, 0), False), ((12, 0), False),  # newer than sm90: not in 2.6's build
+])
+def test_auto_picks_flash_only_on_gpus_its_kernels_were_built_for(capability, flash):
+    notes = []
+    backend = select_backend("auto", "cuda:1", torch.bfloat16, 64, kernel_present, sm(*capability), notes.append)
+    assert isinstance(backend, FlashPaged if flash else SdpaPaged)
+    if flash:
+        assert notes == []
+    else:
+        assert notes == [f"note: attention uses SDPA: vllm-flash-attn 2.6 runs on sm8x and sm90 GPUs only "
+                         f"(this one is sm{capability[0]}{capability[1]})"]
+        with pytest.raises(HyraxInputError, match=f"sm8x and sm90 GPUs only \\(this one is sm{capability[0]}"):
+            select_backend("vllm_flash_attn", "cuda", torch.float16, 64, kernel_present, sm(*capability))
+
+
+def test_the_gpu_is_asked_only_when_flash_could_otherwise_run():
+    notes = []
+    for dev, dt, imp in [("cpu", torch.bfloat16, kernel_present), ("cuda", torch.float32, kernel_present),
+                         ("cuda", torch.bfloat16, kernel_absent)]:
+        assert isinstance(select_backend("auto", dev, dt, 64, imp, no_gpu_query, notes.append), SdpaPaged)
+    assert notes == []  # expected fallbacks (CPU, float32, no kernel) say nothing
+
+
+def test_the_fallback_note_is_one_line_per_process(caplog):
+    from hyrax.actors.model import attn_backends
+
+    attn_backends._noted.clear()
+    with caplog.at_level("WARNING", logger="hyrax.attention"):
+        for _ in range(3):  # three attention layers
+            select_backend("auto", "cuda", torch.float16, 64, kernel_present, sm(7, 5))
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: attention uses SDPA: vllm-flash-attn 2.6 runs on sm8x and sm90 GPUs only (this one is sm75)"]
 
 
 def test_unknown_backend_names_are_refused():

@@ -9,13 +9,15 @@ migration never depends on which backend wrote them.
 - `vllm_flash_attn`: FlashAttention-2's varlen kernel with a paged cache (vllm-flash-attn
   2.6.x, the `gpu` extra). K and V are strided views of the pool,
   (pages, page_size, kv_heads, head_dim) each; the kernel finds a request's pages through
-  its block table and applies the causal mask and the sliding window itself.
+  its block table and applies the causal mask and the sliding window itself. Its 2.6.x build
+  has kernels for sm8x and sm90 GPUs only; `auto` uses SDPA on any other (with a note).
 
 `select_backend` runs once per layer at construction (STYLE: decide dispatch at
 construction, never per step).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Protocol
 
 import torch
@@ -28,6 +30,8 @@ BACKENDS = ("auto", "sdpa", "vllm_flash_attn")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_PAGE_MULTIPLE = 16  # vllm-flash-attn: "Paged KV cache block size must be divisible by 16"
 FLASH_MAX_HEAD_DIM = 256
+
+log = logging.getLogger("hyrax.attention")
 
 
 class PagedAttentionBackend(Protocol):
@@ -121,7 +125,7 @@ def _import_flash() -> VarlenKernel | None:
 
 
 def flash_unsuitable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the flash kernel cannot run this layer, or None when it can."""
+    """Why the flash kernel cannot run this layer, or None when it can (GPU model aside)."""
     if device.type != "cuda":
         return f"it needs CUDA (device is {device.type})"
     if dtype not in FLASH_DTYPES:
@@ -131,19 +135,53 @@ def flash_unsuitable(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     return None
 
 
+Capability = Callable[[torch.device], tuple[int, int]]
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device: (9, 0) for sm90."""
+    return torch.cuda.get_device_capability(device)
+
+
+def flash_gpu_unsupported(capability: tuple[int, int]) -> str | None:
+    """vllm-flash-attn 2.6.x builds `mha_varlen_fwd` for sm8x and sm90 only and raises on any
+    other GPU at the first forward; None when `capability` is one of those."""
+    major, minor = capability
+    if major == 8 or (major, minor) == (9, 0):
+        return None
+    return f"vllm-flash-attn 2.6 runs on sm8x and sm90 GPUs only (this one is sm{major}{minor})"
+
+
+_noted: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """One log line per distinct message and process (every attention layer asks)."""
+    if message not in _noted:
+        _noted.add(message)
+        log.warning(message)
+
+
 def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                   importer: Callable[[], VarlenKernel | None] = _import_flash) -> PagedAttentionBackend:
-    """`auto`: vllm_flash_attn when it imports and suits the layer, else SDPA.
-    `vllm_flash_attn`: that kernel or a clear error. `sdpa`: always SDPA."""
+                   importer: Callable[[], VarlenKernel | None] = _import_flash,
+                   capability: Capability = cuda_capability,
+                   note: Callable[[str], None] = note_once) -> PagedAttentionBackend:
+    """`auto`: vllm_flash_attn when it imports and suits the layer and the GPU, else SDPA (with a
+    `note` when only the GPU model is in the way). `vllm_flash_attn`: that kernel or a clear
+    error. `sdpa`: always SDPA. `capability` answers the device's compute capability."""
     if requested not in BACKENDS:
         raise HyraxInputError(f"attention backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
     if requested == "sdpa":
         return SdpaPaged()
-    why = flash_unsuitable(torch.device(device), dtype, head_dim)
+    device = torch.device(device)
+    why = flash_unsuitable(device, dtype, head_dim)
     kernel = importer() if why is None else None
-    if kernel is not None:
+    gpu = flash_gpu_unsupported(capability(device)) if kernel is not None else None
+    if kernel is not None and gpu is None:
         return FlashPaged(kernel)
     if requested == "vllm_flash_attn":
         raise HyraxInputError("the vllm_flash_attn attention backend cannot be used: "
-                              + (why or "vllm_flash_attn does not import (pip install '.[gpu]')"))
+                              + (why or gpu or "vllm_flash_attn does not import (pip install '.[gpu]')"))
+    if gpu is not None:
+        note(f"note: attention uses SDPA: {gpu}")
     return SdpaPaged()
