@@ -19,8 +19,11 @@ def prepare_env(address: str | None) -> None:
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True,
-             quiet: bool = True) -> bool:
-    """Join `address`, or start a local single-node cluster. Returns True if started here."""
+             quiet: bool = True, num_gpus: int | None = None) -> bool:
+    """Join `address`, or start a local single-node cluster. Returns True if started here.
+
+    `num_gpus` (local cluster only; None: Ray counts the machine's GPUs): 0 keeps a GPU host's
+    cluster CPU-only, so ranks ask for no GPU (the test suites' CPU clusters)."""
     prepare_env(address)
     import ray
 
@@ -31,8 +34,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
         return False
     # address="local": always a new cluster of our own, never one that Ray finds by itself
     # (a stale /tmp/ray/ray_current_cluster, another user's cluster)
-    ray.init(address="local", num_cpus=num_cpus, namespace="hyrax", include_dashboard=dashboard,
-             dashboard_host="127.0.0.1", log_to_driver=not quiet)
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, namespace="hyrax",
+             include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=not quiet)
     return True
 
 

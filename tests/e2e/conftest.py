@@ -80,7 +80,7 @@ def oai(local):
 def ray_cluster():
     from hyrax.cluster.ray_cluster import init_ray
 
-    started = init_ray(num_cpus=16, dashboard=False)
+    started = init_ray(num_cpus=16, dashboard=False, num_gpus=0)
     import ray
 
     yield ray

@@ -23,7 +23,7 @@ from ray_harness import DEMO_CONFIG, DEMO_MODEL, call, deployed, replica  # noqa
 def ray_session():
     from hyrax.cluster.ray_cluster import init_ray
 
-    started = init_ray(num_cpus=16, dashboard=False)
+    started = init_ray(num_cpus=16, dashboard=False, num_gpus=0)
     import ray
 
     torch.set_num_threads(1)  # the reference engine shares two cores with the rank actors

@@ -86,7 +86,7 @@ def pd_run() -> PDRun:
 
     import ray
 
-    started = False if ray.is_initialized() else init_ray(num_cpus=16, dashboard=False)
+    started = False if ray.is_initialized() else init_ray(num_cpus=16, dashboard=False, num_gpus=0)
     try:
         from hyrax.actors.engine.config import EngineConfig
         from hyrax.cluster.deployment import Deployment, RoleSpec
