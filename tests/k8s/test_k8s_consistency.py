@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 from k8s_helpers import (DASHBOARD, DASHBOARD_COPY, OVERLAYS, REPO, ROLES, cpu_request, custom_resources,
-                         env_for_expansion, flag, gateway, gateway_argv, gateway_container, one, ray_cpus,
-                         ray_gpus, raycluster, worker_group)
+                         env_for_expansion, flag, gateway, gateway_argv, gateway_container, one, ray_container,
+                         ray_cpus, ray_gpus, raycluster, worker_group)
 
 
 class _DummyClient:
@@ -280,3 +280,19 @@ def test_docs_admin_calls_hit_real_routes(routes):
     assert {"/admin/retract", "/admin/drain", "/health"} <= paths
     for p in paths:
         assert p in routes, f"docs/deploy.md calls {p}, which the gateway does not serve"
+
+
+# ---- shared memory: NCCL and Ray's object store need more than the runtime's 64 MiB ---------
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_every_ray_pod_mounts_memory_backed_dev_shm(rendered, overlay):
+    rc = raycluster(rendered[overlay])
+    groups = {"head": rc["spec"]["headGroupSpec"], **{g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}}
+    assert set(groups) == {"head", *ROLES}
+    for name, group in groups.items():
+        pod = group["template"]["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in ray_container(group).get("volumeMounts") or []}
+        assert "/dev/shm" in mounts, f"{overlay} {name}: no volume at /dev/shm"
+        volume = next((v for v in pod.get("volumes") or [] if v["name"] == mounts["/dev/shm"]), None)
+        assert volume is not None, f"{overlay} {name}: /dev/shm mounts a volume the pod does not declare"
+        assert volume.get("emptyDir", {}).get("medium") == "Memory", f"{overlay} {name}: /dev/shm is not tmpfs"
