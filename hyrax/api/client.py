@@ -81,6 +81,10 @@ class EngineClient:
     inflight: dict[int, int] = field(default_factory=dict)
     owner: dict[str, object] = field(default_factory=dict)  # request id -> backend
     draining: set = field(default_factory=set)  # backend ids that take no new requests
+    out_of_service: dict[int, str] = field(default_factory=dict)  # backend id -> why it takes none either
+    health_timeout_s: float = 5.0
+    unresponsive_after: int = 3  # health checks missed in a row before a replica is taken out
+    _missed: dict[int, int] = field(default_factory=dict)
     migrate_to: dict[str, object] = field(default_factory=dict)  # request id -> chosen target
     admitted: int = 0
     _background: set = field(default_factory=set)  # fire-and-forget aborts, kept referenced
@@ -104,13 +108,14 @@ class EngineClient:
     def unavailable(self) -> str | None:
         """Why a new request could not be served end to end now, or None."""
         if self._pick(("prefill",)) is None and self._pick(("colocated", "decode")) is None:
-            return "no replica accepts requests (all draining)"
+            return "no replica accepts requests (all draining or out of service)"
         if self._pick(("prefill",)) is not None and self._pick(("decode", "colocated")) is None:
-            return "no decode replica accepts requests (all draining)"
+            return "no decode replica accepts requests (all draining or out of service)"
         return None
 
     def _pick(self, roles: tuple[str, ...], exclude: object = None):
-        cands = [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining]
+        cands = [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining
+                 and id(b) not in self.out_of_service]
         return self.router(cands, self.inflight) if cands else None
 
     def _own(self, request_id: str, backend) -> None:
@@ -287,10 +292,31 @@ class EngineClient:
         return [dict(s, role=b.role, replica=b.index) for b, s in zip(self.backends, res)]
 
     async def health(self) -> dict:
-        try:
-            reps = await asyncio.wait_for(asyncio.gather(*(b.health() for b in self.backends)), timeout=5)
-        except Exception as e:  # noqa: BLE001 - an unreachable replica is simply not ready
-            return {"ready": False, "replicas": [], "error": f"{type(e).__name__}"}
-        reasons = [f"{r.get('role')}/{r.get('replica')}: " + (r.get("stuck") or "unhealthy")
-                   for r in reps if not r.get("healthy") or r.get("stuck")]
-        return {"ready": not reasons, "replicas": reps, "reasons": reasons}
+        """Ask every replica; take out of service (no new requests routed to it) one that
+        reports itself unhealthy or stuck, or that missed `unresponsive_after` health checks in a
+        row, and put it back once it answers healthy. Ready while some replica path can still
+        serve a request end to end; `reasons` names every replica out of service either way."""
+        async def ask(b):
+            try:
+                return await asyncio.wait_for(b.health(), self.health_timeout_s)
+            except Exception as e:  # noqa: BLE001 - no answer in time counts as a missed check
+                return {"role": b.role, "replica": b.index, "healthy": None, "last_error": type(e).__name__}
+
+        reps = await asyncio.gather(*(ask(b) for b in self.backends))
+        for b, r in zip(self.backends, reps):
+            key = id(b)
+            if r.get("healthy") is None:
+                self._missed[key] = self._missed.get(key, 0) + 1
+                if self._missed[key] >= self.unresponsive_after:
+                    self.out_of_service[key] = (f"unresponsive ({self._missed[key]} health checks in a row "
+                                                f"unanswered within {self.health_timeout_s:g} s)")
+                continue
+            self._missed.pop(key, None)
+            if not r.get("healthy") or r.get("stuck"):
+                self.out_of_service[key] = r.get("stuck") or "unhealthy"
+            else:
+                self.out_of_service.pop(key, None)
+        reasons = [f"{b.role}/{b.index}: {self.out_of_service[id(b)]}" for b in self.backends
+                   if id(b) in self.out_of_service]
+        cannot = self.unavailable()
+        return {"ready": cannot is None, "replicas": reps, "reasons": reasons + ([cannot] if cannot else [])}
