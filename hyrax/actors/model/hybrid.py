@@ -96,9 +96,9 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg, tp, components, dtype, allreduce, device, attn_backend):
+    def __init__(self, cfg, tp, components, dtype, allreduce, device, attn_backend, embed_dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=embed_dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, i, components, dtype, allreduce, device, attn_backend) for i in range(cfg.num_layers)
         )
@@ -114,8 +114,13 @@ class HybridModel(nn.Module):
         super().__init__()
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
         self.components = derive_components(cfg, tp, dtype)
-        self.model = _Backbone(cfg, tp, self.components, dtype, allreduce, device, attn_backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        # logits in float32 (float64 for float64 models), never rounded to bf16/fp16 before
+        # sampling: the head's weight is kept in that dtype, and so is the embedding table
+        # when the two are tied (vocab x hidden x 2 more bytes than a bf16 head)
+        self.logits_dtype = torch.promote_types(dtype, torch.float32)
+        embed_dtype = self.logits_dtype if cfg.tie_word_embeddings else dtype
+        self.model = _Backbone(cfg, tp, self.components, dtype, allreduce, device, attn_backend, embed_dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=self.logits_dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, dtype)
@@ -143,7 +148,7 @@ class HybridModel(nn.Module):
         """Run one step. Returns logits (B, vocab) at each sequence's last token, or
         (B, T, vocab) at every position with `all_logits`. Logits are float32 (float64 for
         float64 models)."""
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.model.embed_tokens(batch.input_ids).to(self.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
         cos_sin = self.rope.cos_sin(batch.positions) if self.cfg.has_attention and self.cfg.use_rope else None
@@ -153,6 +158,5 @@ class HybridModel(nn.Module):
             last = (batch.q_lens - 1).clamp(min=0)
             x = x[torch.arange(x.shape[0], device=x.device), last]
         x = self.model.final_layernorm(x)
-        f = torch.float64 if self.dtype == torch.float64 else torch.float32
-        logits = self.lm_head(x).to(f)
+        logits = self.lm_head(x.to(self.logits_dtype))
         return logits * self.cfg.logits_multiplier if self.cfg.logits_multiplier != 1.0 else logits

@@ -48,9 +48,13 @@ class Mamba2Mixer(nn.Module):
         h = cfg.hidden_size
         self.in_proj = nn.Linear(h, len(self.in_rows), bias=cfg.mamba_proj_bias, dtype=dtype)
         self.conv1d = nn.Conv1d(conv, conv, cfg.mamba_d_conv, groups=conv, bias=cfg.mamba_conv_bias, dtype=dtype)
-        self.dt_bias = nn.Parameter(torch.ones(nh, dtype=dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(nh, dtype=dtype), requires_grad=False)
-        self.D = nn.Parameter(torch.ones(nh, dtype=dtype), requires_grad=False)
+        # the per-head SSM parameters stay float32 in bf16/fp16 models (float64 ones keep float64):
+        # a bf16 A_log puts A 0.4-1.5 % off, and a bf16 dt_bias rounds dt + dt_bias near -5 by
+        # up to 2^-6, errors the recurrence compounds over every token
+        ssm_param = torch.promote_types(dtype, torch.float32)
+        self.dt_bias = nn.Parameter(torch.ones(nh, dtype=ssm_param), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(nh, dtype=ssm_param), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(nh, dtype=ssm_param), requires_grad=False)
         if cfg.mamba_norm == "gate_only":
             self.norm = SiluGate()
         else:
@@ -72,6 +76,16 @@ class Mamba2Mixer(nn.Module):
             "norm.weight": (0, self.inner_ch), "out_proj.weight": (1, self.inner_ch),
         }
 
+    def discretize(self, dt: torch.Tensor, state_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """dt: (..., H) in_proj's dt section, in the model dtype -> (dt, A): the step sizes
+        softplus(dt + dt_bias) within the config's limits, (..., H), and A = -exp(A_log), (H,).
+        Both are computed in float32 (float64 for float64 models), never in bf16/fp16."""
+        dt = nn.functional.softplus(dt.to(self.dt_bias.dtype) + self.dt_bias)
+        lo, hi = self.cfg.time_step_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(lo, hi)
+        return dt, -torch.exp(self.A_log.to(state_dtype))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and SSM slots."""
         cfg = self.cfg
@@ -89,12 +103,8 @@ class Mamba2Mixer(nn.Module):
         xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
-        dt = nn.functional.softplus(dt + self.dt_bias)
-        lo, hi = cfg.time_step_limit
-        if lo > 0.0 or hi != float("inf"):
-            dt = dt.clamp(lo, hi)
+        dt, A = self.discretize(dt, ssm_pool.dtype)
         dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
-        A = -torch.exp(self.A_log.to(ssm_pool.dtype))
         state = ssm_pool[ssm_slots]
         if T == 1:
             y, new_state = ssd_step(state, xs[:, 0].view(B, self.nh, P), dt[:, 0], A,
