@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 from datetime import timedelta
+from typing import Callable
 
 import ray
 import torch
@@ -31,7 +32,7 @@ class RankWorker:
         self.role, self.replica = role, replica
         self.tp = TP(tp_rank, tp_size)
         self.runtime: RankRuntime | None = None
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = place_rank(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
 
     def dist_address(self) -> str:
         """Rank 0 opens where the replica's process group meets: a socket bound to this node's
@@ -73,8 +74,9 @@ class RankWorker:
         else:
             store = dist.TCPStore(host, int(port), self.tp.size, False, timeout)
         _bind_transport_to(ray.util.get_node_ip_address())
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=self.tp.rank, world_size=self.tp.size)
+        cuda = self.device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.tp.rank, world_size=self.tp.size,
+                                device_id=self.device if cuda else None)  # NCCL: bound to this rank's GPU
         self._store = store  # rank 0's store serves the group for as long as the rank lives
 
     def ping(self) -> int:
@@ -100,6 +102,29 @@ class RankWorker:
 
     def num_backups(self) -> int:
         return self.runtime.num_backups()
+
+
+def place_rank(gpu_ids: list, visible: str | None, cuda_available: bool,
+               set_device: Callable[[torch.device], None] = torch.cuda.set_device) -> torch.device:
+    """The device of a rank: the GPU Ray assigned it, made the process's current CUDA device,
+    or the CPU when it was assigned none (a CPU cluster, or `num_gpus=0` on a GPU host).
+
+    gpu_ids: `ray.get_gpu_ids()`, physical ids. visible: CUDA_VISIBLE_DEVICES, which Ray sets to
+    the assigned ids, so the GPU is found by its position there (0 for a one-GPU rank); unset,
+    the physical id is the index.
+    """
+    if not gpu_ids:
+        return torch.device("cpu")
+    if not cuda_available:
+        raise RuntimeError(f"Ray assigned GPU {gpu_ids[0]} to this rank, but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r})")
+    gpu = str(gpu_ids[0])
+    order = [v.strip() for v in visible.split(",")] if visible else None
+    if order is not None and gpu not in order:
+        raise RuntimeError(f"Ray assigned GPU {gpu}, which CUDA_VISIBLE_DEVICES={visible!r} does not list")
+    device = torch.device("cuda", order.index(gpu) if order is not None else int(gpu))
+    set_device(device)
+    return device
 
 
 def _family(ip: str) -> socket.AddressFamily:
