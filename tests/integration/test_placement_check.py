@@ -17,23 +17,32 @@ def _free_cpus() -> float:
 
 @pytest.fixture
 def one_cpu_free(ray_session):
-    """Reserve all but one of the cluster's CPUs, as other jobs on a shared cluster would.
+    """Reserve all but one of the cluster's free CPUs, as other jobs on a shared cluster would.
 
-    Sized from the cluster's total, not from what is free right now: a previous module's actors
-    may still be releasing CPUs, which would leave more than one free once they are gone."""
-    before = ray.cluster_resources().get("CPU", 0)
-    squat = int(before) - 1
-    pg = placement_group([{"CPU": 1}] * squat, strategy="SPREAD", name="test/squatter") if squat > 0 else None
-    if pg is not None:
-        ray.get(pg.ready(), timeout=60)
-    deadline = time.monotonic() + 10
-    while _free_cpus() != 1 and time.monotonic() < deadline:  # the resource view catches up
-        time.sleep(0.05)
-    assert _free_cpus() == 1
-    yield
-    if pg is not None:
-        remove_placement_group(pg)
-    deadline = time.monotonic() + 10
+    A previous module's actors may still be releasing CPUs (and the session's shared
+    deployment holds some for good), so squat on what is free, then on whatever frees up
+    after, until exactly one CPU has stayed free for a second."""
+    before, squats = _free_cpus(), []
+    try:
+        deadline, stable_since = time.monotonic() + 120, None
+        while True:
+            free = _free_cpus()
+            if free > 1:
+                pg = placement_group([{"CPU": 1}] * int(free - 1), strategy="SPREAD")
+                squats.append(pg)
+                ray.get(pg.ready(), timeout=60)
+                stable_since = None
+            elif free == 1:
+                stable_since = stable_since or time.monotonic()
+                if time.monotonic() - stable_since >= 1.0:
+                    break
+            assert time.monotonic() < deadline, f"could not leave exactly one CPU free (free: {free})"
+            time.sleep(0.1)
+        yield
+    finally:
+        for pg in squats:
+            remove_placement_group(pg)
+    deadline = time.monotonic() + 30
     while _free_cpus() < before and time.monotonic() < deadline:  # the next test sees them free again
         time.sleep(0.05)
 
