@@ -10,7 +10,7 @@ from hyrax.cluster.cli import main
 from hyrax.tasks import recall
 from hyrax.tasks.evaluate import run_server
 
-N = 100
+N = 40  # 3 passes over the same problems: plain, `hyrax eval` under forced retraction, forced again
 
 
 def test_hyrax_eval_scores_the_demo_model_and_forced_retraction_changes_no_answer(local, capsys):
@@ -27,7 +27,7 @@ def test_hyrax_eval_scores_the_demo_model_and_forced_retraction_changes_no_answe
         forced, errors = run_server(local.url, problems, concurrency=8)
     finally:
         local.loop.set_forced_retraction(0)
-    assert local.loop.stats()["retractions"] - before >= 20
+    assert local.loop.stats()["retractions"] - before >= 8
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["n"] == N and out["accuracy"] >= 0.95 and out["errors"] == 0, out
     assert set(out) >= {"accuracy", "invalid_rate", "n"}

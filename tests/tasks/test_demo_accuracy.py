@@ -15,7 +15,7 @@ from hyrax.actors.model.demo import DEMO_DIR
 from hyrax.tasks import recall
 from hyrax.tasks.evaluate import run_in_process
 
-N = 128
+N = 64
 BASE = dict(max_running=8, mamba_slots=8, deterministic=True)
 FORCED = dict(BASE, forced_retraction_interval=3)
 DROP_MAMBA = UnsafeFaults(skip_backup_component="mamba_conv,mamba_ssm")
