@@ -9,6 +9,7 @@ import torch
 
 from hyrax.actors.engine.config import UnsafeFaults
 from hyrax.actors.engine.grammar import GrammarMasks
+from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import checksum
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
@@ -37,6 +38,7 @@ class RankRuntime:
             for c in self.components
         }
         self.backups: dict[str, dict[str, torch.Tensor]] = {}
+        self.buffers = HostBuffers(pin)  # the host tensors of backups, reused
         faults.check_components({c.name for c in self.components})
         self.faults = faults if faults.applies_to(rank) else UnsafeFaults()
         # tokens sampled last for each request, so a plan made before they were known can
@@ -131,7 +133,8 @@ class RankRuntime:
     def backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
         """Copy the request's rows of every component to host memory; returns checksums.
 
-        host_rows given: into the pre-allocated host pool; else into fresh host tensors.
+        host_rows given: into the pre-allocated host pool; else into host tensors from
+        `self.buffers`, which `discard` gives back.
         """
         self._sync()
         sums: dict[str, int] = {}
@@ -139,20 +142,23 @@ class RankRuntime:
         for c in self.components:
             if c.name in self.faults.skipped:
                 continue
-            data = self.pools[c.name].index_select(1, self._idx(rows[c.name]))
+            src, idx = self.pools[c.name], self._idx(rows[c.name])
+            data = self.buffers.take((src.shape[0], len(idx), *src.shape[2:]), src.dtype)
             if self.device.type == "cuda":
-                host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                host.copy_(data, non_blocking=True)
+                data.copy_(src.index_select(1, idx), non_blocking=True)
                 torch.cuda.current_stream(self.device).synchronize()
-                data = host
+            else:
+                torch.index_select(src, 1, idx, out=data)
             sums[c.name] = checksum(data)
             if c.name == self.faults.corrupt_backup_component and data.numel():
                 data.view(torch.uint8).view(-1)[0] ^= 0xFF
             if host_rows is not None:
                 self.host[c.name].index_copy_(1, self._idx(host_rows[c.name], "cpu"), data)
+                self.buffers.give(data)
             else:
                 kept[c.name] = data
         if host_rows is None:
+            self.discard(req_id)  # an older backup of the request: its buffers go back
             self.backups[req_id] = kept
         return sums
 
@@ -227,7 +233,8 @@ class RankRuntime:
         return out
 
     def discard(self, req_id: str) -> None:
-        self.backups.pop(req_id, None)
+        for t in self.backups.pop(req_id, {}).values():
+            self.buffers.give(t)
 
     def num_backups(self) -> int:
         return len(self.backups)
