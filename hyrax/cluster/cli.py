@@ -70,7 +70,7 @@ def _document(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyrax.cluster import admin_cli, bench_cli, eval_cli, generate, serve, train_demo_cli
+    from hyrax.cluster import admin_cli, bench_cli, doctor, eval_cli, generate, serve, train_demo_cli
 
     p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     train_demo_cli.add_parser(sub)
     eval_cli.add_parser(sub)
+    doctor.add_parser(sub)
     _document(p)
     return p
 

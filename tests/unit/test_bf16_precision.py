@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from hyrax.actors.model.batch import SeqSlice
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.ssd import ssd_chunked
 from tiny_models import fresh_pools, randomize_, slots_for, step, tiny_config
-from hyrax.actors.model.batch import SeqSlice
 
 CFG = dict(hidden_size=32, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=16)
 

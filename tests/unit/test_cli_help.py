@@ -49,6 +49,7 @@ def test_every_option_has_help_and_its_default(name):
     ("hyrax generate", "--top-k", "(default: 0)"),
     ("hyrax generate", "--seed", "random"),
     ("hyrax admin forced-retraction", "interval", "0 turns forced retraction off"),
+    ("hyrax doctor", "--json", "one JSON object per check"),
 ])
 def test_help_text_names_the_default(cmd, flag, says):
     parser = COMMANDS[cmd]

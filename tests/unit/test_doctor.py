@@ -1,0 +1,45 @@
+"""`hyrax doctor`: one line per check; without CUDA it names what it skipped and exits 0."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from hyrax.cluster import doctor
+from hyrax.cluster.cli import main as cli_main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
+def test_without_cuda_it_runs_what_it_can_skips_the_rest_and_exits_0(capsys):
+    assert cli_main(["doctor", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    checks = {c["name"]: c for c in map(json.loads, lines)}
+    assert list(checks) == ["versions", "attention backend", "flash vs sdpa", "nccl", "backup round trip",
+                            "demo cuda vs cpu"]
+    assert checks["versions"]["detail"].startswith("torch ")
+    assert checks["attention backend"]["detail"] == "on cpu: bfloat16=sdpa, float16=sdpa, float32=sdpa"
+    assert checks["backup round trip"]["status"] == "ok" and "checksums match" in checks["backup round trip"]["detail"]
+    skipped = {n: c["detail"] for n, c in checks.items() if c["status"] == "skip"}
+    assert skipped == {"flash vs sdpa": "no CUDA device", "nccl": "needs 2 GPUs, found 0",
+                       "demo cuda vs cpu": "no CUDA device"}
+
+
+def test_text_output_is_one_line_per_check(capsys):
+    machine = doctor.Machine(cuda=False, gpus=0)
+    assert doctor.main(argparse.Namespace(json=False), machine) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(doctor.CHECKS)
+    assert lines[3] == "skip  nccl: needs 2 GPUs, found 0"
+
+
+def test_a_check_that_raises_fails_alone_and_the_exit_status_says_so(monkeypatch, capsys):
+    def check_broken(machine):
+        raise RuntimeError("NCCL error: unhandled system error\nmore")
+
+    monkeypatch.setattr(doctor, "CHECKS", (doctor.check_versions, check_broken, doctor.check_nccl))
+    assert doctor.main(argparse.Namespace(json=False), doctor.Machine(cuda=False, gpus=0)) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[1] == "fail  broken: RuntimeError: NCCL error: unhandled system error"
+    assert out[0].startswith("ok") and out[2].startswith("skip")
