@@ -23,7 +23,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="also write the rows to OUT as a JSON list of objects "
                                                  "(keys: metric, hyrax, baseline, ratio, target, passed)")
     p.add_argument("--suite", action="append", metavar="NAME",
-                   help="run only this suite (repeatable): serving, coordination, retraction, transfer, memory")
+                   help="run only this suite (repeatable): serving, coordination, retraction, transfer, memory, soak; "
+                        "default: all but soak (10,000 requests under chaos, about 30 minutes; --quick: 1,000)")
     p.set_defaults(func=run)
     return p
 
