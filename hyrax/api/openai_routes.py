@@ -14,7 +14,7 @@ from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import grammar_of
-from hyrax.api.text import TextStream, render_chat
+from hyrax.api.text import TextStream, render_chat, template_error
 from hyrax.api.tools import ToolCallStream, plan_tools
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -246,7 +246,7 @@ async def chat(body: ChatRequest, request: Request, response: Response):
     try:
         prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages], tools=tools.tools)
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
-        raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
+        raise APIError(400, template_error(e)) from None
     ids = info.tokenizer.encode(prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,

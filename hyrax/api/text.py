@@ -125,6 +125,15 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+def template_error(e: Exception) -> str:
+    """What a client is told when its conversation cannot be rendered: the template's own
+    message when it refused the conversation (`raise_exception`), else only the kind of error."""
+    from hyrax.actors.model.errors import HyraxInputError
+
+    return f"cannot apply the {e}" if isinstance(e, HyraxInputError) else \
+        f"cannot apply the chat template: {type(e).__name__}"
+
+
 def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list | None = None):
     """Render messages with the checkpoint's Jinja template, or the default, the way

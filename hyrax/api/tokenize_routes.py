@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError
 from hyrax.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from hyrax.api.text import render_chat
+from hyrax.api.text import template_error, render_chat
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -29,7 +29,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
             text = render_chat(info.chat_template, [m.for_template() for m in body.messages],
                                body.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
-            raise APIError(400, f"cannot apply the chat template: {type(e).__name__}") from None
+            raise APIError(400, template_error(e)) from None
     else:
         text = body.prompt
     ids = info.tokenizer.encode(text)

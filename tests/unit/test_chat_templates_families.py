@@ -388,3 +388,14 @@ def test_named_templates_pick_tool_use_when_tools_are_given(tmp_path):
     import pickle
 
     assert render_chat(pickle.loads(pickle.dumps(chat_template(tmp_path))), msgs, tools=TOOLS) == "1 tools"
+
+
+def test_a_templates_own_refusal_reaches_the_client_and_other_errors_only_by_kind():
+    from hyrax.actors.model.errors import HyraxInputError
+    from hyrax.api.text import template_error
+
+    refusing = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first turn must be the user') }}{% endif %}"
+    with pytest.raises(HyraxInputError) as err:
+        render_chat(refusing, [{"role": "assistant", "content": "hi"}])
+    assert template_error(err.value) == "cannot apply the chat template: first turn must be the user"
+    assert template_error(TypeError("secret internals")) == "cannot apply the chat template: TypeError"
