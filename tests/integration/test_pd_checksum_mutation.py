@@ -59,8 +59,9 @@ def test_demo_model_greedy_output_depends_on_mamba_ssm_state():
 
     tok = load_tokenizer(DEMO_MODEL, 264)
 
+    e = load_engine(DEMO_MODEL, EngineConfig(deterministic=True))  # one engine: each request starts on fresh state
+
     def run(text: str, zero: str | None) -> list[int]:
-        e = load_engine(DEMO_MODEL, EngineConfig(deterministic=True))
         rid = e.add_request(tok.encode(text), SamplingParams(max_tokens=recall.MAX_TOKENS, temperature=0.0))
         e.step()  # the prompt
         if zero:
