@@ -110,8 +110,10 @@ def test_migrate_mid_decode_across_replicas_and_tp_sizes_matches_uninterrupted_r
             # the source released the request (no HANDOFF indices left behind) while it still decodes
             await _until(lambda: _ids_on(src), lambda ids: mover.id not in ids,
                          f"{src.role}/{src.index} to release {mover.id}")
-            assert (await _ids_on(dst)).get(mover.id) in ("running", None), "not running on the target"
+            state = (await _ids_on(dst)).get(mover.id)
             after = {id(b): await _stats(b) for b in (src, dst)}
+            assert state in ("running", None), ("not running on the target", state,
+                                                stats_delta(before[id(dst)], after[id(dst)]))
             hops.append({"src": src, "dst": dst, "seen": seen, "mover_done": mover.finish_reason is not None,
                          "src_delta": stats_delta(before[id(src)], after[id(src)]),
                          "dst_delta": stats_delta(before[id(dst)], after[id(dst)])})
