@@ -15,7 +15,8 @@ from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, r
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import grammar_of
 from hyrax.api.text import TextStream, render_chat, template_error
-from hyrax.api.tools import ToolCallStream, plan_tools
+from hyrax.api.tool_parser import ToolCallParser
+from hyrax.api.tools import plan_tools
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -238,11 +239,14 @@ async def chat(body: ChatRequest, request: Request, response: Response):
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     want_lp = bool(body.logprobs)
     info = request.app.state.client.model
-    tools = plan_tools(body, info.chat_template)
+    tools = plan_tools(body, info.chat_template, info.tokenizer)
     grammar = grammar_of(body)
-    if tools.calls and grammar is not None:
+    if tools.parses and grammar is not None:
         raise APIError(400, "a forced tool call already constrains the answer: drop response_format or "
-                            "structured_outputs", param="tool_choice")
+                            "structured_outputs" if tools.forced else
+                            "tool_choice 'auto' lets the model write calls in its own syntax, which response_format "
+                            "or structured_outputs would rule out: drop them, or force the call (tool_choice "
+                            "'required' or a named function)", param="tool_choice")
     try:
         prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages], tools=tools.tools)
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
@@ -251,10 +255,11 @@ async def chat(body: ChatRequest, request: Request, response: Response):
     max_tokens = body.max_completion_tokens or body.max_tokens
     choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
                        (body.top_logprobs or 0) if want_lp else None, tools.grammar or grammar)
-    calls = {c.index: ToolCallStream(tools) for c in choices} if tools.calls else {}
+    parsers = {c.index: tools.parser() for c in choices} if tools.parses else {}
 
-    def finish_reason(c):  # a complete forced call ends as OpenAI's do
-        return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    def finish_reason(c):  # an answer that made calls and ended by itself ends as OpenAI's do
+        made = c.index in parsers and parsers[c.index].made_calls
+        return "tool_calls" if made and c.finish_reason == "stop" else c.finish_reason
     reservation = _admit(request, choices)
     client = request.app.state.client
     rid, created = f"chatcmpl-{call_id}", int(time.time())
@@ -267,20 +272,27 @@ async def chat(body: ChatRequest, request: Request, response: Response):
     if body.stream:
         async def events():
             started, sent_lp = set(), {c.index: 0 for c in choices}
+
+            def logprobs_since_last(c):
+                if not want_lp:
+                    return None
+                n0, n1 = sent_lp[c.index], len(c.logprobs)
+                sent_lp[c.index] = n1
+                return _chat_logprobs(c, info.tokenizer, n0, n1)
             async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
                 if c.index not in started:
                     started.add(c.index)
-                    yield _sse(chunk(c, {"role": "assistant", "content": None if calls else ""}, None))
-                if calls:
-                    parts = calls[c.index].feed(delta) + (calls[c.index].finish() if finished else [])
-                    if parts:
-                        yield _sse(chunk(c, {"tool_calls": parts}, None))
-                elif delta:
-                    lp = None
-                    if want_lp:
-                        n0, n1 = sent_lp[c.index], len(c.logprobs)
-                        lp, sent_lp[c.index] = _chat_logprobs(c, info.tokenizer, n0, n1), n1
-                    yield _sse(chunk(c, {"content": delta}, None, lp))
+                    yield _sse(chunk(c, {"role": "assistant", "content": None if tools.forced else ""}, None))
+                parts = []
+                if parsers:  # the answer read back as content and tool calls
+                    delta, parts = parsers[c.index].feed(delta)
+                    if finished:
+                        more_text, more_parts = parsers[c.index].finish()
+                        delta, parts = delta + more_text, parts + more_parts
+                if delta:
+                    yield _sse(chunk(c, {"content": delta}, None, logprobs_since_last(c)))
+                if parts:
+                    yield _sse(chunk(c, {"tool_calls": parts}, None, logprobs_since_last(c)))
                 if finished:
                     yield _sse(chunk(c, {}, finish_reason(c)))
             if body.stream_options and body.stream_options.include_usage:
@@ -293,16 +305,16 @@ async def chat(body: ChatRequest, request: Request, response: Response):
     await _collect(request, choices, reservation)
     response.headers.update(headers)
     return {"id": rid, "object": "chat.completion", "created": created, "model": info.name,
-            "choices": [{"index": c.index, "message": _message(c, calls.get(c.index)),
+            "choices": [{"index": c.index, "message": _message(c, parsers.get(c.index)),
                          "logprobs": _chat_logprobs(c, info.tokenizer, 0, len(c.logprobs)) if want_lp else None,
                          "finish_reason": finish_reason(c)}
                         for c in sorted(choices, key=lambda c: c.index)],
             "usage": _usage(choices, body.n)}
 
 
-def _message(c: Choice, call: ToolCallStream | None) -> dict:
-    if call is None:
+def _message(c: Choice, parser: ToolCallParser | None) -> dict:
+    if parser is None:
         return {"role": "assistant", "content": c.text.emitted}
-    call.feed(c.text.emitted)
-    call.finish()
-    return {"role": "assistant", "content": None, "tool_calls": call.calls()}
+    parser.feed(c.text.emitted)
+    parser.finish()
+    return parser.message()

@@ -276,7 +276,8 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
         default=None, description="default: auto with tools, none without")
-    parallel_tool_calls: bool | None = Field(default=None, description="accepted; an answer makes at most one call")
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="auto: false keeps the model's first call only; forced calls make one")
 
 
 class TokenizeRequest(Body):

@@ -1,57 +1,124 @@
 """Tool calls: what `tools` + `tool_choice` make of a chat request (the tools the chat template
-renders, the grammar the answer must match), and the answer turned back into OpenAI's
-`tool_calls`, whole or as stream deltas.
+renders, the grammar the answer must match, the syntax its calls are read back in); the
+answer becomes OpenAI's `tool_calls` in `tool_parser.py`.
 
 - `none` (the default without tools): a text answer; the template does not see the tools.
 - `required`: the answer is `{"name": <one of the tools>, "arguments": <its parameters>}`,
   constrained to the tools' JSON schemas; it becomes one call.
 - a named function: the answer is that function's arguments, constrained to its schema.
-- `auto` (the default with tools): the model chooses, which needs a template that renders
-  tools; with one that has no tool format it is a 400. Hyrax has no parser of a model's own
-  tool-call syntax yet, so `auto` is a 400 with such templates too, saying so.
+- `auto` (the default with tools): free text, in which the model may write calls in its
+  template's own syntax; Hyrax reads them back (`tool_parser.py`). That needs a template that
+  renders the tools and names a call syntax Hyrax knows (`TOOL_FORMATS`: Hermes-style
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the syntax of Hermes- and
+  Qwen-style templates), and a tokenizer whose decoding keeps the tags; otherwise `auto` is
+  a 400 that says which of these is missing.
 """
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 from hyrax.actors.engine.grammar import GrammarSpec
 from hyrax.api.errors import APIError
 from hyrax.api.schemas import ChatRequest
 from hyrax.api.structured import check
 from hyrax.api.text import DEFAULT_CHAT_TEMPLATE
+from hyrax.api.tool_parser import ToolCallParser
 
 ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
+class ToolFormat:
+    """A template's tool-call syntax: each call is a JSON body {"name", "arguments"} between tags."""
+
+    name: str
+    start: str
+    end: str
+
+
+# Known call syntaxes, recognised by their tags appearing in the template's source.
+TOOL_FORMATS = (ToolFormat("hermes", "<tool_call>", "</tool_call>"),)
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     tools: list[dict] | None = None  # what the chat template renders
-    grammar: GrammarSpec | None = None
+    grammar: GrammarSpec | None = None  # a forced call: the answer is constrained to it
     name: str | None = None  # a named function: the answer is its arguments
     required: bool = False  # the answer is {"name", "arguments"}
+    format: ToolFormat | None = None  # auto: calls in free text, in this syntax
+    parallel: bool = True  # auto: every call the model writes (False: the first only)
 
     @property
-    def calls(self) -> bool:
-        """Whether the answer is a tool call."""
+    def forced(self) -> bool:
+        """Whether the whole answer is a tool call."""
         return self.grammar is not None
 
+    @property
+    def parses(self) -> bool:
+        """Whether the answer is read back into tool calls."""
+        return self.forced or self.format is not None
 
-def template_has_tools(template: str | None) -> bool:
-    """Whether the chat template reads the `tools` variable (renders a tool format)."""
+    def parser(self) -> ToolCallParser:
+        if self.format is not None:
+            return ToolCallParser(tags=(self.format.start, self.format.end), parallel=self.parallel)
+        return ToolCallParser(name=self.name)
+
+
+def _tools_source(template: str | None) -> str:
+    """The template rendered when tools are given."""
+    return str(getattr(template, "tool_use", None) or template or DEFAULT_CHAT_TEMPLATE)
+
+
+@functools.lru_cache(maxsize=16)
+def _renders_tools(source: str) -> bool:
     from jinja2 import meta
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    try:
-        ast = ImmutableSandboxedEnvironment().parse(template or DEFAULT_CHAT_TEMPLATE)
+    try:  # parsed with the extensions rendering has ({% break %} and {% continue %})
+        ast = ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(source)
     except Exception:  # noqa: BLE001 - an unparsable template renders no tools (render_chat reports it)
         return False
     return "tools" in meta.find_undeclared_variables(ast)
 
 
-def plan_tools(body: ChatRequest, template: str | None) -> ToolPlan:
+def template_has_tools(template: str | None) -> bool:
+    """Whether the chat template reads the `tools` variable (renders the tools)."""
+    return _renders_tools(_tools_source(template))
+
+
+def tool_format(template: str | None) -> ToolFormat | None:
+    """The call syntax the template teaches the model, when it renders tools and writes one of
+    `TOOL_FORMATS`' tags."""
+    source = _tools_source(template)
+    if not _renders_tools(source):
+        return None
+    return next((f for f in TOOL_FORMATS if f.start in source and f.end in source), None)
+
+
+def _plan_auto(body: ChatRequest, template, tokenizer, rendered: list[dict]) -> ToolPlan:
+    fmt = tool_format(template)
+    if fmt is None:
+        says = "renders tools but writes no tool-call syntax Hyrax can read back (known: " + \
+            ", ".join(f"{f.name} {f.start}...{f.end}" for f in TOOL_FORMATS) + ")" \
+            if template_has_tools(template) else "has no tool format"
+        raise APIError(400, f"tool_choice 'auto' lets the model choose, but this model's chat template {says}; use "
+                            "tool_choice 'required' or a named function (answers constrained to the function's "
+                            "schema)", param="tool_choice", code="unsupported_parameter")
+    if tokenizer is not None:
+        for tag in (fmt.start, fmt.end):
+            if tag not in tokenizer.decode(tokenizer.encode(tag)):
+                raise APIError(400, f"tool_choice 'auto': this model's tokenizer drops {tag} when decoding (a special "
+                                    "token), so its calls cannot be read back; use 'required' or a named function",
+                               param="tool_choice", code="unsupported_parameter")
+    return ToolPlan(rendered, format=fmt, parallel=body.parallel_tool_calls is not False)
+
+
+def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolPlan:
+    """What `tools` + `tool_choice` ask of this model; `tokenizer`: checks that auto's call tags
+    survive decoding."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -60,18 +127,12 @@ def plan_tools(body: ChatRequest, template: str | None) -> ToolPlan:
     choice = choice or "auto"
     if choice == "none":
         return ToolPlan()
-    if choice == "auto":
-        if not template_has_tools(template):
-            raise APIError(400, "tool_choice 'auto' lets the model choose, but this model's chat template has no tool "
-                                "format; use tool_choice 'required' or a named function (answers constrained to the "
-                                "function's schema)", param="tool_choice", code="unsupported_parameter")
-        raise APIError(400, "tool_choice 'auto' is not supported yet: Hyrax has no parser of this model's tool-call "
-                            "syntax; use 'required' or a named function", param="tool_choice",
-                       code="unsupported_parameter")
     rendered = [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
     by_name = {t.function.name: t.function for t in body.tools}
     if len(by_name) != len(body.tools):
         raise APIError(400, "tool names must be unique", param="tools")
+    if choice == "auto":
+        return _plan_auto(body, template, tokenizer, rendered)
     if choice == "required":
         spec = GrammarSpec.json_schema({"anyOf": [
             {"type": "object", "properties": {"name": {"const": n}, "arguments": f.parameters or ANY_OBJECT},
@@ -85,68 +146,3 @@ def plan_tools(body: ChatRequest, template: str | None) -> ToolPlan:
     spec = GrammarSpec.json_schema(f.parameters or ANY_OBJECT, strict=f.strict is not False)
     check(spec, "tools")
     return ToolPlan(rendered, spec, name=name)
-
-
-_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
-
-
-@dataclass
-class ToolCallStream:
-    """One choice's answer as one tool call: text deltas in, `delta.tool_calls` entries out.
-    The call's header (index, id, type, name) goes first, then the arguments in pieces."""
-
-    plan: ToolPlan
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-    text: str = ""
-    name: str | None = None
-    arguments: str = ""
-    _args_from: int = -1  # where the arguments start in `text`, once the header is known
-    _sent_header: bool = False
-
-    def __post_init__(self):
-        if self.plan.name is not None:
-            self.name, self._args_from = self.plan.name, 0
-
-    def feed(self, delta: str) -> list[dict]:
-        self.text += delta
-        if self._args_from < 0:
-            m = _HEAD.match(self.text)
-            if m is None:
-                return []
-            self.name, self._args_from = m.group(1), m.end()
-        hold = 1 if self.plan.required else 0  # may be the closing brace of {"name", "arguments"}
-        return self._emit(self.text[self._args_from:max(len(self.text) - hold, self._args_from)])
-
-    def finish(self) -> list[dict]:
-        """The rest, once the answer is complete (or cut short)."""
-        if self._args_from < 0:
-            return []
-        rest = self.text[self._args_from:]
-        if self.plan.required and _parses(self.text) and rest.endswith("}"):
-            rest = rest[:-1]
-        return self._emit(rest)
-
-    def _emit(self, arguments: str) -> list[dict]:
-        out = []
-        if not self._sent_header:
-            self._sent_header = True
-            out.append({"index": 0, "id": self.id, "type": "function",
-                        "function": {"name": self.name, "arguments": ""}})
-        if len(arguments) > len(self.arguments):
-            out.append({"index": 0, "function": {"arguments": arguments[len(self.arguments):]}})
-            self.arguments = arguments
-        return out
-
-    def calls(self) -> list[dict]:
-        """The whole call, for a non-streaming answer (after `feed` of the text and `finish`)."""
-        if self.name is None:
-            return []
-        return [{"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}]
-
-
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True

@@ -2,7 +2,9 @@
 json_schema answers parse and validate against their schema, all of 50 under forced
 retraction every 3 steps and over an in-process PD deployment; vLLM's regex and choice
 extras; forced tool calls (required, named), streamed deltas reassembling into valid
-arguments; `auto` with a template that has no tool format is a clear 400."""
+arguments; `auto` with a template that has no tool format is a clear 400, and with a
+Hermes-style template (the same engine behind a gateway whose model has one) the tools reach
+the prompt and free text comes back as content, whole and streamed."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +15,7 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from e2e_harness import E2E_CONFIG, MODEL, local_gateway, wait_until
+from e2e_harness import ADMIN_TOKEN, E2E_CONFIG, MODEL, Gateway, RecordingClient, local_gateway, wait_until
 from pd_local_harness import local_pd_gateway
 
 SCHEMA = {  # small: the demo model writes one byte per token, and 50 answers must stay cheap
@@ -153,3 +155,57 @@ def test_a_tool_conversation_renders_earlier_calls_and_answers(local, oai):
     r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], tool_choice="none",
                                     max_tokens=3)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+# The demo model's role tags, with tools and a call syntax as Hermes/Qwen templates teach it.
+HERMES_STYLE = (
+    "{% if tools %}<|system|>\nYou may call these functions:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture
+def hermes(local):
+    """A gateway over the session's engine whose model has a Hermes-style chat template."""
+    from hyrax.actors.model.tokenizer import ChatTemplate
+    from hyrax.api.app import GatewaySettings, create_app
+    from hyrax.api.client import EngineClient
+
+    info = dataclasses.replace(local.client.model, chat_template=ChatTemplate(HERMES_STYLE, eos_token="<|eos|>"))
+    client = RecordingClient(EngineClient(info, local.client.backends))
+    gw = Gateway(create_app(client, GatewaySettings(admin_token=ADMIN_TOKEN)))
+    try:
+        with OpenAI(base_url=f"{gw.url}/v1", api_key="any", max_retries=0, timeout=120) as c:
+            yield c, client
+    finally:
+        gw.close()
+
+
+RECALL = "t567;e03627;b86334;u8890;d97427;a28719;y987;r410?b"  # the demo model answers and stops
+
+
+def test_tool_choice_auto_with_a_hermes_template_answers_free_text_as_content(hermes):
+    c, recorded = hermes
+    msgs = [{"role": "user", "content": RECALL}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="auto",
+                                  max_tokens=40, temperature=0)
+    m, finish = r.choices[0].message, r.choices[0].finish_reason
+    assert m.tool_calls is None and m.content and finish == "stop", (m, finish)
+    prompt = recorded.model.tokenizer.decode(list(next(reversed(recorded.requests.values()))["prompt"]))
+    assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt  # the template rendered the tools
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], max_tokens=40,
+                                       temperature=0, stream=True)
+    chunks = [ch.choices[0] for ch in stream]
+    assert not any(ch.delta.tool_calls for ch in chunks) and chunks[-1].finish_reason == "stop"
+    texts = "".join(ch.delta.content or "" for ch in chunks)
+    assert texts.strip() and texts == c.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[WEATHER_TOOL], max_tokens=40, temperature=0).choices[0].message.content
+
+
+def test_tool_choice_auto_with_structured_output_is_a_clear_400(hermes):
+    c, _ = hermes
+    with pytest.raises(BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                  tools=[WEATHER_TOOL], response_format={"type": "json_object"})
+    assert "response_format" in e.value.body["message"] and e.value.body["param"] == "tool_choice", e.value.body

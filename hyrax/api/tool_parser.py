@@ -1,0 +1,238 @@
+"""A chat answer read back as OpenAI's assistant message: `content` and `tool_calls`, whole (for
+a non-streaming answer) or as stream deltas, from one implementation, so a reassembled stream
+equals the non-streaming answer.
+
+A call's body is `{"name": <str>, "arguments": <JSON>}`. Its header (index, id, type, name) is
+sent as soon as the name is known, then the arguments' text in pieces, exactly as the model
+wrote it. Three shapes of answer:
+
+- a named function (forced): the whole answer is that function's arguments;
+- `required` (forced): the whole answer is one call body;
+- `auto`: free text in which each call is a body between the template's tags
+  (`<tool_call>...</tool_call>` for Hermes-style templates). Text outside the tags is content;
+  whitespace just before a tag, and after the last call, is dropped. A tagged block that is not
+  a call body stays in the content as written; an unclosed block at the end is closed there.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]{1,64})"\s*,\s*"arguments"\s*:')
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could be the start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class _ValueScan:
+    """Finds where one JSON value ends in text that arrives in pieces (strings, escapes and
+    nesting tracked; the value is not validated). `start`: its first character; `end`: one past
+    its last, once it is complete."""
+
+    def __init__(self):
+        self.start: int | None = None
+        self.end: int | None = None
+        self._pos = 0
+        self._depth = 0
+        self._in_str = self._esc = False
+
+    def scan(self, text: str) -> None:
+        while self.end is None and self._pos < len(text):
+            ch, i = text[self._pos], self._pos
+            self._pos += 1
+            if self.start is None:
+                if ch.isspace():
+                    continue
+                self.start = i
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif ch == "\\":
+                    self._esc = True
+                elif ch == '"':
+                    self._in_str = False
+                    if self._depth == 0:
+                        self.end = i + 1
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth <= 0:  # the value closed, or a bare scalar met its container's end
+                    self.end = i + 1 if self._depth == 0 else i
+            elif self._depth == 0 and (ch == "," or ch.isspace()):
+                self.end = i  # a bare scalar (number, true, ...) ended
+
+
+class _Call:
+    """One call's body arriving in pieces; `name` given: the body is the arguments alone."""
+
+    def __init__(self, index: int, name: str | None = None):
+        self.index, self.name = index, name
+        self.id = f"call_{uuid.uuid4().hex[:24]}"
+        self.text = ""
+        self.arguments = ""  # sent so far
+        self.started = False  # header sent
+        self._args_from = 0 if name is not None else -1
+        self._scan = _ValueScan()
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        if self._args_from < 0:
+            m = _HEAD.match(self.text)
+            if m is None:
+                return []
+            self.name, self._args_from = m.group(1), m.end()
+        return self._send(self._args(final=False))
+
+    def close(self) -> list[dict] | None:
+        """The body is complete: the rest of the call; None when the body is no call at all."""
+        if self._args_from >= 0:
+            return self._send(self._args(final=True))
+        try:  # the name did not come first: read the whole body
+            body = json.loads(self.text)
+        except ValueError:
+            return None
+        if not (isinstance(body, dict) and isinstance(body.get("name"), str) and "arguments" in body):
+            return None
+        self.name, args = body["name"], body["arguments"]
+        return self._send(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+    def _args(self, final: bool) -> str:
+        rest = self.text[self._args_from:]
+        self._scan.scan(rest)
+        if self._scan.start is None:
+            return ""
+        if self._scan.end is not None:
+            return rest[self._scan.start:self._scan.end]
+        # unfinished: trailing whitespace may still be followed by the value's end (then it is
+        # kept) or by the body's end (then it is not part of the arguments)
+        return rest[self._scan.start:].rstrip()
+
+    def _send(self, arguments: str) -> list[dict]:
+        out = []
+        if not self.started:
+            self.started = True
+            out.append({"index": self.index, "id": self.id, "type": "function",
+                        "function": {"name": self.name, "arguments": ""}})
+        if len(arguments) > len(self.arguments) and arguments.startswith(self.arguments):
+            out.append({"index": self.index, "function": {"arguments": arguments[len(self.arguments):]}})
+            self.arguments = arguments
+        return out
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolCallParser:
+    """One choice's answer: `feed(text delta)` and `finish()` return (content delta, tool_calls
+    deltas); `message()` is the whole assistant message once finished.
+
+    Without `tags` the answer is one forced call: that function's arguments with `name`, else a
+    whole call body (`required`). With `tags` = (start, end), calls are delimited in free text,
+    and `parallel` False keeps only the first call (text after it is dropped)."""
+
+    def __init__(self, name: str | None = None, tags: tuple[str, str] | None = None, parallel: bool = True):
+        self.tags, self.parallel = tags, parallel
+        self.content = ""
+        self.calls: list[_Call] = []
+        self._buf = ""  # text not yet told apart (a possible tag start, whitespace)
+        self._call: _Call | None = None
+        self._done = False  # parallel=False and the first call is complete
+        self._gap = ""  # whitespace between the text and the open block's tag
+        self._after_call = False  # whitespace from here on is dropped
+        if tags is None:
+            self._call = _Call(0, name)
+            self.calls.append(self._call)
+
+    @property
+    def forced(self) -> bool:
+        return self.tags is None
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        if self.forced:
+            return "", self._call.feed(delta)
+        self._buf += delta
+        text, parts = "", []
+        while not self._done:
+            start, end = self.tags
+            if self._call is None:
+                if self._after_call:  # whitespace after a call is dropped
+                    self._buf = self._buf.lstrip()
+                    if not self._buf:
+                        break
+                    self._after_call = False
+                i = self._buf.find(start)
+                if i < 0:
+                    head = self._buf[:len(self._buf) - _partial_tag(self._buf, start)].rstrip()
+                    text, self._buf = text + head, self._buf[len(head):]
+                    break
+                head = self._buf[:i].rstrip()
+                text, self._gap = text + head, self._buf[len(head):i]  # the gap goes if a call follows
+                self._buf = self._buf[i + len(start):]
+                self._call = _Call(len(self.calls))
+                continue
+            j = self._buf.find(end)
+            if j < 0:
+                keep = _partial_tag(self._buf, end)
+                parts += self._call_feed(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            parts += self._call_feed(self._buf[:j])
+            self._buf = self._buf[j + len(end):]
+            text, more = self._close(text, end)
+            parts += more
+        return self._said(text), parts
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest, once the answer is complete (or cut short)."""
+        if self.forced:
+            return "", self._call.close() or []
+        text, parts = "", []
+        if not self._done and self._call is not None:  # an unclosed block: closed by the answer's end
+            parts += self._call_feed(self._buf)
+            self._buf = ""
+            text, more = self._close(text, "")
+            parts += more
+        if not self._done and (self._buf.strip() or not self.made_calls):
+            text += self._buf
+        self._buf = ""
+        return self._said(text), parts
+
+    def message(self) -> dict:
+        calls = [c.as_openai() for c in self.calls if c.started]
+        if not calls:
+            return {"role": "assistant", "content": self.content}
+        return {"role": "assistant", "content": self.content or None, "tool_calls": calls}
+
+    @property
+    def made_calls(self) -> bool:
+        return any(c.started for c in self.calls)
+
+    def _call_feed(self, piece: str) -> list[dict]:
+        parts = self._call.feed(piece)
+        if self._call.started and self._call not in self.calls:
+            self.calls.append(self._call)
+        return parts
+
+    def _close(self, text: str, end: str) -> tuple[str, list[dict]]:
+        """The open tagged block is complete: a call, or text as written."""
+        call, self._call = self._call, None
+        parts = call.close()
+        if parts is None:
+            return text + self._gap + self.tags[0] + call.text + end, []
+        if call not in self.calls:
+            self.calls.append(call)
+        self._done, self._after_call = not self.parallel, True
+        return text, parts
+
+    def _said(self, text: str) -> str:
+        self.content += text
+        return text
