@@ -13,66 +13,70 @@ A client that goes away aborts the request wherever it is, OFFERED included (`En
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.actors.engine.lifecycle import Outcome, RequestTable
 from hyrax.actors.engine.request import Request, State
-from hyrax.actors.engine.moves import Backup, Location, Place
+from hyrax.actors.engine.moves import Backup, Location, Place, StateMoves
+from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.model.errors import HyraxInputError
-
-if TYPE_CHECKING:
-    from hyrax.actors.engine.engine import Engine
 
 
 class Transfers:
-    def __init__(self, engine: Engine):
-        self.e = engine
+    """Both halves over the engine's parts. What they ask of the engine is three calls:
+    `settle(req_id)` commits the step in flight if it runs that request; `leave(req, reason)`
+    ends a request here without counting it as finished (another replica has it, or nobody
+    will); `load(req)` restores a retracted request's state and moves it in the table."""
+
+    def __init__(self, table: RequestTable, moves: StateMoves, stats: EngineStats, lease_s: float,
+                 settle: Callable[[str], None], leave: Callable[[Request, str], None],
+                 load: Callable[[Request], Outcome]):
+        self.table, self.moves, self.stats, self.lease_s = table, moves, stats, lease_s
+        self.settle, self.leave, self.load = settle, leave, load
 
     # ---- source side -----------------------------------------------------------------
     def offer(self, req_id: str) -> dict | None:
         """Export a running request for another replica and hold its state under a lease.
         None when committing the step in flight ended or retracted it meanwhile."""
-        e = self.e
-        req = e.table.get(req_id)
+        req = self.table.get(req_id)
         if req is None or req.state != State.RUNNING:
             raise HyraxInputError(f"request {req_id!r} is not running here")
-        if req_id in e.in_flight_ids():
-            e.sync()  # the exported state is exactly the committed tokens
-            if req.state != State.RUNNING:  # that step finished it, or a retraction took it
-                return None
+        self.settle(req_id)  # the exported state is exactly the committed tokens
+        if req.state != State.RUNNING:  # that step finished it, or a retraction took it
+            return None
         t0 = time.perf_counter()
-        saved = e.moves.save(req, Location(Place.OBJECT_STORE))
+        saved = self.moves.save(req, Location(Place.OBJECT_STORE))
         payload = list(saved.location.payload)
-        e.table.offer(req, e.config.offer_lease_s)
+        self.table.offer(req, self.lease_s)
         # the exported shards are objects this replica owns: hold their refs until the importer
         # acknowledged, so they cannot be freed while it is still fetching them
         req.export_payload = payload
-        e.stats.transfer_seconds.append(time.perf_counter() - t0)
+        self.stats.transfer_seconds.append(time.perf_counter() - t0)
         return {
             "request": {"id": req.id, "prompt_ids": list(req.prompt_ids), "output_ids": list(req.output_ids),
                         "params": req.params, "seed": req.seed, "retractions": req.retractions,
                         "arrival_wall": time.time() - (time.monotonic() - req.arrival)},
             "manifest": saved.manifest,
             "payload": payload,
-            "lease_s": e.config.offer_lease_s,
+            "lease_s": self.lease_s,
         }
 
     def acknowledged(self, req_id: str) -> bool:
         """The importer has the request: free its state here. Not counted as finished."""
-        req = self.e.table.offered.get(req_id)
+        req = self.table.offered.get(req_id)
         if req is None:
             return False
-        self.e._finish(req, "transferred", counted=False)
-        self.e.stats.transfers_out += 1
+        self.leave(req, "transferred")
+        self.stats.transfers_out += 1
         return True
 
     def reclaim_expired(self, now: float) -> list[str]:
         """Offers whose lease ended without an acknowledgement: the importer (or the gateway
         carrying the offer) is gone. Free their state here."""
         out = []
-        for req in self.e.table.expired_offers(now):
-            self.e._finish(req, "lease_expired", counted=False)
-            self.e.stats.offers_reclaimed += 1
+        for req in self.table.expired_offers(now):
+            self.leave(req, "lease_expired")
+            self.stats.offers_reclaimed += 1
             out.append(req.id)
         return out
 
@@ -82,16 +86,15 @@ class Transfers:
         verify every component on every rank. VERIFIED, a fallback (FALLBACK,
         CHECKSUM_MISMATCH: rebuilt by prefill here), or NO_CAPACITY (queued, imported when
         memory allows)."""
-        e = self.e
         r = handoff["request"]
-        if r["id"] in e.table:
+        if r["id"] in self.table:
             raise HyraxInputError(f"request id {r['id']!r} is already in use")
         req = Request(r["id"], list(r["prompt_ids"]), r["params"], r["seed"], output_ids=list(r["output_ids"]))
         req.retractions = r.get("retractions", 0)
         req.backup = Backup(handoff["manifest"], Location(Place.OBJECT_STORE, payload=tuple(handoff["payload"])))
-        e.table.import_(req)
+        self.table.import_(req)
         t0 = time.perf_counter()
-        result = e._restore(req)
-        e.stats.transfer_seconds.append(time.perf_counter() - t0)
-        e.stats.transfers_in[result.value] += 1
+        result = self.load(req)
+        self.stats.transfer_seconds.append(time.perf_counter() - t0)
+        self.stats.transfers_in[result.value] += 1
         return result

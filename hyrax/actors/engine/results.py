@@ -1,0 +1,116 @@
+"""A step's results applied to its requests, read against the step's own plan.
+
+`Results.apply(plan, result)` walks the plan's entries (never live request fields that a
+later step already advanced), advances each request that is still running, and reports
+what the engine must do next: the new tokens per request, and the requests that stopped.
+`StopRule` decides when a request is done; `StepOutput` is what a step hands to streams.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hyrax.actors.engine.executor import StepResult
+from hyrax.actors.engine.lifecycle import RequestTable
+from hyrax.actors.engine.plan import StepPlan
+from hyrax.actors.engine.request import Request, State
+from hyrax.actors.engine.stats import EngineStats
+from hyrax.actors.engine.statecopy import releasable_pages
+from hyrax.actors.model.state import ComponentSpec, WINDOW
+
+
+@dataclass
+class StepOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    handoff: dict | None = None  # set when the request was offered to another replica
+    logprobs: list[dict] | None = None  # one per new token, when the request asked for them
+
+
+@dataclass
+class Applied:
+    """What one step did: new tokens (and logprobs) per request in plan order, and the
+    requests that stopped with their finish reason."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    stopped: list[tuple[Request, str]] = field(default_factory=list)
+
+
+class StopRule:
+    """When a request is done: a stop token, EOS, a stop string, max_tokens or the context."""
+
+    def __init__(self, eos: set[int], max_model_len: int, decode: Callable[[list[int]], str] | None):
+        self.eos = eos
+        self.max_model_len = max_model_len
+        self.decode = decode  # token ids -> text, for stop strings
+
+    def reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            return "stop"
+        if p.stop and self.decode is not None:
+            text = self.decode(req.output_ids)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                req.text = text[: min(hits)]
+                return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+class Results:
+    """Applies steps' results to the requests of one replica."""
+
+    def __init__(self, table: RequestTable, stats: EngineStats, stop: StopRule,
+                 components: tuple[ComponentSpec, ...], page_size: int,
+                 release: Callable[[str, dict[str, list[int]]], None]):
+        self.table, self.stats, self.stop = table, stats, stop
+        self.windows = tuple(c for c in components if c.kind == WINDOW)
+        self.page_size = page_size
+        self.release = release  # the engine's one free point
+
+    def apply(self, plan: StepPlan, result: StepResult) -> Applied:
+        """Advance every request of `plan` that is still running by what the step computed
+        and sampled."""
+        out = Applied()
+        tokens, lps = iter(result.tokens), result.logprobs
+        row = 0  # index among the sampling entries
+        now = time.monotonic()
+        for e in plan.entries:
+            tok = lp = None
+            if e.sample is not None:
+                tok, lp = next(tokens), lps.get(row)
+                row += 1
+            req = self.table.get(e.req_id)
+            if req is None or req.state != State.RUNNING:
+                continue  # aborted or retracted while the step ran
+            req.num_computed = e.end
+            self._release_window(req)
+            if tok is None:
+                continue
+            req.output_ids.append(tok)
+            self.stats.generation_tokens += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+            out.tokens.setdefault(req.id, []).append(tok)
+            if lp is not None:
+                out.logprobs.setdefault(req.id, []).append(lp)
+            reason = self.stop.reason(req, tok)
+            if reason:
+                out.stopped.append((req, reason))
+        return out
+
+    def _release_window(self, req: Request) -> None:
+        """Pages of a window component whose positions all left the window go back."""
+        for c in self.windows:
+            table = req.indices[c.name]
+            nums = releasable_pages(c, table, req.num_computed, self.page_size)
+            if nums:
+                self.release(req.id, {c.name: [table[n] for n in nums]})
+                for n in nums:
+                    table[n] = -1
