@@ -123,7 +123,7 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=self.logits_dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = Rope(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, dtype)
+        self.rope = Rope(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, dtype, device)  # runs where the model runs
         self.requires_grad_(False)
 
     @property

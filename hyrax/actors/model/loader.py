@@ -17,6 +17,7 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.families import weight_namer
 from hyrax.actors.model.hybrid import HybridModel
+from hyrax.actors.model.no_init import weights_left_uninitialised
 from hyrax.actors.model.norm import AllReduce, identity_allreduce
 from hyrax.actors.model.safetensors_io import SafetensorsFile
 from hyrax.actors.model.sharding import TP, check_tp
@@ -41,8 +42,9 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
-    model = HybridModel(cfg, tp, dtype, allreduce, device, attn_backend)
-    with torch.device("meta"):  # the unsharded shapes, to check the checkpoint against
+    with weights_left_uninitialised():  # every weight is read from the checkpoint below
+        model = HybridModel(cfg, tp, dtype, allreduce, device, attn_backend)
+    with torch.device("meta"), weights_left_uninitialised():  # the unsharded shapes, to check against
         full_shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, TP(), dtype, attn_backend="sdpa").named_parameters()}
     rules = model.shard_rules()
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype) * (1.0 - offset), requires_grad=False)
+        self.weight = nn.Parameter(torch.full((hidden,), 1.0 - offset, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.offset = offset
 
