@@ -1,8 +1,13 @@
 """The real `hyrax serve` command in a subprocess (its own local Ray cluster): it serves
-completions and the admin API on 127.0.0.1, and stops cleanly on SIGTERM.
+completions and the admin API, keeps everything on 127.0.0.1 — the gateway, Ray's own
+daemons and workers, and the TP ranks' collective group — even when the environment does not
+set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (Ray reads it once, when it is first imported), sizes
+its local cluster to the deployment (one logical CPU per TP rank, with a note when that
+exceeds the machine's cores), and stops cleanly on SIGTERM.
 
-One server run is shared by the tests below; the fixture records what happened at each
-stage and the tests judge it, so one failure does not hide the others.
+One server run (prefill TP=2 + decode TP=1: three ranks and one collective group) is shared by
+the tests below; the fixture records what happened at each stage and the tests judge it, so
+one failure does not hide the others.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import httpx
 import pytest
 
 from e2e_harness import MODEL, free_port, port_is_free, sse_data, wait_until
+from listen_harness import listening, session_pids
 from serve_harness import wait_serving
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,21 +46,25 @@ def served(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("cli") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
+    # a cluster of its own, without the variable that keeps Ray on 127.0.0.1
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["HYRAX_ADMIN_TOKEN"] = TOKEN
     out: dict = {"url": url, "port": port}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(port), "--num-cpus", "4"], env=env,
+        proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(port), "--prefill-tp", "2"], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out["pgid"] = proc.pid
     try:
-        wait_serving(proc, url, log_path, 120)
+        wait_serving(proc, url, log_path, 180)
         out["banner"] = log_path.read_text()
 
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": "Hello from the CLI test", "max_tokens": 8, "temperature": 0,
             "ignore_eos": True})
-        out["completion"] = (r.status_code, r.json())
+        out["completion"] = (r.status_code, r.json())  # through the TP=2 prefill's group
+        out["listening"] = listening(session_pids(proc.pid))
+        out["commands"] = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+                           for pid, _, _ in out["listening"]}
 
         # a long stream, retracted by the admin API while it runs
         stream: dict = {}
@@ -131,3 +141,17 @@ def test_cli_serves_completions_and_admin_then_stops_on_sigterm(served):
 
 def test_cli_exits_with_code_0_on_sigterm(served):
     assert served["returncode"] == 0
+
+
+def test_local_serve_listens_on_loopback_only_ray_and_collective_group_included(served):
+    socks = served["listening"]
+    rank_socks = [s for s in socks if "RankWorker" in served["commands"][s[0]]]
+    assert len({pid for pid, _, _ in rank_socks}) == 3, socks  # every rank was seen
+    wrong = [(s, served["commands"][s[0]]) for s in socks if s[1] != "127.0.0.1"]
+    assert not wrong, f"listening beyond 127.0.0.1: {wrong}"
+
+
+def test_local_cluster_gets_one_logical_cpu_per_rank(served):
+    cores = len(os.sched_getaffinity(0))
+    note = "note: the local Ray cluster gets 3 logical CPUs (one per TP rank)"
+    assert (note in served["banner"]) == (cores < 3), served["banner"][-2000:]
