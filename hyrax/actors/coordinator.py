@@ -11,6 +11,7 @@ its tokens; if ranks cannot be restarted, the requests end with finish_reason "e
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import ray
@@ -18,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.gateway_leases import GatewayLeases
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.loop import EngineLoop
@@ -34,8 +36,10 @@ from hyrax.actors.ray_executor import RayExecutor
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)  # one coroutine per open stream
 class RoleCoordinator:
     def __init__(self, role: str, replica: int, model_dir: str, tp_size: int, config: EngineConfig,
-                 placement_group=None, rank_timeout_s: float = 60.0, max_rank_restarts: int = 3):
+                 placement_group=None, rank_timeout_s: float = 60.0, max_rank_restarts: int = 3,
+                 namespace: str = "hyrax"):
         self.role, self.replica = role, replica
+        self.namespace = namespace  # the deployment's Ray namespace: its ranks are named there
         self.model_dir, self.tp_size, self.config = model_dir, tp_size, config
         self.pg = placement_group
         self.rank_timeout_s = rank_timeout_s
@@ -57,6 +61,8 @@ class RoleCoordinator:
                              self.cfg.eos_token_id, self.tokenizer.decode)
         self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover,
                                source=ray.get_runtime_context().current_actor, ack=_ack_remote)
+        self.gateways = GatewayLeases()
+        threading.Thread(target=self._expire_gateways, name="hyrax-gateway-leases", daemon=True).start()
 
     # ---- ranks -------------------------------------------------------------------------
     def _rank_name(self, k: int) -> str:
@@ -67,7 +73,7 @@ class RoleCoordinator:
             ray.kill(r, no_restart=True)
         ranks = []
         for k in range(self.tp_size):
-            opts = {"name": self._rank_name(k), "namespace": "hyrax", "lifetime": None}
+            opts = {"name": self._rank_name(k), "namespace": self.namespace, "lifetime": None}
             if self.pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k)
             if _cuda_cluster():
@@ -100,15 +106,36 @@ class RoleCoordinator:
         self.last_error = f"replica down after {self.restarts} restarts; failed {len(ids)} requests"
 
     # ---- client API: delegated to the engine loop --------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
-        """Streaming generator: yields {"token_ids", "finished", "finish_reason"} per step."""
-        async for item in self.loop.generate(request_id, prompt_ids, params):
-            yield item
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, gateway: str | None = None):
+        """Streaming generator: yields {"token_ids", "finished", "finish_reason"} per step.
+        `gateway`: the id of the gateway streaming it, whose lease keeps the stream alive."""
+        self.gateways.open(gateway, request_id)
+        try:
+            async for item in self.loop.generate(request_id, prompt_ids, params):
+                yield item
+        finally:
+            self.gateways.close(gateway, request_id)
 
-    async def generate_imported(self, handoff: dict):
+    async def generate_imported(self, handoff: dict, gateway: str | None = None):
         """Streaming generator for a request handed over by another replica (PD or migration)."""
-        async for item in self.loop.generate_imported(handoff):
-            yield item
+        rid = handoff["request"]["id"]
+        self.gateways.open(gateway, rid)
+        try:
+            async for item in self.loop.generate_imported(handoff):
+                yield item
+        finally:
+            self.gateways.close(gateway, rid)
+
+    def renew_gateway(self, gateway: str, lease_s: float) -> None:
+        """A gateway is alive: keep its streams for another `lease_s` seconds."""
+        self.gateways.renew(gateway, lease_s)
+
+    def _expire_gateways(self) -> None:
+        """Abort the streams of gateways that stopped renewing (their process is gone)."""
+        while not self.loop.stopping:
+            for rid in self.gateways.expired():
+                self.loop.abort(rid)
+            time.sleep(0.25)
 
     def migrate_out(self, request_id: str) -> bool:
         return self.loop.migrate_out(request_id)
@@ -151,6 +178,7 @@ class RoleCoordinator:
         return {"role": self.role, "replica": self.replica, "healthy": self.healthy,
                 "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
+                "gateway_leases": self.gateways.summary(),
                 "device": self.device, "attention_backend": self.attention_backend}
 
     def stats(self) -> dict:

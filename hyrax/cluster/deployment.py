@@ -52,12 +52,13 @@ def startup_error(e: Exception) -> Exception:
 
 class Deployment:
     def __init__(self, model_dir: str, roles: list[RoleSpec], config: EngineConfig,
-                 rank_timeout_s: float = 60.0):
+                 rank_timeout_s: float = 60.0, namespace: str = "hyrax"):
         cfg = ModelConfig.from_dir(model_dir)
         for r in roles:
             check_tp(cfg, r.tp)
         self.model_dir, self.roles, self.config = model_dir, roles, config
         self.rank_timeout_s = rank_timeout_s
+        self.namespace = namespace  # Ray namespace of its actor names (one per deployment name)
         self.replicas: list[Replica] = []
 
     def placement_groups(self, gpu: bool) -> list[tuple[RoleSpec, int, list[dict[str, float]]]]:
@@ -89,8 +90,8 @@ class Deployment:
                 raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
                                      f"(the cluster's free resources were taken meanwhile)") from None
             role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
-            coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace="hyrax").remote(
-                spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s)
+            coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace=self.namespace).remote(
+                spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s, namespace=self.namespace)
             self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
         try:
             ray.get([r.coordinator.health.remote() for r in self.replicas], timeout=timeout_s)

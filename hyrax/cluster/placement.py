@@ -18,6 +18,14 @@ class RoleSpec:
             raise HyraxInputError(f"role {self.name}: replicas and tp must be >= 1")
 
 
+def namespace(name: str) -> str:
+    """A deployment's Ray namespace: its name. The default deployment keeps Hyrax's usual
+    actor names (`hyrax/<role>/<i>/coordinator` in namespace `hyrax`)."""
+    if not name or any(c in name for c in " /\t\n"):
+        raise HyraxInputError(f"--deployment {name!r}: a name without spaces or slashes")
+    return name
+
+
 def rank_bundle(gpu: bool) -> dict[str, float]:
     """What one TP rank reserves: one placement-group bundle (its replica's group packs tp of them)."""
     return {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}

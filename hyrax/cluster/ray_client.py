@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import uuid
 from typing import AsyncIterator
 
 from hyrax.actors.model.config import ModelConfig
@@ -9,10 +11,40 @@ from hyrax.actors.model.tokenizer import chat_template, load_tokenizer
 from hyrax.api.client import EngineClient, ModelInfo
 
 
+class GatewayLease:
+    """This gateway's lease on every replica it streams from: renewed every third of `lease_s`
+    from a thread of its own (a busy event loop does not let it lapse). When this process dies
+    the renewals stop, and each replica aborts the streams this gateway held once the lease runs
+    out (hyrax/actors/engine/gateway_leases.py): nothing waits on a consumer that is gone."""
+
+    def __init__(self, handles: list, lease_s: float = 10.0):
+        self.id = f"gw-{uuid.uuid4().hex[:12]}"
+        self.handles, self.lease_s = list(handles), lease_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hyrax-gateway-lease", daemon=True)
+
+    def start(self) -> "GatewayLease":
+        self.renew()
+        self._thread.start()
+        return self
+
+    def renew(self) -> None:
+        for h in self.handles:  # fire and forget: a replica that is down is the health check's business
+            h.renew_gateway.remote(self.id, self.lease_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            self.renew()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class RayBackend:
-    def __init__(self, handle, role: str, index: int, timeout_s: float = 60.0):
+    def __init__(self, handle, role: str, index: int, timeout_s: float = 60.0, gateway: str | None = None):
         self.handle, self.role, self.index = handle, role, index
         self.timeout_s = timeout_s
+        self.gateway = gateway  # this gateway's lease id, sent with every stream it opens
 
     async def call(self, name: str, *args, **kwargs):
         return await asyncio.wait_for(getattr(self.handle, name).remote(*args, **kwargs), self.timeout_s)
@@ -20,7 +52,7 @@ class RayBackend:
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         finished = False
         try:
-            async for ref in self.handle.generate.remote(request_id, prompt_ids, params):
+            async for ref in self.handle.generate.remote(request_id, prompt_ids, params, gateway=self.gateway):
                 item = await ref
                 finished = bool(item.get("finished")) or "handoff" in item
                 yield item
@@ -32,7 +64,7 @@ class RayBackend:
         rid = handoff["request"]["id"]
         finished = False
         try:
-            async for ref in self.handle.generate_imported.remote(handoff):
+            async for ref in self.handle.generate_imported.remote(handoff, gateway=self.gateway):
                 item = await ref
                 finished = bool(item.get("finished")) or "handoff" in item
                 yield item
@@ -54,6 +86,9 @@ def model_info(model_dir: str, name: str) -> ModelInfo:
                      vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_id)
 
 
-def client_for(deployment, model_name: str, max_inflight: int = 1024) -> EngineClient:
-    backends = [RayBackend(r.coordinator, r.role, r.index) for r in deployment.replicas]
+def client_for(deployment, model_name: str, max_inflight: int = 1024, lease: GatewayLease | None = None) -> EngineClient:
+    """An engine client over `deployment`'s replicas (anything with `.replicas` and `.model_dir`);
+    with `lease`, every stream it opens is held by that gateway lease."""
+    gateway = lease.id if lease is not None else None
+    backends = [RayBackend(r.coordinator, r.role, r.index, gateway=gateway) for r in deployment.replicas]
     return EngineClient(model_info(deployment.model_dir, model_name), backends, max_inflight=max_inflight)

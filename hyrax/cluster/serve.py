@@ -19,7 +19,7 @@ from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
-from hyrax.cluster.placement import RoleSpec, cpus_needed
+from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
 from hyrax.cluster.ray_cluster import local_num_cpus
 from hyrax.env import admin_token as env_admin_token
 
@@ -35,6 +35,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one on 127.0.0.1)")
+    p.add_argument("--deployment", default="hyrax",
+                   help="name of the deployment on the Ray cluster; without --attach, one of that name must not exist yet")
+    p.add_argument("--attach", action="store_true",
+                   help="serve the existing deployment of that name (deploying it with this command's shape if the "
+                        "cluster has none yet) and leave it running on exit; needs --address")
     p.add_argument("--num-cpus", type=int, default=None,
                    help="logical CPUs of a local Ray cluster (default: one per TP rank of the deployment)")
     p.add_argument("--placement-wait", type=float, default=0.0,
@@ -59,6 +64,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     gw.add_argument("--max-body-mb", type=float, default=4.0)
     gw.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain streams on shutdown")
     gw.add_argument("--rank-timeout", type=float, default=60.0, help="seconds before a silent rank counts as failed")
+    gw.add_argument("--gateway-lease", type=float, default=10.0,
+                    help="seconds a replica keeps this gateway's streams after its last sign of life; a gateway "
+                         "that dies has its requests aborted and freed on every replica once it runs out")
     add_engine_args(p)
     p.set_defaults(func=run)
     return p
@@ -186,6 +194,11 @@ def validate(a) -> tuple:
         raise HyraxInputError("--max-inflight must be >= 1")
     if a.placement_wait < 0:
         raise HyraxInputError("--placement-wait must be >= 0")
+    if a.attach and not a.address:
+        raise HyraxInputError("--attach serves a deployment on an existing Ray cluster: pass --address too")
+    if a.gateway_lease <= 0:
+        raise HyraxInputError("--gateway-lease must be > 0")
+    namespace(a.deployment)  # a usable name
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
     if not a.address:
@@ -214,8 +227,8 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
     import uvicorn
 
     from hyrax.api.app import GatewaySettings, create_app
-    from hyrax.cluster.deployment import Deployment
-    from hyrax.cluster.ray_client import client_for
+    from hyrax.cluster import controller
+    from hyrax.cluster.ray_client import GatewayLease, client_for
 
     num_cpus = None
     if not a.address:
@@ -226,11 +239,17 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
     started_ray = init_ray(a.address, num_cpus)
     import ray
 
-    dep = Deployment(str(path), roles, config, rank_timeout_s=a.rank_timeout)
+    owner = not a.attach  # a server that deployed its replicas tears them down on exit; an attached one never
+    ctl, lease = None, None
     try:
-        print(f"hyrax: deploying {', '.join(f'{r.name} x{r.replicas} (tp={r.tp})' for r in roles)} ...", file=sys.stderr)
-        dep.start(wait_for_room_s=a.placement_wait)
-        client = client_for(dep, name, a.max_inflight)
+        ctl = controller.create(a.deployment, str(path), name, roles, config, a.rank_timeout, attach=a.attach)
+        shape = ', '.join(f'{r.name} x{r.replicas} (tp={r.tp})' for r in roles)
+        print(f"hyrax: {'attaching to' if a.attach else 'deploying'} {a.deployment!r}"
+              f"{'' if a.attach else ': ' + shape} ...", file=sys.stderr)
+        dep = controller.ensure(ctl, wait_for_room_s=a.placement_wait)
+        name = dep.served_name
+        lease = GatewayLease([r.coordinator for r in dep.replicas], a.gateway_lease).start()
+        client = client_for(dep, name, a.max_inflight, lease=lease)
         app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
                                                  max_body_bytes=int(a.max_body_mb * 2**20)))
         base = f"http://{a.host}:{a.port}"
@@ -250,9 +269,11 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         if not server.started:
             raise StartupFailure("the gateway failed to start (see the log above)")
     finally:
-        if dep.replicas:
+        if lease is not None:
+            lease.stop()
+        if ctl is not None and owner:
             print("hyrax: stopping replicas ...", file=sys.stderr)
-        dep.shutdown()
+            controller.tear_down(ctl)
         if started_ray:
             ray.shutdown()
     return 0

@@ -1,12 +1,11 @@
-"""Fixtures for the Kubernetes manifest tests: every kustomization rendered once per session."""
+"""Fixtures for the Kubernetes manifest tests: every kustomization rendered once per session by
+`kubectl kustomize` (the kustomize built into kubectl), exactly what `kubectl apply -k` applies."""
 from __future__ import annotations
 
 import pytest
-from k8s_helpers import KUSTOMIZATIONS
-
-from hyrax.cluster.k8s_render import render
+from k8s_helpers import KUSTOMIZATIONS, kustomize
 
 
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, list[dict]]:
-    return {name: render(path) for name, path in KUSTOMIZATIONS.items()}
+    return {name: kustomize(path) for name, path in KUSTOMIZATIONS.items()}

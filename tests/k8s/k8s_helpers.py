@@ -5,8 +5,11 @@ import json
 import math
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,6 +22,15 @@ KUSTOMIZATIONS = {"base": K8S / "base", "monitoring": K8S / "monitoring",
 OVERLAYS = ("cpu-dev", "gpu")
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
 ROLES = ("prefill", "decode")
+
+
+def kustomize(path) -> list[dict]:
+    exe = shutil.which("kubectl")
+    if exe is None:
+        pytest.skip("kubectl is not installed: the manifests are rendered with `kubectl kustomize`")
+    out = subprocess.run([exe, "kustomize", str(path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, f"kubectl kustomize {path} failed: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def one(resources: list[dict], kind: str, name: str | None = None) -> dict:

@@ -205,10 +205,34 @@ def test_tokens_come_from_secrets(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_one_gateway_replica(rendered, overlay):
+def test_gateways_attach_to_one_named_deployment_and_roll_one_at_a_time(rendered, parser, overlay):
+    """Engines outlive gateways: at least two gateways serve one deployment (by name), rolled
+    with a new one ready before an old one stops, and never both evicted at once."""
     dep = gateway(rendered[overlay])
-    assert dep["spec"]["replicas"] == 1, "each gateway deploys its own replicas under fixed Ray actor names"
-    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    assert dep["spec"]["replicas"] >= 2
+    assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    ns = parser.parse_args(gateway_argv(rendered[overlay]))
+    assert ns.attach and ns.deployment == "hyrax", "every gateway must attach: without --attach the second one fails"
+    pdb = one(rendered[overlay], "PodDisruptionBudget", "hyrax-gateway")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_raycluster_autoscales_within_the_pods_the_replicas_need(rendered, overlay):
+    """In-tree autoscaling on; each worker group's bounds are the pods its role's replicas need
+    (whole replicas per pod), so the autoscaler can replace a lost pod but never strands one."""
+    res = rendered[overlay]
+    rc = raycluster(res)
+    assert rc["spec"]["enableInTreeAutoscaling"] is True
+    assert rc["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    gpu_cluster = any(ray_gpus(g) for g in rc["spec"]["workerGroupSpecs"])
+    for role, (replicas, tp) in _shape(gateway_argv(res)).items():
+        g = worker_group(rc, role)
+        per_pod = ray_cpus(g) // tp if not gpu_cluster else min(ray_cpus(g) // tp, ray_gpus(g) // tp)
+        pods = -(-replicas // per_pod)
+        assert g["minReplicas"] == g["maxReplicas"] == pods, f"{overlay} {role}: bounds != {pods} pods"
 
 
 # ---- Grafana dashboard ----------------------------------------------------------------------

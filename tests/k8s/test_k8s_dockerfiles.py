@@ -82,10 +82,9 @@ def test_non_root_entrypoint_and_context(dockerfile):
     assert [k for k, _ in instr].index("USER") > max(i for i, (k, _) in enumerate(instr) if k == "RUN"), \
         f"{name}: USER after the last RUN (installs as root, runs as the user)"
     # the manifests run the pods as that same uid
-    from hyrax.cluster.k8s_render import render
-    from k8s_helpers import KUSTOMIZATIONS
+    from k8s_helpers import KUSTOMIZATIONS, kustomize
 
-    res = render(KUSTOMIZATIONS["base"])
+    res = kustomize(KUSTOMIZATIONS["base"])
     specs = [gateway(res)["spec"]["template"]["spec"], raycluster(res)["spec"]["headGroupSpec"]["template"]["spec"],
              *(g["template"]["spec"] for g in raycluster(res)["spec"]["workerGroupSpecs"])]
     for spec in specs:

@@ -39,3 +39,21 @@ def test_cli_prints_a_startup_failure_as_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     assert cli.main(["generate", "--prompt", "x"]) == 1
     assert capsys.readouterr().err.strip() == "hyrax: error: a replica failed to start: MemoryError: cannot allocate pools"
+
+
+def test_attach_needs_an_address_and_a_usable_deployment_name():
+    """`hyrax serve --attach` joins a running cluster's deployment; a local cluster has none."""
+    import pytest
+
+    from hyrax.actors.model.errors import HyraxInputError
+    from hyrax.cluster.cli import build_parser
+    from hyrax.cluster.serve import validate
+
+    parser = build_parser()
+    with pytest.raises(HyraxInputError, match="--address"):
+        validate(parser.parse_args(["serve", "--attach"]))
+    with pytest.raises(HyraxInputError, match="--deployment"):
+        validate(parser.parse_args(["serve", "--address", "127.0.0.1:1", "--deployment", "a/b"]))
+    ns = parser.parse_args(["serve", "--address", "127.0.0.1:1", "--attach"])
+    assert ns.deployment == "hyrax"
+    validate(ns)

@@ -1,0 +1,66 @@
+"""Gateway leases: which open streams belong to which gateway, and which gateways stopped renewing.
+
+A replica streams each request's tokens to the gateway that asked for it. When that gateway's
+process dies (SIGKILL, a node lost) nothing tells the replica: over Ray, a streaming generator
+whose caller is gone keeps running (measured: still yielding 20 s after the caller was killed).
+So each gateway renews a lease on every replica it serves through, every third of the lease; a
+replica whose gateway's lease ran out aborts that gateway's streams, which frees their state at
+the loop's one free point like any other abort. Requests of other gateways are untouched.
+
+Ray-free; the coordinator owns one and asks it for `expired()` a few times a second.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+class GatewayLeases:
+    def __init__(self, default_lease_s: float = 10.0):
+        self.default_lease_s = default_lease_s
+        self._lock = threading.Lock()
+        self._until: dict[str, float] = {}  # gateway id -> lease deadline (monotonic)
+        self._streams: dict[str, set[str]] = {}  # gateway id -> request ids it is streaming
+        self.expired_gateways = 0
+        self.aborted_streams = 0
+
+    def renew(self, gateway: str, lease_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._until[gateway] = now + lease_s
+
+    def open(self, gateway: str | None, request_id: str, now: float | None = None) -> None:
+        """A stream for `gateway` starts (no gateway: an in-process caller, never expired)."""
+        if gateway is None:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._until.setdefault(gateway, now + self.default_lease_s)
+            self._streams.setdefault(gateway, set()).add(request_id)
+
+    def close(self, gateway: str | None, request_id: str) -> None:
+        if gateway is None:
+            return
+        with self._lock:
+            ids = self._streams.get(gateway)
+            if ids is not None:
+                ids.discard(request_id)
+
+    def expired(self, now: float | None = None) -> list[str]:
+        """Request ids streamed to gateways whose lease ran out; those gateways are forgotten
+        (a gateway that comes back renews as new)."""
+        now = time.monotonic() if now is None else now
+        out: list[str] = []
+        with self._lock:
+            for gw in [g for g, t in self._until.items() if t <= now]:
+                del self._until[gw]
+                ids = self._streams.pop(gw, set())
+                out.extend(ids)
+                self.expired_gateways += 1
+                self.aborted_streams += len(ids)
+        return out
+
+    def summary(self) -> dict:
+        with self._lock:
+            return {"gateways": len(self._until), "streams": sum(len(s) for s in self._streams.values()),
+                    "expired_gateways": self.expired_gateways, "aborted_streams": self.aborted_streams}

@@ -1,0 +1,119 @@
+"""One named, detached controller per deployment: it owns the deployment's placement groups and
+role coordinators, so they outlive every gateway that serves them.
+
+A gateway finds the controller by the deployment's name (`hyrax serve --attach --deployment
+NAME`), asks it for the replicas, and talks to their coordinators directly; the controller is on
+no request's path. Actors a detached actor creates are owned by it, not by the driver that asked
+for the deployment, so the coordinators (and the ranks they start) live until the controller tears
+them down (docs/deployment-ownership.md).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import ray
+
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.model.errors import HyraxInputError, StartupFailure
+from hyrax.cluster.deployment import Deployment, Replica
+from hyrax.cluster.placement import RoleSpec, namespace
+
+DEFAULT_NAME = "hyrax"
+DEFAULT_LEASE_S = 10.0
+CONTROLLER = "controller"  # the controller's actor name, in the deployment's own Ray namespace
+
+
+@dataclass
+class DeploymentInfo:
+    """What a gateway needs to serve a deployment: the model (tokenizer, served name) and the
+    replicas' coordinator handles."""
+    name: str
+    model_dir: str
+    served_name: str
+    replicas: list[Replica]
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)
+class DeploymentController:
+    """Places and owns one deployment's replicas. `ensure` deploys once; every later caller (a
+    second gateway attaching at the same moment) waits for that and gets the same replicas."""
+
+    def __init__(self, name: str, model_dir: str, served_name: str, roles: list[RoleSpec], config: EngineConfig,
+                 rank_timeout_s: float = 60.0):
+        self.name, self.served_name = name, served_name
+        self.deployment = Deployment(model_dir, roles, config, rank_timeout_s=rank_timeout_s,
+                                     namespace=namespace(name))
+        self._lock = threading.Lock()
+        self._started = False
+
+    def ensure(self, timeout_s: float = 600.0, wait_for_room_s: float = 0.0) -> DeploymentInfo:
+        with self._lock:
+            if not self._started:
+                try:
+                    self.deployment.start(timeout_s=timeout_s, wait_for_room_s=wait_for_room_s)
+                except Exception:
+                    self.deployment.shutdown()
+                    raise
+                self._started = True
+        return self.describe()
+
+    def describe(self) -> DeploymentInfo:
+        return DeploymentInfo(self.name, self.deployment.model_dir, self.served_name, list(self.deployment.replicas))
+
+    def replicas(self) -> list[Replica]:
+        return list(self.deployment.replicas)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self.deployment.shutdown()
+            self._started = False
+
+
+def find(name: str):
+    """The controller of deployment `name` on the connected cluster, or None."""
+    try:
+        return ray.get_actor(CONTROLLER, namespace=namespace(name))
+    except ValueError:
+        return None
+
+
+def create(name: str, model_dir: str, served_name: str, roles: list[RoleSpec], config: EngineConfig,
+           rank_timeout_s: float, attach: bool):
+    """The controller of deployment `name`: a new one, or with `attach` the existing one (created
+    here if the cluster has none yet). Without `attach` an existing deployment is an error: two
+    servers must not both think they own it."""
+    if not attach and find(name) is not None:
+        raise HyraxInputError(f"a deployment named {name!r} already runs on this Ray cluster; "
+                              f"pass --attach to serve it, or choose another --deployment name")
+    opts = {"name": CONTROLLER, "namespace": namespace(name), "lifetime": "detached"}
+    if attach:
+        opts["get_if_exists"] = True  # two gateways attaching at once get one controller
+    try:
+        return DeploymentController.options(**opts).remote(name, model_dir, served_name, roles, config, rank_timeout_s)
+    except ValueError:  # created by someone else between find() and here
+        raise HyraxInputError(f"a deployment named {name!r} already runs on this Ray cluster; "
+                              f"pass --attach to serve it, or choose another --deployment name") from None
+
+
+def ensure(controller, wait_for_room_s: float = 0.0, timeout_s: float = 600.0) -> DeploymentInfo:
+    """Wait until the deployment is placed and healthy; its own errors (cannot place, a bad
+    option) come back as themselves, not wrapped in Ray's."""
+    try:
+        return ray.get(controller.ensure.remote(timeout_s, wait_for_room_s))
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, (HyraxInputError, StartupFailure)):
+            raise cause from None
+        raise StartupFailure(f"the deployment controller failed: {str(e).strip().splitlines()[-1]}") from None
+    except ray.exceptions.RayActorError as e:
+        raise StartupFailure(f"the deployment controller died: {type(e).__name__}") from None
+
+
+def tear_down(controller) -> None:
+    """Stop every replica of the deployment and the controller itself."""
+    try:
+        ray.get(controller.shutdown.remote(), timeout=120)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+    ray.kill(controller, no_restart=True)
