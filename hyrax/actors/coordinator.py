@@ -17,13 +17,12 @@ import time
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.gateway_leases import GatewayLeases
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
-from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.loop import EngineLoop
-from hyrax.actors.engine.selection import Selection
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.hybrid import DTYPES
 from hyrax.actors.model.sharding import TP, check_tp
@@ -137,23 +136,18 @@ class RoleCoordinator:
                 self.loop.abort(rid)
             time.sleep(0.25)
 
-    def migrate_out(self, request_id: str) -> bool:
-        return self.loop.migrate_out(request_id)
-
     def release(self, request_id: str) -> bool:
         return self.loop.release(request_id)
 
-    def abort(self, request_id: str) -> bool:
-        return self.loop.abort(request_id)
-
-    def retract(self, which: Selection, mode: str | None = None, hold: bool = False) -> dict[str, Outcome]:
-        return self.loop.retract(which, mode, hold)
-
-    def resume(self, which: Selection) -> dict[str, Outcome]:
-        return self.loop.resume(which)
-
-    def set_forced_retraction(self, interval: int) -> int:
-        return self.loop.set_forced_retraction(interval)
+    def run(self, cmd: Command):
+        """A gateway's command (commands.py): the replica's requests and pools are named by
+        role and replica here; every other command goes to the engine loop as it is."""
+        match cmd:
+            case ListRequests():
+                return self.list_requests()
+            case Pools():
+                return self.pools()
+        return self.loop.run(cmd)
 
     def list_requests(self) -> list[dict]:
         reqs = self.loop.list_requests()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field, model_validator
 
+from hyrax.actors.engine.commands import Resume, Retract
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 from hyrax.api.auth import require_admin
@@ -65,13 +66,13 @@ async def pools(request: Request):
 
 @router.post("/retract")
 async def retract(body: RetractBody, request: Request):
-    res = await request.app.state.client.retract(_selection(body), body.mode, body.hold)
+    res = await request.app.state.client.retract(Retract(_selection(body), body.mode, body.hold))
     return {"results": _results(res), "retracted": [k for k, v in res.items() if Outcome(v).ok]}
 
 
 @router.post("/resume")
 async def resume(body: ResumeBody, request: Request):
-    res = await request.app.state.client.resume(_selection(body))
+    res = await request.app.state.client.resume(Resume(_selection(body)))
     return {"results": _results(res), "resumed": [k for k, v in res.items() if Outcome(v).ok]}
 
 

@@ -3,14 +3,19 @@
 A client routes requests over role replicas ("backends") and remembers which replica holds
 each request, so aborts and admin calls reach the right one. Backends wrap either an
 in-process `EngineLoop` (tests, single-process use) or a Ray `RoleCoordinator` handle
-(`hyrax.cluster.ray_client`), behind the same two calls.
+(`hyrax.cluster.ray_client`), behind the same calls: `generate`, `generate_imported`,
+`health`, and `run(command)` for everything else, where a command is a typed value from
+`hyrax.actors.engine.commands` (`Retract`, `Resume`, `ListRequests`, ...).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from hyrax.actors.engine.commands import (Abort, Command, ListRequests, Load, MigrateOut, Pools, Resume, Retract,
+                                          SetForcedRetraction, Stats)
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 
@@ -19,8 +24,8 @@ class LocalBackend:
     def __init__(self, loop, role: str = "colocated", index: int = 0):
         self.loop, self.role, self.index = loop, role, index
 
-    async def call(self, name: str, *args, **kwargs):
-        return getattr(self.loop, name)(*args, **kwargs)
+    async def run(self, cmd: Command):
+        return self.loop.run(cmd)
 
     def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         return self.loop.generate(request_id, prompt_ids, params)
@@ -129,7 +134,7 @@ class EngineClient:
             self.owner.pop(request_id, None)
 
     def _abort_later(self, backend, request_id: str) -> None:
-        task = asyncio.ensure_future(backend.call("abort", request_id))
+        task = asyncio.ensure_future(backend.run(Abort(request_id)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -193,7 +198,7 @@ class EngineClient:
         if target is None or target is src:
             return Outcome.NO_TARGET, None
         self.migrate_to[request_id] = target
-        ok = await src.call("migrate_out", request_id)
+        ok = await src.run(MigrateOut(request_id))
         if not ok:
             self.migrate_to.pop(request_id, None)
             return Outcome.NOT_RUNNING, None
@@ -203,17 +208,17 @@ class EngineClient:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
         to `wait_s`) until it holds nothing; `remaining` is what it still holds then."""
         self.draining.add(id(backend))
-        reqs = await backend.call("list_requests")
+        reqs = await backend.run(ListRequests())
         moved = {}
         for r in reqs:
             if r["state"] == "running" and r["id"] in self.owner:
                 outcome, target = await self.migrate(r["id"])
                 moved[r["id"]] = f"{outcome.value} to {target.role}/{target.index}" if target else outcome.value
-        remaining = await backend.call("load")
+        remaining = await backend.run(Load())
         deadline = asyncio.get_running_loop().time() + wait_s
         while remaining and asyncio.get_running_loop().time() < deadline:  # until the targets took them
             await asyncio.sleep(0.05)
-            remaining = await backend.call("load")
+            remaining = await backend.run(Load())
         return {"draining": f"{backend.role}/{backend.index}", "migrations": moved, "remaining": remaining}
 
     async def undrain(self, backend) -> None:
@@ -221,45 +226,42 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> bool:
         b = self.owner.get(request_id)
-        return bool(b and await b.call("abort", request_id))
+        return bool(b and await b.run(Abort(request_id)))
 
-    async def _each(self, name: str, *args, **kwargs) -> list:
-        return list(await asyncio.gather(*(b.call(name, *args, **kwargs) for b in self.backends)))
+    async def _each(self, cmd: Command) -> list:
+        return list(await asyncio.gather(*(b.run(cmd) for b in self.backends)))
 
-    async def retract(self, which: Selection, mode: str | None, hold: bool) -> dict[str, Outcome]:
+    async def retract(self, cmd: Retract) -> dict[str, Outcome]:
         """By ids: each on the replica that owns it. By count: replica by replica until that
         many are retracted. All: everywhere."""
-        async def on_owners(ids):
-            return await self._by_owner("retract", ids, mode, hold)
+        return await self._select(cmd)
 
-        return await self._select(which, on_owners, lambda b, sel: b.call("retract", sel, mode, hold))
-
-    async def resume(self, which: Selection) -> dict[str, Outcome]:
+    async def resume(self, cmd: Resume) -> dict[str, Outcome]:
         """The same selectors as `retract`: ids, a count (oldest retracted first), or all."""
-        async def on_owners(ids):
-            return await self._by_owner("resume", ids)
+        return await self._select(cmd)
 
-        return await self._select(which, on_owners, lambda b, sel: b.call("resume", sel))
-
-    async def _select(self, which: Selection, on_owners, on_backend) -> dict[str, Outcome]:
+    async def _select(self, cmd: Retract | Resume) -> dict[str, Outcome]:
+        """Run `cmd` where its selection is: ids on the replicas that own them, a count replica
+        by replica until that many succeeded, all on every replica."""
+        which = cmd.selection
         if which.ids:
-            return await on_owners(which.ids)
+            return await self._by_owner(cmd)
         out: dict[str, Outcome] = {}
         remaining = which.count
         for b in self.backends:
             if remaining is not None and remaining <= 0:
                 break
             sel = Selection(all=True) if remaining is None else Selection(count=remaining)
-            got = await on_backend(b, sel)
+            got = await b.run(dataclasses.replace(cmd, selection=sel))
             out.update(got)
             if remaining is not None:
                 remaining -= sum(1 for v in got.values() if Outcome(v).ok)
         return out
 
-    async def _by_owner(self, name: str, ids, *args) -> dict[str, Outcome]:
+    async def _by_owner(self, cmd: Retract | Resume) -> dict[str, Outcome]:
         out: dict[str, Outcome] = {}
         groups: dict[int, list[str]] = {}
-        for rid in ids:
+        for rid in cmd.selection.ids:
             b = self.owner.get(rid)
             if b is None:
                 out[rid] = Outcome.UNKNOWN
@@ -267,15 +269,15 @@ class EngineClient:
                 groups.setdefault(id(b), []).append(rid)
         for b in self.backends:
             if id(b) in groups:
-                out.update(await b.call(name, Selection(ids=tuple(groups[id(b)])), *args))
+                out.update(await b.run(dataclasses.replace(cmd, selection=Selection(ids=tuple(groups[id(b)])))))
         return out
 
     async def set_forced_retraction(self, interval: int) -> None:
-        await self._each("set_forced_retraction", interval)
+        await self._each(SetForcedRetraction(interval))
 
     async def list_requests(self) -> list[dict]:
         out = []
-        for b, reqs in zip(self.backends, await self._each("list_requests")):
+        for b, reqs in zip(self.backends, await self._each(ListRequests())):
             for r in reqs:
                 r.setdefault("role", b.role)
                 r.setdefault("replica", b.index)
@@ -283,12 +285,12 @@ class EngineClient:
         return out
 
     async def pools(self) -> list[dict]:
-        res = await self._each("pools")
+        res = await self._each(Pools())
         return [r if "components" in r else {"role": b.role, "replica": b.index, "tp_size": 1, "components": r}
                 for b, r in zip(self.backends, res)]
 
     async def stats(self) -> list[dict]:
-        res = await self._each("stats")
+        res = await self._each(Stats())
         return [dict(s, role=b.role, replica=b.index) for b, s in zip(self.backends, res)]
 
     async def health(self) -> dict:

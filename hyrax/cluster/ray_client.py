@@ -6,6 +6,7 @@ import threading
 import uuid
 from typing import AsyncIterator
 
+from hyrax.actors.engine.commands import Abort, Command
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.tokenizer import chat_template, load_tokenizer
 from hyrax.api.client import EngineClient, ModelInfo
@@ -46,8 +47,9 @@ class RayBackend:
         self.timeout_s = timeout_s
         self.gateway = gateway  # this gateway's lease id, sent with every stream it opens
 
-    async def call(self, name: str, *args, **kwargs):
-        return await asyncio.wait_for(getattr(self.handle, name).remote(*args, **kwargs), self.timeout_s)
+    async def run(self, cmd: Command):
+        """Send a command (hyrax/actors/engine/commands.py) to the replica's coordinator."""
+        return await asyncio.wait_for(self.handle.run.remote(cmd), self.timeout_s)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         finished = False
@@ -58,7 +60,7 @@ class RayBackend:
                 yield item
         finally:
             if not finished:  # the consumer went away: free the request on the replica now
-                asyncio.ensure_future(self.handle.abort.remote(request_id))
+                asyncio.ensure_future(self.handle.run.remote(Abort(request_id)))
 
     async def generate_imported(self, handoff: dict) -> AsyncIterator[dict]:
         rid = handoff["request"]["id"]
@@ -70,7 +72,7 @@ class RayBackend:
                 yield item
         finally:
             if not finished:
-                asyncio.ensure_future(self.handle.abort.remote(rid))
+                asyncio.ensure_future(self.handle.run.remote(Abort(rid)))
 
     async def health(self) -> dict:
         try:

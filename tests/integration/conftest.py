@@ -16,6 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from hyrax.actors.engine.commands import SetForcedRetraction  # noqa: E402
 from ray_harness import DEMO_CONFIG, DEMO_MODEL, call, deployed, replica  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def demo_tp2(demo_deployment):
     """The demo TP=2 replica's coordinator; forced retraction is off again afterwards."""
     c = replica(demo_deployment, "tp2").coordinator
     yield c
-    call(c.set_forced_retraction, 0)
+    call(c.run, SetForcedRetraction(0))
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hyrax.actors.engine.commands import Abort, Retract
 from hyrax.actors.engine.selection import Selection
 from ray_harness import (DEMO_CONFIG, DEMO_MODEL, Stream, assert_clean, call, prompt, rank_backups, reference,
                          request_info, uid)
@@ -22,9 +23,9 @@ def test_abort_of_a_running_request_mid_stream_frees_every_rank(demo_tp2):
     s.wait_tokens(4)
     info = request_info(coord, s.id)
     assert info["state"] == "running" and all(info["indices"].values())
-    assert call(coord.abort, s.id) is True
+    assert call(coord.run, Abort(s.id)) is True
     assert_clean(coord)
-    assert call(coord.abort, s.id) is False  # gone: a second abort is a no-op
+    assert call(coord.run, Abort(s.id)) is False  # gone: a second abort is a no-op
     _end_stream(coord, s)
     assert s.finish_reason == "abort"
     assert 4 <= len(s.tokens) < 200
@@ -34,9 +35,9 @@ def test_abort_of_a_held_retracted_request_discards_backups_on_every_rank(demo_t
     coord = demo_tp2
     s = Stream(coord, uid("abort-held"), prompt(20, seed=702), 200)
     s.wait_tokens(3)
-    assert call(coord.retract, Selection(ids=(s.id,)), hold=True) == {s.id: "cpu_tensor"}
+    assert call(coord.run, Retract(Selection(ids=(s.id,)), hold=True)) == {s.id: "cpu_tensor"}
     assert rank_backups(coord) == [1, 1]  # the test can fail: both ranks hold a backup now
-    assert call(coord.abort, s.id) is True
+    assert call(coord.run, Abort(s.id)) is True
     assert_clean(coord)
     _end_stream(coord, s)
     assert s.finish_reason == "abort"
@@ -48,7 +49,7 @@ def test_abort_beside_other_requests_leaves_them_running_to_completion(demo_tp2)
     keep = Stream(coord, uid("abort-keep"), pk, 30)
     drop = Stream(coord, uid("abort-drop"), prompt(70, seed=704), 200)
     drop.wait_tokens(3)
-    assert call(coord.abort, drop.id) is True
+    assert call(coord.run, Abort(drop.id)) is True
     drop.wait_done(30)
     keep.wait_done(60)
     assert drop.finish_reason == "abort"
@@ -61,7 +62,7 @@ def test_abort_of_the_last_request_ends_its_stream_with_finish_reason_abort(demo
     coord = demo_tp2
     s = Stream(coord, uid("abort-last"), prompt(8, seed=705), 200)
     s.wait_tokens(2)
-    assert call(coord.abort, s.id) is True
+    assert call(coord.run, Abort(s.id)) is True
     try:
         s.wait_done(5)
         assert s.finish_reason == "abort"

@@ -7,6 +7,7 @@ import pytest
 
 from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
 from hyrax.actors.engine.selection import Selection
+from hyrax.actors.engine.commands import Resume, Retract
 from ray_harness import (DEMO_MODEL, Stream, assert_clean, assert_manifest_from_every_rank, call, deployed, prompt,
                          reference, replica, request_info, run_all, stats_delta, uid)
 
@@ -51,13 +52,13 @@ def test_manifest_check_notices_the_component_one_rank_left_out(faulty_tp2):
     want = reference(DEMO_MODEL, CLEAN64, [p], 40)[0]
     s = Stream(coord, uid("mut-held"), p, 40)
     s.wait_tokens(3)
-    assert call(coord.retract, Selection(ids=(s.id,)), hold=True) == {s.id: "cpu_tensor"}
+    assert call(coord.run, Retract(Selection(ids=(s.id,)), hold=True)) == {s.id: "cpu_tensor"}
     m = request_info(coord, s.id)["backup"]
     assert sorted(m["components"]["mamba_ssm"]["checksums"]) == ["0"]
     assert sorted(m["components"]["mamba_conv"]["checksums"]) == ["0", "1"]
     with pytest.raises(AssertionError, match="mamba_ssm"):
         assert_manifest_from_every_rank(m, ["full_kv", "swa_kv", "mamba_conv", "mamba_ssm"], tp=2)
-    assert call(coord.resume, Selection(ids=(s.id,))) == {s.id: "fallback"}
+    assert call(coord.run, Resume(Selection(ids=(s.id,)))) == {s.id: "fallback"}
     s.wait_done()
     assert s.tokens == want
     assert_clean(coord)

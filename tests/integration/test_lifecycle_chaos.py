@@ -18,6 +18,7 @@ import pytest
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
+from hyrax.actors.engine.commands import Resume, Retract
 from pd_harness import Run, assert_all_clean, assert_outputs, pd_deployed, wait_for
 from ray_harness import DEMO_MODEL, PARAMS, prompt, reference, uid
 
@@ -58,10 +59,10 @@ async def _abort_midway(client, rid: str, p: list[int]) -> None:
 async def _operator(client, runs: list[Run], colocated) -> dict:
     seen = {}
     await wait_for(lambda: all(len(r.tokens) >= 2 for r in runs[:3]), 120, what="decoding to start")
-    got = await client.retract(Selection(count=1), "host_pool", True)
+    got = await client.retract(Retract(Selection(count=1), "host_pool", True))
     seen["retract"] = {k: v for k, v in got.items() if Outcome(v).ok}
     await asyncio.sleep(0.2)
-    seen["resume"] = await client.resume(Selection(all=True))
+    seen["resume"] = await client.resume(Resume(Selection(all=True)))
     mover = next((r for r in runs if r.finish_reason is None and len(r.tokens) < MAX_TOKENS - 6), None)
     if mover is not None and client.owner.get(mover.id) is not colocated:
         seen["migrate"] = (await client.migrate(mover.id, colocated))[0]

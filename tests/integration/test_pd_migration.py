@@ -16,6 +16,7 @@ import time
 import pytest
 import ray
 
+from hyrax.actors.engine.commands import ListRequests, Stats
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.model.config import ModelConfig
@@ -46,7 +47,7 @@ def _backend(client, role: str, index: int = 0):
 
 
 async def _ids_on(backend) -> dict[str, str]:
-    return {r["id"]: r["state"] for r in await backend.call("list_requests")}
+    return {r["id"]: r["state"] for r in await backend.run(ListRequests())}
 
 
 async def _until(fetch, pred, what: str, timeout: float = 30.0):
@@ -62,7 +63,7 @@ async def _until(fetch, pred, what: str, timeout: float = 30.0):
 
 
 async def _stats(backend) -> dict:
-    return await backend.call("stats")
+    return await backend.run(Stats())
 
 
 def _migrated_tokens(moved: dict[str, int]) -> int:

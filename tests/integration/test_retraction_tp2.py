@@ -8,6 +8,7 @@ import pytest
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.selection import Selection
+from hyrax.actors.engine.commands import Resume, Retract, SetForcedRetraction
 from ray_harness import (DEMO_CONFIG, DEMO_MODEL, Stream, assert_clean, assert_manifest_from_every_rank, call,
                          deployed, prompt, rank_backups, reference, replica, request_info, run_all, stats_delta,
                          uid)
@@ -32,7 +33,7 @@ def tp2_forced(request):
     """(backup mode, TP=2 coordinator retracting one request every 3 steps)."""
     if request.param == "cpu_tensor":
         coord = request.getfixturevalue("demo_tp2")
-        call(coord.set_forced_retraction, 3)
+        call(coord.run, SetForcedRetraction(3))
     else:
         coord = replica(request.getfixturevalue("host_pool_deployment"), "hostpool-tp2").coordinator
     return request.param, coord
@@ -63,7 +64,7 @@ def test_held_retraction_manifest_has_checksums_from_both_ranks_and_resume_match
     before = call(coord.stats)
     s = Stream(coord, uid(f"held-{mode}"), p, 60)
     s.wait_tokens(3)
-    assert call(coord.retract, Selection(ids=(s.id,)), hold=True) == {s.id: mode}
+    assert call(coord.run, Retract(Selection(ids=(s.id,)), hold=True)) == {s.id: mode}
     info = request_info(coord, s.id)
     assert info["state"] == "retracted" and info["hold"] is True
     assert info["indices"] == {}  # device indices are freed once every rank acknowledged
@@ -75,7 +76,7 @@ def test_held_retraction_manifest_has_checksums_from_both_ranks_and_resume_match
     assert call(coord.pools)["components"]["mamba_ssm"]["host_used"] == (mode == "host_pool")
     assert call(coord.check_invariants) is True
     held_at = len(s.tokens)
-    assert call(coord.resume, Selection(ids=(s.id,))) == {s.id: "verified"}
+    assert call(coord.run, Resume(Selection(ids=(s.id,)))) == {s.id: "verified"}
     s.wait_done()
     assert held_at < len(s.tokens)
     assert s.tokens == want
@@ -92,7 +93,7 @@ def test_restore_after_slot_reuse_across_ranks_matches_uninterrupted_run(demo_tp
     want_a, want_b = reference(DEMO_MODEL, DEMO_CONFIG, [pa, pb], [40, 80])
     a = Stream(coord, uid("slot-A"), pa, 40)
     a.wait_tokens(3)
-    assert call(coord.retract, Selection(ids=(a.id,)), hold=True) == {a.id: "cpu_tensor"}
+    assert call(coord.run, Retract(Selection(ids=(a.id,)), hold=True)) == {a.id: "cpu_tensor"}
     old = request_info(coord, a.id)["backup"]["components"]
     old_slot = {n: old[n]["indices"] for n in ("mamba_conv", "mamba_ssm")}
 
@@ -105,7 +106,7 @@ def test_restore_after_slot_reuse_across_ranks_matches_uninterrupted_run(demo_tp
         assert set(b_idx[n]) & set(old[n]["indices"]), (n, b_idx[n], old[n]["indices"])
 
     assert not b.done, "B finished before A could be resumed beside it"
-    assert call(coord.resume, Selection(ids=(a.id,))) == {a.id: "verified"}
+    assert call(coord.run, Resume(Selection(ids=(a.id,)))) == {a.id: "verified"}
     a_idx = request_info(coord, a.id)["indices"]
     for n in old_slot:
         assert a_idx[n] != old_slot[n], (n, a_idx[n], old_slot[n])

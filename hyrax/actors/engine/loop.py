@@ -11,12 +11,14 @@ import threading
 import time
 from typing import Callable
 
+from hyrax.actors.engine.commands import (Abort, Command, ListRequests, Load, MigrateOut, Pools, Resume, Retract,
+                                          SetForcedRetraction, Stats)
 from hyrax.actors.engine.early_aborts import EarlyAborts
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams, State
-from hyrax.actors.engine.selection import Selection, pick_victims
+from hyrax.actors.engine.selection import pick_victims
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")
@@ -189,6 +191,20 @@ class EngineLoop:
                     self.engine.step_outputs_flush()
                 self.engine.finished_requests.pop(request_id, None)
 
+    # ---- commands (commands.py), dispatched by type -------------------------------------
+    def run(self, cmd: Command):
+        match cmd:  # one line per command type: the whole dispatch in one look
+            case Retract(): return self.retract(cmd)
+            case Resume(): return self.resume(cmd)
+            case SetForcedRetraction(interval): return self.set_forced_retraction(interval)
+            case MigrateOut(request_id): return self.migrate_out(request_id)
+            case Abort(request_id): return self.abort(request_id)
+            case ListRequests(): return self.list_requests()
+            case Pools(): return self.pools()
+            case Stats(): return self.stats()
+            case Load(): return self.load()
+        raise TypeError(f"not a replica command: {cmd!r}")
+
     def migrate_out(self, request_id: str) -> bool:
         """Export a running request; its stream ends with the hand-off for the new replica.
         False when it is not running here (any more): unknown, finished, retracted, offered."""
@@ -221,8 +237,9 @@ class EngineLoop:
         self._deliver(outs)  # the stream ends now, even if the loop has nothing left to step
         return ok
 
-    def retract(self, which: Selection, mode: str | None = None, hold: bool = False) -> dict[str, Outcome]:
+    def retract(self, cmd: Retract) -> dict[str, Outcome]:
         """An operator's retraction: does what was asked, the last running request included."""
+        which = cmd.selection
         with self.lock:
             self.engine.sync()  # what runs is what the step in flight leaves running
             if which.all:
@@ -231,10 +248,11 @@ class EngineLoop:
                 ids = [r.id for r in pick_victims(self.engine.running, which.count, keep_last=False)]
             else:
                 ids = list(which.ids)
-            return self.engine.retract(ids, mode=mode, hold=hold)
+            return self.engine.retract(ids, mode=cmd.mode, hold=cmd.hold)
 
-    def resume(self, which: Selection) -> dict[str, Outcome]:
+    def resume(self, cmd: Resume) -> dict[str, Outcome]:
         """Release retracted requests (oldest first for `count`)."""
+        which = cmd.selection
         with self.lock:
             if which.all:
                 ids = [r.id for r in self.engine.retracted]
