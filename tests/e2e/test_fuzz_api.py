@@ -1,6 +1,8 @@
 """Property-based API fuzz (issue 19): hypothesis builds request bodies for every POST route —
 valid ones, valid ones with one field broken (wrong type, out of range, lone surrogates, NaN,
 nulls, unknown or unsupported keys, missing keys), and raw non-JSON or non-object bodies, plus
+structured output (response_format json_object / json_schema with and without strict,
+structured_outputs choice / regex / json) and tools with every tool_choice, valid and malformed,
 GETs of the other routes, with the admin token, none, or a wrong one — and sends them to the
 gateway over the in-process engine. Over at least 1,000 requests: no 5xx,
 every status is one the OpenAPI schema documents for that operation, and every JSON answer
@@ -54,12 +56,65 @@ SAMPLING = {  # valid values of the optional sampling fields
     "min_tokens": st.integers(0, 1), "stop_token_ids": st.lists(st.integers(0, 263), max_size=2),
     "user": texts(max_size=8),
 }
+# Structured output and tools: mostly valid values (which may still be a 400: auto on the demo's
+# template, a grammar beside ignore_eos), one draw in four malformed but of the right outer type.
+def mostly(valid, malformed):
+    return st.one_of(valid, valid, valid, malformed)
+
+
+WORDS = st.text(alphabet="abcxyz", min_size=1, max_size=4)
+GOOD_SCHEMAS = st.sampled_from([
+    {}, {"type": "object"}, {"type": "string", "maxLength": 3}, {"enum": ["a", "b"]},
+    {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}}, "required": ["x"]},
+    {"type": "array", "items": {"type": "number"}, "maxItems": 2},
+])
+BAD_SCHEMAS = st.sampled_from([{"type": "objectx"}, {"type": "string", "pattern": "[a-"}, {"$ref": "#/nowhere"},
+                               {"minimum": "zero"}, {"type": ["string", 7]}])
+SCHEMAS = mostly(GOOD_SCHEMAS, BAD_SCHEMAS)
+RESPONSE_FORMAT = mostly(
+    st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": st.just("answer"), "schema": GOOD_SCHEMAS}, optional={"strict": st.booleans()})})),
+    st.one_of(
+        st.sampled_from([{"type": "json_schema"}, {"type": "json_object", "json_schema": {"name": "x"}},
+                         {"type": "xml"}, {}, {"type": "json_schema", "json_schema": {"schema": {}}}]),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": texts(max_size=70), "schema": SCHEMAS}, optional={"strict": ANY_JSON})})),
+)
+REGEXES = st.sampled_from(["[a-z]{1,3}", "(yes|no)", "[0-9]+", ".*"])
+STRUCTURED_OUTPUTS = mostly(
+    st.one_of(st.fixed_dictionaries({"choice": st.lists(WORDS, min_size=1, max_size=3)}),
+              st.fixed_dictionaries({"regex": REGEXES}),
+              st.fixed_dictionaries({"json": st.one_of(GOOD_SCHEMAS, GOOD_SCHEMAS.map(json.dumps))})),
+    st.one_of(st.sampled_from([{"regex": "[a-"}, {"regex": "a{2,1}"}, {"choice": []}, {"choice": [""]},
+                               {"regex": "a", "choice": ["a"]}, {}, {"json": "{not json"}, {"json": "[1]"}]),
+              st.fixed_dictionaries({"json": BAD_SCHEMAS}), st.fixed_dictionaries({"choice": st.lists(TEXT)})),
+)
+GOOD_TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "get_time"])},
+        optional={"parameters": GOOD_SCHEMAS, "description": texts(max_size=8), "strict": st.booleans()})})
+BAD_TOOL = st.one_of(
+    GOOD_TOOL.map(lambda t: {**t, "type": "retrieval"}),
+    st.sampled_from(["bad name!", "", "x" * 65]).map(lambda n: {"type": "function", "function": {"name": n}}),
+    BAD_SCHEMAS.map(lambda p: {"type": "function", "function": {"name": "f", "parameters": p}}),
+    st.just({"type": "function"}), st.just({"type": "function", "function": {"name": "f", "parameters": []}}))
+TOOL_CHOICE = mostly(
+    st.one_of(st.sampled_from(["none", "auto", "required"]),
+              st.sampled_from(["get_weather", "get_time"]).map(lambda n: {"type": "function", "function": {"name": n}})),
+    st.sampled_from(["sometimes", {"type": "function"}, {"type": "function", "function": {"name": "nope"}}]))
+GRAMMARS = {"response_format": RESPONSE_FORMAT, "structured_outputs": STRUCTURED_OUTPUTS}
+TOOLS = {"tools": mostly(st.lists(GOOD_TOOL, min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
+                         st.lists(st.one_of(GOOD_TOOL, BAD_TOOL), min_size=2, max_size=2)),
+         "tool_choice": TOOL_CHOICE,
+         "parallel_tool_calls": st.booleans()}
 ROUTES = {  # path -> (required fields, optional fields), each with a strategy of valid values
     "/v1/completions": ({"model": st.just(MODEL), "prompt": PROMPT, "max_tokens": st.integers(1, 3)},
-                        {**SAMPLING, "echo": st.booleans(), "logprobs": st.integers(0, 3)}),
+                        {**SAMPLING, **GRAMMARS, "echo": st.booleans(), "logprobs": st.integers(0, 3)}),
     "/v1/chat/completions": ({"model": st.just(MODEL), "messages": st.lists(MESSAGE, min_size=1, max_size=3),
                               "max_tokens": st.integers(1, 3)},
-                             {**SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 3)}),
+                             {**SAMPLING, **GRAMMARS, **TOOLS, "logprobs": st.booleans(),
+                              "top_logprobs": st.integers(0, 3)}),
     "/v1/tokenize": ({"prompt": texts(max_size=20)},
                      {"model": st.just(MODEL), "add_generation_prompt": st.booleans()}),
     "/v1/detokenize": ({"tokens": st.lists(st.integers(0, 263), max_size=8)}, {"model": st.just(MODEL)}),
@@ -70,7 +125,8 @@ ROUTES = {  # path -> (required fields, optional fields), each with a strategy o
     "/admin/migrate": ({"request_id": texts(max_size=8)}, {}),
 }
 UNKNOWN_KEYS = st.one_of(TEXT, st.sampled_from(["response_format", "tools", "tool_choice", "best_of", "suffix",
-                                                "min_p", "functions", "store", "echo", "prompt", "messages"]))
+                                                "min_p", "functions", "store", "echo", "prompt", "messages",
+                                                "guided_json", "structured_outputs"]))
 
 
 @st.composite
@@ -79,6 +135,14 @@ def body(draw, path: str):
     b = {k: draw(s) for k, s in required.items()}
     for k in draw(st.lists(st.sampled_from(sorted(optional)), max_size=4, unique=True)) if optional else []:
         b[k] = draw(optional[k])
+    extra = draw(st.sampled_from(["tools", "grammar", "none"])) if set(GRAMMARS) <= set(optional) else "none"
+    if extra == "tools" and "tools" in optional:  # tool_choice mostly given: auto (the default) is a 400 here
+        b.update(draw(st.fixed_dictionaries(
+            {"tools": TOOLS["tools"], "tool_choice": st.one_of(TOOL_CHOICE, TOOL_CHOICE, TOOL_CHOICE, st.none())},
+            optional={"parallel_tool_calls": TOOLS["parallel_tool_calls"]})))
+    elif extra != "none":
+        k = draw(st.sampled_from(sorted(GRAMMARS)))
+        b[k] = draw(GRAMMARS[k])
     how = draw(st.sampled_from(["valid"] * 4 + ["break"] * 2 + ["unknown", "drop"]))
     if how == "break":
         k = draw(st.sampled_from(sorted(set(required) | set(optional))))
@@ -145,7 +209,7 @@ def checker(local):
 
 
 def test_fuzzed_requests_get_no_5xx_and_match_the_documented_schema(local, checker):
-    sent = []
+    sent, covered = [], {}  # covered: (structured-output or tool field, status) -> requests
     http = httpx.Client(base_url=local.url, timeout=60)
 
     @settings(max_examples=N_REQUESTS, deadline=None, derandomize=True, database=None,
@@ -154,8 +218,15 @@ def test_fuzzed_requests_get_no_5xx_and_match_the_documented_schema(local, check
     def one(req):
         (method, path, content), auth = req
         headers = {"Content-Type": "application/json", **HEADERS[auth]}
-        checker.check(method, path, http.request(method.upper(), path, content=content or None, headers=headers))
+        r = http.request(method.upper(), path, content=content or None, headers=headers)
+        checker.check(method, path, r)
         sent.append(path)
+        try:
+            sent_body = json.loads(content)
+        except ValueError:
+            return
+        for k in (set(GRAMMARS) | set(TOOLS)) & set(sent_body if isinstance(sent_body, dict) else ()):
+            covered[k, r.status_code] = covered.get((k, r.status_code), 0) + 1
 
     cpu = time.process_time()
     try:
@@ -166,4 +237,7 @@ def test_fuzzed_requests_get_no_5xx_and_match_the_documented_schema(local, check
     assert len(sent) >= 1000, len(sent)
     assert checker.seen.get(200, 0) >= 200 and checker.seen.get(400, 0) >= 200, checker.seen  # both kinds exercised
     assert set(ROUTES) <= set(sent) and checker.seen.get(401, 0) >= 50, checker.seen
-    print(f"fuzz: {len(sent)} requests, statuses {checker.seen}, {cpu:.1f} s CPU")
+    for k in (*GRAMMARS, "tools", "tool_choice"):  # each sent in requests that were served and in ones refused
+        assert covered.get((k, 200), 0) >= 5 and covered.get((k, 400), 0) >= 5, (k, covered)
+    print(f"fuzz: {len(sent)} requests, statuses {checker.seen}, {cpu:.1f} s CPU; structured output and tools: "
+          f"{dict(sorted(covered.items()))}")
