@@ -1,7 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p; seeded per request and per draw.
+"""Token sampling: greedy, temperature, top-k, top-p; seeded per request and per draw; one
+vectorised pass for the whole batch and one host sync (the tokens).
 
-The random stream of a request is a pure function of (seed, draw index), so its output does
-not depend on what else is in the batch, nor on retraction, transfer or migration.
+A row draws its token by inverting its distribution's CDF at one uniform number, which is a
+pure function of (seed, draw index): its output does not depend on what else is in the
+batch, nor on retraction, transfer or migration.
 """
 from __future__ import annotations
 
@@ -16,26 +18,63 @@ from hyrax.actors.engine.plan import SamplingSpec
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
-def _generator(seed: int, draw: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + draw * 7919 + 17) % (2**63 - 1))
-    return g
+_MASK64 = (1 << 64) - 1
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: (V,) float. Returns logits with tokens outside top-k / nucleus set to -inf."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (always keep the first)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    return logits
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, draw: int) -> float:
+    """The request's random number for output `draw`, in [0, 1): a pure function of
+    (seed, draw), 53 bits, whatever else is in the batch."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (draw & _MASK64)) >> 11) * 2.0**-53
+
+
+def filter_logits(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """logits: (R, V) float; per row top_k (0: off) and top_p (1: off). Returns the logits with
+    the tokens outside each row's top-k (every token tied with the k-th value kept) and then
+    outside its nucleus set to -inf. Top-k needs no sort (a threshold from one `topk`); only
+    rows' nucleus needs one, over the batch at once, after top-k emptied most of each row."""
+    R, V = logits.shape
+    dev, x = logits.device, logits
+    ks = [k if 0 < k < V else 0 for k in top_k]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values  # (R, kmax), descending
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev).unsqueeze(1))
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev).unsqueeze(1), float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if all(p >= 1.0 for p in top_p):
+        return x
+    ordered, order = torch.sort(x, dim=-1, descending=True)
+    probs = torch.softmax(ordered, dim=-1)
+    # drop a token when the mass before it already reaches top_p (always keep the first)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= torch.tensor(top_p, dtype=x.dtype, device=dev).unsqueeze(1)
+    drop[:, 0] = False
+    return torch.empty_like(x).scatter_(1, order, ordered.masked_fill(drop, float("-inf")))
+
+
+def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                top_k: Sequence[int] = (), top_p: Sequence[float] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, V) logits -> (R,) tokens drawn by inverting each row's CDF (in token-id order) at
+    its `u` (R,) after temperature, top-k and top-p (empty: no row filters), and (R,)
+    whether the row's distribution was usable (finite and not empty; the caller takes the
+    most likely token for the others). No host sync."""
+    V = logits.shape[-1]
+    x = logits / temperature.unsqueeze(1)
+    if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
+        x = filter_logits(x, top_k, top_p)
+    probs = torch.softmax(x, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    ok = torch.isfinite(probs).all(dim=-1) & (total[:, 0] > 0)
+    pos = torch.searchsorted(cdf, u.unsqueeze(1).to(cdf.dtype) * total, right=True)
+    # rounding can put u * total at the very end: take the last token with mass, never one without
+    last = V - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1, keepdim=True)
+    return torch.minimum(pos, last)[:, 0], ok
 
 
 def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None],
@@ -99,14 +138,18 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequ
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     out = torch.argmax(logits, dim=-1)
-    for i, s in enumerate(specs):
-        if s.temperature < GREEDY_BELOW:
-            continue  # greedy: also for temperatures so small the division would overflow
-        row = filter_logits(logits[i] / s.temperature, s.top_k, s.top_p)
-        probs = torch.softmax(row, dim=-1)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-            continue  # degenerate distribution: the most likely token
-        out[i] = torch.multinomial(probs.cpu(), 1, generator=_generator(s.seed, s.draw))[0]
+    # greedy rows (also temperatures so small the division would overflow) keep the argmax
+    rows = [i for i, s in enumerate(specs) if s.temperature >= GREEDY_BELOW]
+    if rows:
+        dev = logits.device
+        chosen = [specs[i] for i in rows]
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        tok, ok = draw_tokens(
+            logits[idx],
+            torch.tensor([s.temperature for s in chosen], dtype=logits.dtype, device=dev),
+            torch.tensor([uniform(s.seed, s.draw) for s in chosen], dtype=torch.float64, device=dev),
+            [s.top_k for s in chosen], [s.top_p for s in chosen])
+        out[idx] = torch.where(ok, tok, out[idx])  # a degenerate distribution: the most likely token
     return out.tolist()
 
 

@@ -1,0 +1,83 @@
+"""The sampler draws every row of a batch in one vectorised pass (issue 21). What must hold:
+the tokens follow the distribution temperature, top-k and top-p define (a chi-square test
+against a direct per-row computation), never a token those filters remove, and a row's token
+depends only on its own logits, seed and draw index — not on the batch around it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hyrax.actors.engine.plan import SamplingSpec
+from hyrax.actors.engine.sampler import sample, uniform
+
+V = 12
+
+
+def _logits(seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+
+def _expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution the definitions give, one row, written independently of the sampler."""
+    x = logits / temperature
+    if top_k:
+        kth = sorted(x.tolist(), reverse=True)[top_k - 1]
+        x = torch.where(x >= kth, x, torch.tensor(float("-inf"), dtype=x.dtype))
+    p = torch.softmax(x, -1)
+    order = sorted(range(V), key=lambda t: -p[t].item())
+    keep, mass = set(), 0.0
+    for t in order:  # smallest set, in order of probability, whose mass reaches top_p
+        if mass >= top_p:
+            break
+        keep.add(t)
+        mass += p[t].item()
+    p = torch.tensor([p[t].item() if t in keep else 0.0 for t in range(V)], dtype=torch.float64)
+    return p / p.sum()
+
+
+def _draw(logits: torch.Tensor, n: int, temperature: float, top_k: int, top_p: float, seed0: int = 0) -> list[int]:
+    specs = [SamplingSpec(temperature, top_p, top_k, seed0 + i, 0) for i in range(n)]
+    return sample(logits.expand(n, V).clone(), specs)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)])
+def test_tokens_follow_the_filtered_distribution(temperature, top_k, top_p):
+    logits = _logits(1)
+    want = _expected(logits, temperature, top_k, top_p)
+    n = 20_000
+    got = torch.bincount(torch.tensor(_draw(logits, n, temperature, top_k, top_p)), minlength=V).double()
+    assert all(got[t] == 0 for t in range(V) if want[t] == 0), (got, want)  # never a filtered token
+    support = [t for t in range(V) if want[t] > 0]
+    chi2 = sum((got[t] - n * want[t]) ** 2 / (n * want[t]) for t in support).item()
+    dof = len(support) - 1
+    # far beyond the 99.9th percentile of chi-square(dof) (about dof + 3.1 sqrt(2 dof) + 7)
+    assert chi2 < dof + 5 * math.sqrt(2 * dof) + 10, (chi2, dof, got.tolist(), (n * want).tolist())
+
+
+def test_a_rows_token_does_not_depend_on_its_batch():
+    rows = [_logits(s) for s in range(6)]
+    specs = [SamplingSpec(1.0, 0.9, 4, 100 + k, 7) for k in range(3)] + [SamplingSpec(0.8, 1.0, 0, 200 + k, 3) for k in range(2)] \
+        + [SamplingSpec(0.0, 1.0, 0, 0, 0)]
+    together = sample(torch.stack(rows), specs)
+    alone = [sample(r.unsqueeze(0), [s])[0] for r, s in zip(rows, specs)]
+    assert together == alone
+    assert together[5] == int(torch.argmax(rows[5]))  # greedy row
+
+
+def test_the_random_number_is_a_pure_function_of_seed_and_draw():
+    u = [uniform(s, d) for s in (0, 1, 2**63 - 1) for d in (0, 1, 1000)]
+    assert len(set(u)) == len(u) and all(0.0 <= x < 1.0 for x in u)
+    assert uniform(5, 9) == uniform(5, 9)
+    xs = [uniform(7, d) for d in range(20_000)]  # uniform over draws: mean and spread
+    assert abs(sum(xs) / len(xs) - 0.5) < 0.01
+    assert abs(sum((x - 0.5) ** 2 for x in xs) / len(xs) - 1 / 12) < 0.005
+
+
+def test_degenerate_rows_take_the_most_likely_token():
+    bad = torch.full((2, V), float("-inf"), dtype=torch.float64)
+    bad[0, 3] = float("nan")
+    bad[1, 4] = 0.0  # one finite token: the only choice
+    toks = sample(bad, [SamplingSpec(1.0, 1.0, 0, 1, 0), SamplingSpec(1.0, 0.5, 3, 1, 0)])
+    assert toks[1] == 4
