@@ -208,6 +208,9 @@ class ChatMessage(Body):
     @field_validator("content", mode="before")
     @classmethod
     def _parts(cls, v):
+        if v is not None and not isinstance(v, (str, list)):
+            raise ValueError(f"content must be a string, a list of text parts or null, got {type(v).__name__} "
+                             "(a part looks like {\"type\": \"text\", \"text\": ...})")
         if isinstance(v, list):
             for i, p in enumerate(v):
                 if not isinstance(p, dict):

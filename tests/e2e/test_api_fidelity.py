@@ -163,6 +163,9 @@ def test_stop_limits_apply_per_string_and_per_list(local):
     (["hi"], "object"),
     ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "image_url"),
     ([{"type": "text", "text": "hi", "extra": 1}], "extra"),
+    (5, "a string, a list of text parts or null, got int"),  # not "should be a valid string": a list is fine too
+    ({"type": "text", "text": "hi"}, "a list of text parts"),
+    (True, "got bool"),
 ])
 def test_malformed_chat_part_is_a_clear_400(local, no_generation, content, says):
     body = {**CHAT, "messages": [{"role": "user", "content": content}]}
