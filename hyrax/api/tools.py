@@ -30,15 +30,21 @@ ANY_OBJECT = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """A template's tool-call syntax: each call is a JSON body {"name", "arguments"} between tags."""
+    """A template's tool-call syntax: each call is a JSON body {"name", "arguments"} between tags.
+    `unless`: text that marks a look-alike syntax with another body between the same tags."""
 
     name: str
     start: str
     end: str
+    unless: tuple[str, ...] = ()
+
+    def written_by(self, source: str) -> bool:
+        return self.start in source and self.end in source and not any(u in source for u in self.unless)
 
 
-# Known call syntaxes, recognised by their tags appearing in the template's source.
-TOOL_FORMATS = (ToolFormat("hermes", "<tool_call>", "</tool_call>"),)
+# Known call syntaxes, recognised by their tags appearing in the template's source. Qwen3-Coder's
+# templates put XML (<function=name><parameter=key>) between the same tags: not this syntax.
+TOOL_FORMATS = (ToolFormat("hermes", "<tool_call>", "</tool_call>", unless=("<function=",)),)
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ def tool_format(template: str | None) -> ToolFormat | None:
     source = _tools_source(template)
     if not _renders_tools(source):
         return None
-    return next((f for f in TOOL_FORMATS if f.start in source and f.end in source), None)
+    return next((f for f in TOOL_FORMATS if f.written_by(source)), None)
 
 
 def _plan_auto(body: ChatRequest, template, tokenizer, rendered: list[dict]) -> ToolPlan:

@@ -220,3 +220,13 @@ def test_family_templates_without_a_call_syntax_keep_the_400():
         plan_tools(_body(), chat_template(DEMO))
     # a template that only mentions the tags without rendering tools has no tool format either
     assert tool_format("{{ messages[0].content }} <tool_call></tool_call>") is None
+
+
+def test_an_xml_body_between_the_same_tags_is_not_read_as_hermes():
+    """Qwen3-Coder style: <tool_call><function=name><parameter=k>v</parameter></function></tool_call>."""
+    hermes = QWEN_STYLE
+    coder = QWEN_STYLE.replace('{\"name\": <name>, \"arguments\": <args>}', "<function=NAME><parameter=K>V</parameter>"
+                                                                           "</function>")
+    assert coder != hermes and tool_format(hermes).name == "hermes" and tool_format(coder) is None
+    with pytest.raises(APIError, match="writes no tool-call syntax"):
+        plan_tools(_body(), coder)
