@@ -10,6 +10,7 @@ import fcntl
 import os
 import socket
 import struct
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
 
@@ -85,17 +86,13 @@ class RankWorker:
     def execute(self, plan):
         return self.runtime.execute(plan)
 
-    def backup(self, req_id, rows, host_rows):
-        return self.runtime.backup(req_id, rows, host_rows)
+    def save(self, req_id, rows, location):
+        return self.runtime.save(req_id, rows, location)
 
-    def restore(self, req_id, rows, host_rows):
-        return self.runtime.restore(req_id, rows, host_rows)
-
-    def export(self, req_id, rows):
-        return self.runtime.export(req_id, rows)
-
-    def import_state(self, req_id, rows, expect, *shards):
-        return self.runtime.import_state(req_id, rows, expect, *shards)
+    def load(self, req_id, rows, location, expect, *shards):
+        """An OBJECT_STORE load's shards come as arguments of their own, so that Ray fetches
+        them (it resolves object refs only at the top level of a call)."""
+        return self.runtime.load(req_id, rows, replace(location, payload=shards) if shards else location, expect)
 
     def discard(self, req_id):
         self.runtime.discard(req_id)

@@ -2,10 +2,13 @@
 per call, with a timeout, so a dead or hung rank surfaces as `RankFailure` instead of a hang."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ray
 
-from hyrax.actors.engine.executor import RankCalls, RankFailure, StepResult
-from hyrax.actors.engine.plan import StepPlan
+from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums
+from hyrax.actors.engine.moves import Location, Place, Rows
+from hyrax.actors.engine.plan import StepPlan, StepResult
 
 
 class RayExecutor(RankCalls):
@@ -23,14 +26,21 @@ class RayExecutor(RankCalls):
     def _each(self, method: str, *args) -> list:
         return self._wait(method, [getattr(r, method).remote(*args) for r in self.ranks])
 
-    def _export(self, req_id, rows) -> tuple[list, list]:
-        """Checksums come back now; the shards stay in the object store, as refs."""
-        pairs = [r.export.options(num_returns=2).remote(req_id, rows) for r in self.ranks]
-        return self._wait("export", [p[0] for p in pairs]), [p[1] for p in pairs]
+    def save(self, req_id: str, rows: Rows, location: Location) -> tuple[Sums, list | None]:
+        """To the object store: checksums come back now, the shards stay there, as refs."""
+        if location.place != Place.OBJECT_STORE:
+            return super().save(req_id, rows, location)
+        pairs = [r.save.options(num_returns=2).remote(req_id, rows, location) for r in self.ranks]
+        return dict(enumerate(self._wait("save", [p[0] for p in pairs]))), [p[1] for p in pairs]
+
+    def load(self, req_id: str, rows: Rows, location: Location, expect: Sums) -> dict[int, dict]:
+        """Shard refs travel as arguments of their own (RankWorker.load), so Ray fetches them."""
+        shards = location.payload if location.place == Place.OBJECT_STORE else ()
+        return dict(enumerate(self._each("load", req_id, rows, replace(location, payload=None), expect, *shards)))
 
     def submit(self, plan: StepPlan) -> list:
         """Send a step to every rank without waiting (ranks run calls in submission order)."""
         return [r.execute.remote(plan) for r in self.ranks]
 
     def collect(self, refs: list) -> StepResult:
-        return StepResult.of(self._wait("execute", refs)[0])
+        return self._wait("execute", refs)[0]

@@ -100,8 +100,8 @@ class ThreadedTPExecutor(RankCalls):
     def submit(self, plan):
         return self._each("execute", plan)[0]
 
-    def collect(self, handle) -> StepResult:
-        return StepResult.of(handle)
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
 
 
 class _Broadcast:

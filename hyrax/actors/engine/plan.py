@@ -1,4 +1,5 @@
-"""StepPlan: the one immutable message a coordinator sends to every rank per step.
+"""StepPlan: the one immutable message a coordinator sends to every rank per step, and
+StepResult: the one answer a step gives back.
 
 Result processing reads the plan of the step it belongs to — never live request fields
 that a later step may already have advanced (the overlap-scheduling lesson).
@@ -6,7 +7,7 @@ that a later step may already have advanced (the overlap-scheduling lesson).
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hyrax.actors.engine.grammar import GrammarStep
 
@@ -77,3 +78,13 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(e.token_ids) for e in self.entries)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step sampled: a token per sampling entry, in plan order (rank 0; other ranks
+    answer an empty result), and the logprobs of the sampling rows that asked for them
+    (row among the sampling entries -> {"logprob", "top"})."""
+
+    tokens: list[int]
+    logprobs: dict[int, dict] = field(default_factory=dict)

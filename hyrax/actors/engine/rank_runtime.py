@@ -1,6 +1,11 @@
 """What one TP rank runs: its model shard, its shard of every device pool, its host
 backup memory. It owns tensors only and decides nothing: every index comes in a plan or
-a backup/restore call from the coordinator. Ray-free; `actors/rank.py` wraps it.
+in a `save` / `load` from the coordinator. Ray-free; `actors/rank.py` wraps it.
+
+Three calls carry everything: `execute(plan) -> StepResult`, `save(req, rows, location)`
+(device rows -> RANK_MEMORY, HOST_POOL or OBJECT_STORE) and `load(req, rows, location,
+expect)` (a place -> new device rows, read back and paired with what was meant to be written),
+mirroring `StateMoves.save` / `load` on the coordinator (moves.py).
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from hyrax.actors.engine.config import UnsafeFaults
 from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import checksum
-from hyrax.actors.engine.plan import StepPlan
+from hyrax.actors.engine.moves import Location, Place
+from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
@@ -51,8 +57,9 @@ class RankRuntime:
 
     # ---- forward ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Run one step; returns sampled tokens (rank 0 only) for entries that sample."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; returns the sampled tokens of the entries that sample (rank 0; other
+        ranks: an empty result), with logprobs where an entry asked."""
         for name, slots in plan.zero_slots.items():
             if slots:
                 self.pools[name][:, list(slots)] = 0
@@ -82,10 +89,10 @@ class RankRuntime:
             if self.grammars is not None:
                 self.grammars.forget(rid)
         if self.rank != 0:
-            return []
+            return StepResult([])
         if any(sp.logprobs is not None for sp in specs):
-            return tokens, logprobs_of(logits[rows], tokens, specs)
-        return tokens
+            return StepResult(tokens, logprobs_of(logits[rows], tokens, specs))
+        return StepResult(tokens)
 
     def _history(self, e) -> np.ndarray | None:
         """Prompt + output ids (int64) of a sampling entry that processes logits, in-flight token filled in."""
@@ -120,7 +127,24 @@ class RankRuntime:
         batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device)
         return self.model(batch, self.pools)
 
-    # ---- backup / restore ----------------------------------------------------------------
+    # ---- state moves: save and load over a location ----------------------------------------
+    def save(self, req_id: str, rows: Rows, location: Location) -> tuple[dict[str, int], dict | None]:
+        """Copy the request's `rows` of every component to `location`. Returns (checksum per
+        component, this rank's shard for OBJECT_STORE, else None)."""
+        if location.place == Place.OBJECT_STORE:
+            return self._export(rows)
+        return self._backup(req_id, rows, location.host_rows), None
+
+    def load(self, req_id: str, rows: Rows, location: Location, expect: dict[int, dict[str, int]]) -> dict:
+        """Write saved state into `rows` (newly allocated by the coordinator) and read it back.
+        `expect`: rank -> component -> the checksum the saving ranks reported; for OBJECT_STORE
+        `location.payload` holds every exporting rank's shard. Returns {component: [read back,
+        meant to be written]} or {component: "error ..."}; a component not saved is left out."""
+        if location.place == Place.OBJECT_STORE:
+            return self._import(rows, expect, location.payload)
+        mine = expect.get(self.rank, {})
+        return {name: [crc, mine.get(name)] for name, crc in self._restore(req_id, rows, location.host_rows).items()}
+
     def _idx(self, rows: list[int], device: torch.device | str | None = None) -> torch.Tensor:
         """Row indices as a tensor: indexing with one is ~15x faster than with a Python list."""
         return torch.as_tensor(rows, dtype=torch.long, device=self.device if device is None else device)
@@ -130,7 +154,7 @@ class RankRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
+    def _backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
         """Copy the request's rows of every component to host memory; returns checksums.
 
         host_rows given: into the pre-allocated host pool; else into host tensors from
@@ -162,7 +186,7 @@ class RankRuntime:
             self.backups[req_id] = kept
         return sums
 
-    def restore(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
+    def _restore(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
         """Write the backup into `rows` (newly allocated by the coordinator); return the
         checksum of what is now on the device, read back, per component restored."""
         kept = self.backups.get(req_id, {})
@@ -183,7 +207,7 @@ class RankRuntime:
         return sums
 
     # ---- transfer (PD hand-off, migration) -------------------------------------------------
-    def export(self, req_id: str, rows: Rows) -> tuple[dict[str, int], dict]:
+    def _export(self, rows: Rows) -> tuple[dict[str, int], dict]:
         """This rank's shard of every component of a request, for another replica to import.
 
         Returns (checksums, payload); the payload names the global indices it holds along each
@@ -202,7 +226,7 @@ class RankRuntime:
         layout = {c.name: list(c.shard_index) for c in self.components}
         return sums, {"data": data, "layout": layout}
 
-    def import_state(self, req_id: str, rows: Rows, expect: dict[int, dict[str, int]], *shards: dict) -> dict:
+    def _import(self, rows: Rows, expect: dict[int, dict[str, int]], shards: tuple[dict, ...]) -> dict:
         """Assemble each component from the exporter's shards (verifying each shard's
         checksum), keep this rank's slice, write it into `rows`, and read it back.
 
