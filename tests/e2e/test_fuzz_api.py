@@ -99,9 +99,9 @@ BAD_TOOL = st.one_of(
     st.sampled_from(["bad name!", "", "x" * 65]).map(lambda n: {"type": "function", "function": {"name": n}}),
     BAD_SCHEMAS.map(lambda p: {"type": "function", "function": {"name": "f", "parameters": p}}),
     st.just({"type": "function"}), st.just({"type": "function", "function": {"name": "f", "parameters": []}}))
+NAMED = st.sampled_from(["get_weather", "get_time"]).map(lambda n: {"type": "function", "function": {"name": n}})
 TOOL_CHOICE = mostly(
-    st.one_of(st.sampled_from(["none", "auto", "required"]),
-              st.sampled_from(["get_weather", "get_time"]).map(lambda n: {"type": "function", "function": {"name": n}})),
+    st.one_of(st.sampled_from(["none", "auto", "required"]), NAMED),
     st.sampled_from(["sometimes", {"type": "function"}, {"type": "function", "function": {"name": "nope"}}]))
 GRAMMARS = {"response_format": RESPONSE_FORMAT, "structured_outputs": STRUCTURED_OUTPUTS}
 TOOLS = {"tools": mostly(st.lists(GOOD_TOOL, min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
