@@ -55,6 +55,11 @@ def validation_error(errors: list[dict]) -> JSONResponse:
     if first.get("type") == "json_invalid":
         return error_response(400, "request body is not valid JSON", None, "invalid_json")
     loc = [x for x in first.get("loc", []) if x != "body"]
+    if not loc and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        # a JSON array or scalar, or a body sent without Content-Type: application/json (which
+        # is then not parsed: `curl -d` sends application/x-www-form-urlencoded)
+        return error_response(400, "the request body must be a JSON object, sent with Content-Type: application/json",
+                              None, "invalid_json")
     unknown = first.get("type") == "extra_forbidden"  # its last element is the client's key, whatever it looks like
     loc = [str(x) for x in loc[:-1] if not _is_union_tag(x)] + [str(x) for x in loc[-1:] if unknown or not _is_union_tag(x)]
     param = ".".join(loc) or None

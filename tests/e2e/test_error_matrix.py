@@ -48,6 +48,19 @@ def test_bad_json_is_400_on_every_post_endpoint(local, no_generation):
             assert_error(r, 400, code="invalid_json")
 
 
+def test_a_body_that_is_no_json_object_says_how_to_send_one(local, no_generation):
+    """`curl -d` without a header sends form encoding, which is not parsed as JSON; an array or
+    a scalar is JSON but no request. The 400 says what the body must be, not pydantic's words."""
+    body = b'{"model": "hyrax-demo", "prompt": "x", "max_tokens": 1}'
+    for path in ("/v1/completions", "/v1/chat/completions", "/admin/retract", "/v1/tokenize"):
+        for raw, ctype in ((body, "application/x-www-form-urlencoded"), (body, "text/plain"),
+                           (b"[1, 2]", "application/json"), (b'"text"', "application/json")):
+            err = assert_error(post(local, path, content=raw, headers={"Content-Type": ctype}), 400,
+                               code="invalid_json")
+            assert "must be a JSON object" in err["message"] and "Content-Type: application/json" in err["message"]
+            assert "dictionary" not in err["message"], err
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("field,value", SAMPLING_ERRORS, ids=[f"{f}={v!r}" for f, v in SAMPLING_ERRORS])
 def test_wrong_type_or_out_of_range_sampling_field_is_400(local, no_generation, path, field, value):
