@@ -20,6 +20,7 @@ from hyrax.cluster.deployment import Deployment, Replica
 from hyrax.cluster.placement import RoleSpec, namespace
 
 DEFAULT_NAME = "hyrax"
+HEAD_NODE = "node:__internal_head__"  # the resource Ray gives the head node (ray._common.constants)
 DEFAULT_LEASE_S = 10.0
 CONTROLLER = "controller"  # the controller's actor name, in the deployment's own Ray namespace
 
@@ -86,7 +87,9 @@ def create(name: str, model_dir: str, served_name: str, roles: list[RoleSpec], c
     if not attach and find(name) is not None:
         raise HyraxInputError(f"a deployment named {name!r} already runs on this Ray cluster; "
                               f"pass --attach to serve it, or choose another --deployment name")
-    opts = {"name": CONTROLLER, "namespace": namespace(name), "lifetime": "detached"}
+    # on the head node: the replicas are the controller's actors and die with it, so it must not
+    # share the fate of a worker node (the head's loss ends the cluster anyway)
+    opts = {"name": CONTROLLER, "namespace": namespace(name), "lifetime": "detached", "resources": {HEAD_NODE: 0.001}}
     if attach:
         opts["get_if_exists"] = True  # two gateways attaching at once get one controller
     try:

@@ -1,5 +1,8 @@
-"""Place role replicas on the Ray cluster: one placement group per replica (one bundle per
-TP rank), one RoleCoordinator per replica, which starts its rank actors in that group."""
+"""Place role replicas on the Ray cluster: one placement group per replica (one bundle per TP
+rank, STRICT_PACK: a replica lives on one node), replicas spread over the nodes, and one
+RoleCoordinator per replica inside its group (so a node that goes away takes whole replicas, never
+half of one), which starts its rank actors in that group. Where nodes advertise a role's resource
+(`hyrax_prefill`, `hyrax_decode`), that role's replicas go only there."""
 from __future__ import annotations
 
 import time
@@ -7,23 +10,24 @@ from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hyrax.actors.coordinator import RoleCoordinator
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
-from hyrax.cluster.placement import RoleSpec, check_fits, rank_bundle  # noqa: F401 - RoleSpec re-exported
+from hyrax.cluster.placement import RoleSpec, check_fits, rank_bundle, role_resource  # noqa: F401 - RoleSpec re-exported
 
 
-def free_resources_per_node() -> list[dict[str, float]]:
-    """What each live node of the Ray cluster has free now."""
+def free_resources_per_node() -> dict[str, dict[str, float]]:
+    """What each live node of the Ray cluster has free now, by node id."""
     try:
         from ray._private.state import available_resources_per_node
 
-        return list(available_resources_per_node().values())
+        return dict(available_resources_per_node())
     except Exception:  # noqa: BLE001 - a Ray without the per-node view: the whole cluster as one node
-        return [ray.available_resources()]
+        return {"": ray.available_resources()}
 
 
 @dataclass
@@ -61,9 +65,12 @@ class Deployment:
         self.namespace = namespace  # Ray namespace of its actor names (one per deployment name)
         self.replicas: list[Replica] = []
 
-    def placement_groups(self, gpu: bool) -> list[tuple[RoleSpec, int, list[dict[str, float]]]]:
-        """(role, replica index, bundles) of every placement group, in placement order."""
-        return [(spec, i, [rank_bundle(gpu) for _ in range(spec.tp)])
+    def placement_groups(self, gpu: bool, pinned: frozenset[str] = frozenset()) -> list[tuple[RoleSpec, int, list[dict[str, float]]]]:
+        """(role, replica index, bundles) of every placement group, in placement order;
+        `pinned`: the role resources some node advertises (those roles go only there)."""
+        def pin(role: str) -> str | None:
+            return role_resource(role) if role_resource(role) in pinned else None
+        return [(spec, i, [rank_bundle(gpu, pin(spec.name)) for _ in range(spec.tp)])
                 for spec in self.roles for i in range(spec.replicas)]
 
     def start(self, timeout_s: float = 600.0, wait_for_room_s: float = 0.0) -> None:
@@ -72,17 +79,20 @@ class Deployment:
         `wait_for_room_s` for nodes to join, e.g. worker pods still starting)."""
         deadline = time.monotonic() + wait_for_room_s
         while True:
-            gpu = ray.cluster_resources().get("GPU", 0) > 0
-            groups = self.placement_groups(gpu)
+            total = ray.cluster_resources()
+            gpu = total.get("GPU", 0) > 0
+            groups = self.placement_groups(gpu, frozenset(k for k in total if k.startswith("hyrax_")))
             try:
-                check_fits([(f"{spec.name}/{i}", bundles) for spec, i, bundles in groups], free_resources_per_node())
+                nodes = check_fits([(f"{spec.name}/{i}", bundles) for spec, i, bundles in groups],
+                                   free_resources_per_node())
                 break
             except StartupFailure:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(1.0)
-        for spec, i, bundles in groups:
-            pg = placement_group(bundles, strategy="PACK", name=f"hyrax/{spec.name}/{i}")
+        for (spec, i, bundles), node in zip(groups, nodes):
+            pg = placement_group(bundles, strategy="STRICT_PACK", name=f"hyrax/{spec.name}/{i}",
+                                 _soft_target_node_id=node or None)  # spread: the node check_fits chose
             try:
                 ray.get(pg.ready(), timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
@@ -90,7 +100,10 @@ class Deployment:
                 raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
                                      f"(the cluster's free resources were taken meanwhile)") from None
             role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
-            coord = RoleCoordinator.options(name=f"hyrax/{spec.name}/{i}/coordinator", namespace=self.namespace).remote(
+            coord = RoleCoordinator.options(
+                name=f"hyrax/{spec.name}/{i}/coordinator", namespace=self.namespace,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(
                 spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s, namespace=self.namespace)
             self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
         try:

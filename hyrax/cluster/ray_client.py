@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import uuid
 from typing import AsyncIterator
 
+import ray
+
 from hyrax.actors.engine.commands import Abort, Command
+from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.tokenizer import chat_template, load_tokenizer
 from hyrax.api.client import EngineClient, ModelInfo
@@ -54,8 +58,11 @@ class RayBackend:
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         finished = False
         try:
-            async for ref in self.handle.generate.remote(request_id, prompt_ids, params, gateway=self.gateway):
-                item = await ref
+            sp = SamplingParams(**params) if isinstance(params, dict) else params
+            request = {"id": request_id, "prompt_ids": list(prompt_ids), "output_ids": [], "params": sp,
+                       "seed": sp.seed if sp.seed is not None else random.getrandbits(62), "retractions": 0}
+            async for item in survive_replica_loss(
+                    self.handle.generate.remote(request_id, prompt_ids, params, gateway=self.gateway), request):
                 finished = bool(item.get("finished")) or "handoff" in item
                 yield item
         finally:
@@ -66,8 +73,9 @@ class RayBackend:
         rid = handoff["request"]["id"]
         finished = False
         try:
-            async for ref in self.handle.generate_imported.remote(handoff, gateway=self.gateway):
-                item = await ref
+            request = dict(handoff["request"], output_ids=list(handoff["request"]["output_ids"]))
+            async for item in survive_replica_loss(
+                    self.handle.generate_imported.remote(handoff, gateway=self.gateway), request):
                 finished = bool(item.get("finished")) or "handoff" in item
                 yield item
         finally:
@@ -79,6 +87,29 @@ class RayBackend:
             return await asyncio.wait_for(self.handle.health.remote(), 5.0)
         except Exception as e:  # noqa: BLE001 - unreachable counts as unhealthy
             return {"role": self.role, "replica": self.index, "healthy": False, "last_error": type(e).__name__}
+
+
+# A replica that is gone (its node lost, its process killed): the stream's actor died, or the
+# objects it had yielded died with it. An error raised by the replica's own code is not one.
+REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+
+
+async def survive_replica_loss(stream, request: dict) -> AsyncIterator[dict]:
+    """The items of one replica's token stream. If the replica is lost mid-stream, the stream ends
+    with a hand-off that carries no state, only the request's tokens so far (`request`, kept up to
+    date here): the engine client hands it to another replica like any hand-off, which rebuilds
+    the state by prefill over prompt + output (recompute) and continues the same stream. The lost
+    replica held the only copy of the state, so recompute is the one way back; the tokens the
+    client already has are never regenerated."""
+    try:
+        async for ref in stream:
+            item = await ref
+            if item.get("error") is None:
+                request["output_ids"].extend(item.get("token_ids") or [])
+            yield item
+    except REPLICA_LOST:
+        yield {"token_ids": [], "finished": False, "finish_reason": None,
+               "handoff": {"request": request, "manifest": None, "payload": [], "lease_s": 0.0, "source": None}}
 
 
 def model_info(model_dir: str, name: str) -> ModelInfo:

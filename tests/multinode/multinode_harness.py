@@ -16,6 +16,7 @@ from gateway_harness import free_port, wait_until  # noqa: F401 - wait_until re-
 
 HYRAX = Path(sys.executable).with_name("hyrax")
 HOLDER = Path(__file__).with_name("cluster_holder.py")
+MARK = "@hyrax-holder "  # cluster_holder.MARK: its answers' prefix
 TOKEN = "multinode-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = "hyrax-demo"
@@ -32,20 +33,32 @@ class HeldCluster:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, str(HOLDER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env(), start_new_session=True)
-        self.address = json.loads(self.proc.stdout.readline())["address"]
+        self.address = self._answer()["address"]
+
+    def _answer(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, "the cluster holder exited"
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
 
     def _ask(self, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "the cluster holder exited"
-        return json.loads(line)
+        return self._answer()
 
     def add_node(self, name: str, num_cpus: int, resources: dict | None = None) -> str:
         return self._ask(op="add", name=name, num_cpus=num_cpus, resources=resources or {})["node_id"]
 
     def remove_node(self, name: str) -> None:
         self._ask(op="remove", name=name)
+
+    def placement(self) -> dict[str, list[str]]:
+        """Placement group name -> the node (by the name given to add_node) of each bundle."""
+        return self._ask(op="placement")["groups"]
+
+    def clean(self, actors: list[str], namespace: str = "hyrax") -> dict:
+        return self._ask(op="clean", actors=actors, namespace=namespace)["clean"]
 
     def shutdown(self) -> None:
         if self.proc.poll() is None:

@@ -84,14 +84,17 @@ class Transfers:
     def import_(self, handoff: dict) -> Outcome:
         """Take over a request offered by another replica: allocate new indices, import and
         verify every component on every rank. VERIFIED, a fallback (FALLBACK,
-        CHECKSUM_MISMATCH: rebuilt by prefill here), or NO_CAPACITY (queued, imported when
+        CHECKSUM_MISMATCH: rebuilt by prefill here), RECOMPUTE (a hand-off without state, from a
+        replica that was lost: rebuilt by prefill here), or NO_CAPACITY (queued, imported when
         memory allows)."""
         r = handoff["request"]
         if r["id"] in self.table:
             raise HyraxInputError(f"request id {r['id']!r} is already in use")
         req = Request(r["id"], list(r["prompt_ids"]), r["params"], r["seed"], output_ids=list(r["output_ids"]))
         req.retractions = r.get("retractions", 0)
-        req.backup = Backup(handoff["manifest"], Location(Place.OBJECT_STORE, payload=tuple(handoff["payload"])))
+        # no manifest: the source is gone with the state (its node was lost); rebuild from the tokens
+        req.backup = (None if handoff["manifest"] is None
+                      else Backup(handoff["manifest"], Location(Place.OBJECT_STORE, payload=tuple(handoff["payload"]))))
         self.table.import_(req)
         t0 = time.perf_counter()
         result = self.load(req)
