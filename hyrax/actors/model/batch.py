@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 
+import numpy as np
 import torch
 
 from hyrax.actors.model.state import WINDOW, ComponentSpec
@@ -70,6 +72,16 @@ class ForwardBatch:
         return self.input_ids.shape[1]
 
 
+def _ragged(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
+    """(len(rows), width) long tensor of the rows left-aligned, `fill` after each: one copy
+    of all the values, not one small tensor per row."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
+                                                                  count=int(lens.sum()))
+    return torch.from_numpy(out)
+
+
 def build_forward_batch(
     seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
@@ -82,9 +94,7 @@ def build_forward_batch(
     ar_t = torch.arange(T)
     q_valid = ar_t[None, :] < q_lens[:, None]
     positions = torch.where(q_valid, starts[:, None] + ar_t[None, :], torch.zeros((), dtype=torch.long))
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
+    ids = _ragged([s.token_ids for s in seqs], T, 0)
     ctx = starts + q_lens  # tokens in context after this step
     attn: dict[str, AttnIndex] = {}
     slots: dict[str, torch.Tensor] = {}
@@ -92,11 +102,9 @@ def build_forward_batch(
         if not comp.paged:
             slots[comp.name] = torch.tensor([s.slots[comp.name] for s in seqs], dtype=torch.long, device=device)
             continue
-        n_pages = max(1, max(len(s.page_tables[comp.name]) for s in seqs))
-        pt = torch.full((B, n_pages), -1, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            tbl = s.page_tables[comp.name]
-            pt[b, : len(tbl)] = torch.tensor(tbl, dtype=torch.long)
+        tables = [s.page_tables[comp.name] for s in seqs]
+        n_pages = max(1, max(map(len, tables)))
+        pt = _ragged(tables, n_pages, -1)
 
         def rows_at(pos: torch.Tensor, valid: torch.Tensor, pt=pt) -> torch.Tensor:
             page = pt.gather(1, (pos // page_size).clamp(0, n_pages - 1))
