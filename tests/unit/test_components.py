@@ -34,6 +34,26 @@ def test_each_layout_declares_exactly_its_components(layout):
         assert c.window == (5 if c.kind == "window" else None)
 
 
+@pytest.mark.parametrize("layout", list(EXPECTED))
+def test_the_table_is_the_layer_modules_declarations_over_their_own_layers(layout):
+    """Each layer module declares the components its layers keep; the table is their join, and
+    a declared component covers exactly the layers of its module's layer type(s)."""
+    from hyrax.actors.model import attention, gated_deltanet, mamba2
+
+    cfg = tiny_config(layout)
+    owners = {attention: ("full_attention", "sliding_attention"), mamba2: ("mamba2",),
+              gated_deltanet: ("gated_deltanet",)}
+    joined = []
+    for module, ltypes in owners.items():
+        declared = module.state_components(cfg, TP(), torch.float32)
+        for c in declared:
+            assert set(c.layers) <= {i for i, t in enumerate(cfg.layer_types) if t in ltypes}, (module, c.name)
+        joined += declared
+    assert tuple(joined) == derive_components(cfg)
+    names = {c.name for c in joined}
+    assert (mamba2.CONV in names) == (mamba2.SSM in names) == ("mamba2" in cfg.layer_types)
+
+
 @pytest.mark.parametrize("model_dtype,ssm_dtype", [
     (torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float64, torch.float64)])
 def test_recurrent_state_is_kept_in_at_least_float32(model_dtype, ssm_dtype):

@@ -13,9 +13,31 @@ from torch import nn
 from hyrax.actors.model import sharding
 from hyrax.actors.model.attn_backends import select_backend
 from hyrax.actors.model.batch import ForwardBatch
+from hyrax.actors.model.components import TOKEN, WINDOW, ComponentSpec
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.norm import AllReduce, RMSNorm
 from hyrax.actors.model.sharding import TP
+
+
+# the state component each attention layer type keeps: K/V rows, paged
+COMPONENT = {"full_attention": "full_kv", "sliding_attention": "swa_kv"}
+
+
+def state_components(cfg: ModelConfig, tp: TP, dtype: torch.dtype) -> list[ComponentSpec]:
+    """This shard's K/V: one row (2, kv_heads, head_dim) per token for full attention layers
+    (token kind), per token of the last window for sliding-window layers (window kind)."""
+    if not cfg.has_attention:
+        return []
+    kvh = sharding.kv_heads(cfg, tp)
+    out = []
+    for ltype, kind in (("full_attention", TOKEN), ("sliding_attention", WINDOW)):
+        layers = cfg.layers_of(ltype)
+        if layers:
+            out.append(ComponentSpec(name=COMPONENT[ltype], kind=kind, layers=layers,
+                                     unit_shape=(2, len(kvh), cfg.head_dim), dtype=dtype, shard_dim=1,
+                                     shard_index=tuple(kvh), global_size=cfg.num_key_value_heads,
+                                     window=cfg.sliding_window if kind == WINDOW else None))
+    return out
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:

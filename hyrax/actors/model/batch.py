@@ -14,7 +14,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from hyrax.actors.model.state import WINDOW, ComponentSpec
+from hyrax.actors.model.components import WINDOW, ComponentSpec
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,25 @@ from torch import nn
 
 from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
+from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.conv import causal_conv_step
 from hyrax.actors.model.norm import AllReduce
 from hyrax.actors.model.sharding import TP
+
+
+CONV, STATE = "gdn_conv", "gdn_state"  # the state components a Gated DeltaNet layer keeps
+
+
+def state_components(cfg: ModelConfig, tp: TP, dtype: torch.dtype) -> list[ComponentSpec]:
+    """This shard's Gated DeltaNet state: CONV (conv channels, kernel - 1) and STATE ((v_heads,
+    k_head_dim, v_head_dim), float32/64), one slot per request, over every gated_deltanet layer."""
+    layers = cfg.layers_of("gated_deltanet")
+    if not layers:
+        return []
+    g = cfg.gdn
+    return recurrent_pair(CONV, STATE, layers, dtype, sharding.gdn_conv_channels(cfg, tp), g.conv_kernel,
+                          g.conv_dim, sharding.gdn_v_heads(cfg, tp), (g.k_head_dim, g.v_head_dim), g.num_v_heads)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -94,13 +109,13 @@ class GatedDeltaNet(nn.Module):
         """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and recurrent slots."""
         B, T, _ = x.shape
         nk, nv, dk, dv, r = self.nk, self.nv, self.dk, self.dv, self.r
-        conv_pool = pools["gdn_conv"][self.local_layer]  # (slots, conv_dim, K-1)
-        state_pool = pools["gdn_state"][self.local_layer]  # (slots, Hv, Dk, Dv)
+        conv_pool = pools[CONV][self.local_layer]  # (slots, conv_dim, K-1)
+        state_pool = pools[STATE][self.local_layer]  # (slots, Hv, Dk, Dv)
         qkvz = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(B, T, nk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        mixed = causal_conv_step(mixed, conv_pool, batch.slots["gdn_conv"], batch.q_lens, self.conv1d.weight, None)
+        mixed = causal_conv_step(mixed, conv_pool, batch.slots[CONV], batch.q_lens, self.conv1d.weight, None)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         f = state_pool.dtype
         q = l2norm(q.reshape(B, T, nk, dk).to(f)).repeat_interleave(r, dim=2) * dk ** -0.5
@@ -108,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         valid = batch.q_valid[..., None]
         beta = b.reshape(B, T, nv).sigmoid().to(f) * valid
         g = -self.A_log.to(f).exp() * nn.functional.softplus(a.reshape(B, T, nv).to(f) + self.dt_bias.to(f)) * valid
-        slots = batch.slots["gdn_state"]
+        slots = batch.slots[STATE]
         o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool[slots])
         state_pool[slots] = new_state
         y = self._gated_norm(o, z.reshape(B, T, nv, dv))

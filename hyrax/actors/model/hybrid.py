@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyrax.actors.model import attention, gated_deltanet, mamba2
 from hyrax.actors.model.attention import Attention
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.config import MIXERS, ModelConfig
@@ -58,11 +59,11 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
         for mixer in self.mixers:
             if mixer == "mamba2":
-                self.mamba = Mamba2Mixer(cfg, tp, local_index("mamba_conv"), dtype, allreduce)
+                self.mamba = Mamba2Mixer(cfg, tp, local_index(mamba2.CONV), dtype, allreduce)
             elif mixer == "gated_deltanet":
-                self.linear_attn = GatedDeltaNet(cfg, tp, local_index("gdn_conv"), dtype, allreduce)
+                self.linear_attn = GatedDeltaNet(cfg, tp, local_index(gated_deltanet.CONV), dtype, allreduce)
             else:
-                comp = "full_kv" if mixer == "full_attention" else "swa_kv"
+                comp = attention.COMPONENT[mixer]
                 window = cfg.sliding_window if mixer == "sliding_attention" else None
                 self.self_attn = Attention(cfg, tp, layer_id, comp, local_index(comp), window, dtype, allreduce,
                                            device, attn_backend)

@@ -16,11 +16,25 @@ from torch import nn
 
 from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
+from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.conv import causal_conv_step
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.ssd import ssd_chunked, ssd_step
+
+
+CONV, SSM = "mamba_conv", "mamba_ssm"  # the state components a Mamba2 layer keeps
+
+
+def state_components(cfg: ModelConfig, tp: TP, dtype: torch.dtype) -> list[ComponentSpec]:
+    """This shard's Mamba2 state: CONV (conv_dim channels, d_conv - 1) and SSM ((heads, head_dim,
+    d_state), float32/64), one slot per request, over every mamba2 layer."""
+    if not cfg.has_mamba:
+        return []
+    return recurrent_pair(CONV, SSM, cfg.layers_of("mamba2"), dtype, sharding.mamba_conv_channels(cfg, tp),
+                          cfg.mamba_d_conv, cfg.mamba_conv_dim, sharding.mamba_heads(cfg, tp),
+                          (cfg.mamba_d_head, cfg.mamba_d_state), cfg.mamba_n_heads)
 
 
 def _section_scales(cfg: ModelConfig) -> torch.Tensor | None:
@@ -91,9 +105,9 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         P, N, G = cfg.mamba_d_head, cfg.mamba_d_state, self.n_groups_local
-        conv_pool = pools["mamba_conv"][self.local_layer]  # (slots, conv_dim, d_conv-1)
-        ssm_pool = pools["mamba_ssm"][self.local_layer]  # (slots, H, P, N)
-        conv_slots, ssm_slots = batch.slots["mamba_conv"], batch.slots["mamba_ssm"]
+        conv_pool = pools[CONV][self.local_layer]  # (slots, conv_dim, d_conv-1)
+        ssm_pool = pools[SSM][self.local_layer]  # (slots, H, P, N)
+        conv_slots, ssm_slots = batch.slots[CONV], batch.slots[SSM]
 
         zxbcdt = self.in_proj(x)
         if self.in_scale is not None:
