@@ -13,8 +13,9 @@ import time
 from bench.common import PROFILES, env_summary, progress, shutdown_ray, single_thread_torch
 from bench.report import Row, markdown, write_json
 
-SUITES = ("serving", "coordination", "retraction", "transfer", "memory", "soak")
-DEFAULT_SUITES = SUITES[:-1]  # the soak (~30 minutes full, ~4 quick) runs only when named
+SUITES = ("serving", "coordination", "retraction", "transfer", "memory", "soak", "multinode")
+# run only when named: the soak (~30 minutes full, ~4 quick) and multinode (a 5-raylet cluster)
+DEFAULT_SUITES = SUITES[:-2]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the rows to this file as a JSON list of objects "
                                                  "(keys: metric, hyrax, baseline, ratio, target, passed)")
     p.add_argument("--suite", action="append", choices=SUITES, metavar="NAME",
-                   help=f"run only this suite (repeatable): {', '.join(SUITES)}; default: all but soak")
+                   help=f"run only this suite (repeatable): {', '.join(SUITES)}; default: all but soak and multinode")
     p.add_argument("--profile", choices=sorted(PROFILES), help=argparse.SUPPRESS)  # tests: 'tiny'
 
 

@@ -5,28 +5,11 @@ Importable from any test folder: tests/conftest.py puts this folder on sys.path.
 """
 from __future__ import annotations
 
-import socket
 import threading
-import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+from hyrax.testing.multinode import free_port, wait_until  # noqa: F401 - one copy, shared with hyrax bench
 
 
 class Gateway:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from multinode_harness import Gateway, HeldCluster, Stream, wait_until
+from hyrax.testing.multinode import Gateway, HeldCluster, Stream, wait_until
 
 # ~2 min on 2 cores (a cluster, a deployment, four gateway processes): opt-in, `pytest -m slow tests/multinode`
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

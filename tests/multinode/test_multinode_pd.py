@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from multinode_harness import Gateway, HeldCluster, Stream, wait_until
+from hyrax.testing.multinode import Gateway, HeldCluster, Stream, wait_until
 
 # ~1.5-2 min on 2 cores (four raylets, seven torch processes): opt-in, `pytest -m slow tests/multinode`
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -1,4 +1,5 @@
-"""A multi-node Ray cluster on this machine, held by this process (run as a script).
+"""A multi-node Ray cluster on this machine, held by this process
+(`python -m hyrax.testing.cluster_holder`; hyrax.testing.multinode.HeldCluster drives it).
 
 The test process stays out of Ray (the integration suite's session cluster may already be
 initialised in it): it starts this script, reads the head's address from its first line, and
@@ -28,16 +29,12 @@ from ray.cluster_utils import Cluster  # noqa: E402
 MARK = "@hyrax-holder "
 
 
-# Answers go to the stdout this process was started with; everything else (Ray's own messages,
-# at the Python or the C++ level) goes to stderr, so no other output can split an answer.
-_ANSWERS = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
+_answers = None  # the stdout this process was started with (main() moves everything else to stderr)
 
 
 def answer(obj) -> None:
-    _ANSWERS.write(MARK + json.dumps(obj) + "\n")
-    _ANSWERS.flush()
+    _answers.write(MARK + json.dumps(obj) + "\n")
+    _answers.flush()
 
 
 def placement(nodes: dict) -> dict:
@@ -63,6 +60,12 @@ def clean(actors: list[str], namespace: str) -> dict:
 
 
 def main() -> None:
+    # Answers go to the stdout this process was started with; everything else (Ray's own
+    # messages, at the Python or the C++ level) goes to stderr, so nothing can split an answer.
+    global _answers
+    _answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                            "resources": {"node_head": 1}})
     nodes = {}

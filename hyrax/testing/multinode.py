@@ -1,25 +1,45 @@
-"""Helpers for the multi-node tests: a Ray cluster of several raylets held by a child process
-(cluster_holder.py), and `hyrax serve` gateways joined to it, each in a process group of its own.
+"""Multi-node Ray on one machine, for the tests (tests/multinode) and `hyrax bench --suite
+multinode`: a cluster of several raylets held by a child process (cluster_holder.py), and
+`hyrax serve` gateways joined to it, each in a process group of its own.
 
-The test process never joins that cluster: it talks to the gateways over HTTP only."""
+The calling process never joins that cluster (the integration suite's session cluster may
+already be initialised in it): it talks to the gateways over HTTP and to the holder over pipes."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
-from gateway_harness import free_port, wait_until  # noqa: F401 - wait_until re-exported to the tests
 
 HYRAX = Path(sys.executable).with_name("hyrax")
-HOLDER = Path(__file__).with_name("cluster_holder.py")
 MARK = "@hyrax-holder "  # cluster_holder.MARK: its answers' prefix
 TOKEN = "multinode-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = "hyrax-demo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 def env() -> dict[str, str]:
@@ -31,7 +51,7 @@ def env() -> dict[str, str]:
 
 class HeldCluster:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, str(HOLDER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "hyrax.testing.cluster_holder"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env(), start_new_session=True)
         self.address = self._answer()["address"]
 
@@ -132,9 +152,8 @@ class Stream:
     """One streaming completion read in a thread: its text, chunk count, and how it ended."""
 
     def __init__(self, gw: Gateway, prompt: str, max_tokens: int, request_id: str):
-        import threading
-
         self.text, self.chunks, self.error, self.done = "", 0, None, False
+        self.chunk_times: list[float] = []  # time.monotonic() of each chunk
         self.request_id = request_id
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True}
@@ -156,6 +175,7 @@ class Stream:
                         self.error = chunk["error"]
                         break
                     self.chunks += 1
+                    self.chunk_times.append(time.monotonic())
                     self.text += chunk["choices"][0]["text"]
         except Exception as e:  # noqa: BLE001 - a broken connection is this stream's outcome
             self.error = f"{type(e).__name__}: {e}"
