@@ -230,3 +230,29 @@ def test_an_xml_body_between_the_same_tags_is_not_read_as_hermes():
     assert coder != hermes and tool_format(hermes).name == "hermes" and tool_format(coder) is None
     with pytest.raises(APIError, match="writes no tool-call syntax"):
         plan_tools(_body(), coder)
+
+
+# ---- any text: streamed in any pieces, the same message as whole --------------------------
+FRAGMENTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', '{"arguments": ', '"name": "g"', "{", "}",
+             "[", "]", '"', "\\", ",", " ", "\n", "1", "true", "<", "</tool", "<tool_c", "text", "é"]
+
+
+def test_any_answer_streams_to_the_same_message_as_whole():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sampled_from(FRAGMENTS), max_size=16).map("".join),
+           st.lists(st.integers(0, 200), max_size=6), st.booleans())
+    def check(answer, cuts, parallel):
+        _, whole_parts, whole, _ = _run([answer], tags=TAGS, parallel=parallel)
+        cuts = sorted({min(c, len(answer)) for c in cuts})
+        pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
+        streamed, parts, message, _ = _run(pieces, tags=TAGS, parallel=parallel)
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+        assert message["content"] == whole["content"] and streamed == (message["content"] or "")
+        assert _reassemble(parts) == calls == _reassemble(whole_parts)
+        assert calls or message["content"] == answer  # without a call, the text comes back exactly
+
+    check()
