@@ -23,6 +23,10 @@ class Profile:
     serving_out_range: tuple[int, int] = (64, 128)
     serving_prompt_range: tuple[int, int] = (32, 512)
     serving_target_concurrency: int = 16
+    # serving, large model: requests at concurrency 16 (0: skip), output and prompt lengths
+    large_requests: int = 32
+    large_out_range: tuple[int, int] = (32, 64)
+    large_prompt_range: tuple[int, int] = (32, 256)
     # coordination: decode steps timed per (tp, batch)
     coord_batches: tuple[int, ...] = (1, 32)
     coord_tps: tuple[int, ...] = (1, 2)
@@ -61,6 +65,9 @@ QUICK = Profile(
     name="quick",
     serving_requests={1: 3, 4: 8, 16: 32},
     serving_out_range=(24, 40),
+    large_requests=16,
+    large_out_range=(16, 24),
+    large_prompt_range=(32, 128),
     coord_steps=12,
     retract_prompts=(256, 1024),
     retract_rounds=5,
@@ -77,6 +84,7 @@ TINY = Profile(  # the smoke test: plumbing only, seconds
     judge_timing=False,
     serving_requests={1: 1},
     serving_out_range=(4, 8),
+    large_requests=0,
     coord_steps=2,
     retract_prompts=(64,),
     retract_rounds=1,
@@ -206,20 +214,40 @@ BAMBA_KW = dict(
 )
 
 
-def make_bamba_checkpoint(path: Path, seed: int = BENCH_SEED) -> Path:
+# The "large model" rows: ~110M parameters (hidden 768, 12 layers with attention at 3 and 9,
+# 24 Mamba heads of 64, state 64, MLP 2048, vocab 8192), ~440 MB in float32, so that a decode
+# step reads far more weight bytes than it spends in Python: the regime serving systems are for.
+BAMBA_LARGE_KW = dict(
+    BAMBA_KW, vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+    num_attention_heads=12, num_key_value_heads=4, attn_layer_indices=[3, 9],
+    mamba_n_heads=24, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
+)
+
+
+def make_bamba_checkpoint(path: Path, seed: int = BENCH_SEED, large: bool = False) -> Path:
     """A random Bamba checkpoint (transformers `save_pretrained`) plus a tokenizer.json that
     decodes every id to exactly one visible character, so that each streamed SSE chunk of a
-    completion carries exactly the tokens of one engine step (client-side ITL is per token)."""
+    completion carries exactly the tokens of one engine step (client-side ITL is per token).
+    `large`: the ~110M-parameter shape (BAMBA_LARGE_KW)."""
     import torch
     import transformers
 
     quiet_transformers()
     torch.manual_seed(seed)
-    cfg = transformers.BambaConfig(**BAMBA_KW)
-    model = transformers.BambaForCausalLM(cfg).eval()
+    cfg = transformers.BambaConfig(**(BAMBA_LARGE_KW if large else BAMBA_KW))
+    if large:  # transformers' own init of 110M parameters takes a minute and a half on 2 cores
+        with torch.device("meta"):
+            model = transformers.BambaForCausalLM(cfg).eval()
+        model.to_empty(device="cpu")
+    else:
+        model = transformers.BambaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-degenerate recurrences (HF's defaults make every head alike)
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
+            if large and p.dim() >= 2:
+                p.normal_(0.0, cfg.initializer_range, generator=g)
+            elif large:  # norms, biases, D
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
             if name.endswith("A_log"):
                 p.copy_(torch.rand(p.shape, generator=g) * 1.5)
             elif name.endswith("dt_bias"):

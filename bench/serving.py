@@ -16,7 +16,9 @@ requested tokens count).
 Rows: output tok/s at each concurrency vs sequential transformers (target >= 3x at
 concurrency 16) and vs static batches; the full stack vs the same workload through an
 in-process engine (no HTTP, no Ray: what the stack costs); TTFT and ITL p50/p99 (client-side,
-from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL.
+from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL. The "large model"
+rows repeat concurrency 16 on a ~110M-parameter Bamba checkpoint (targets: >= 6x sequential,
+>= 1.5x static batches), where weight reads, not Python, dominate a step.
 """
 from __future__ import annotations
 
@@ -26,12 +28,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (BENCH_SEED, Profile, make_bamba_checkpoint, percentile, progress, prompt_ids,
+from bench.common import (BENCH_SEED, Profile, make_bamba_checkpoint, median, percentile, progress, prompt_ids,
                           quiet_transformers)
 from bench.report import Row, ratio
 from bench.stack import GatewayStack, serve_defaults
 
 MODEL_NAME = "bench-bamba"
+LARGE_CONCURRENCY = 16
+LARGE_VOCAB = 8192  # BAMBA_LARGE_KW's
+
+
+def large_workload(profile: Profile) -> list[dict]:
+    rng = random.Random(BENCH_SEED + 1_000)
+    lo, hi = profile.large_prompt_range
+    olo, ohi = profile.large_out_range
+    return [{"prompt": prompt_ids(rng, rng.randint(lo, hi), vocab=LARGE_VOCAB), "max_tokens": rng.randint(olo, ohi)}
+            for _ in range(profile.large_requests)]
 
 
 def workload(profile: Profile, concurrency: int) -> list[dict]:
@@ -202,4 +214,43 @@ def run(profile: Profile) -> list[Row]:
                 h, b = _ms(percentile(xs, q)), _ms(percentile(ref, q))
                 rows.append(Row(f"serving c={c}: {name} p{q} ms (baseline: transformers, 1 request)", h, b,
                                 ratio(h, b)))
+    if profile.large_requests:
+        rows += run_large(profile)
     return rows
+
+
+def run_large(profile: Profile) -> list[Row]:
+    """The large model (~110M parameters): the same full stack at concurrency 16 against
+    transformers sequential and in static batches of 16, halves before and after Hyrax."""
+    c = LARGE_CONCURRENCY
+    reqs = large_workload(profile)
+    with tempfile.TemporaryDirectory(prefix="hyrax-bench-bamba-large-") as tmp:
+        progress("serving: writing the large (~110M-parameter) Bamba checkpoint")
+        path = make_bamba_checkpoint(Path(tmp), large=True)
+        hf = _Transformers(path)
+        hf.run_share(reqs, c, 0)
+        stack = _stack(path, c)
+        try:
+            progress(f"serving: large model, Hyrax over HTTP, concurrency {c} ({len(reqs)} requests)")
+            out = _load(stack, reqs, c, [{"prompt": list(range(1, 40)), "max_tokens": 4}])
+        finally:
+            stack.close()
+        hf.run_share(reqs, c, 1)
+    res = out["results"]
+    ok = [r for r in res if not r.get("error") and r["tokens"] == r["expected"]]
+    tps = sum(r["tokens"] for r in ok) / out["wall"]
+    seq_tps = hf.seq["tokens"] / hf.seq["seconds"]
+    static_tps = hf.static["tokens"] / hf.static["seconds"]
+    progress(f"serving: large model: Hyrax {tps:.1f} tok/s, transformers sequential {seq_tps:.1f}, "
+             f"static batches {static_tps:.1f}")
+    itl = [x for r in ok for x in r["itl"]]
+    h, b = _ms(median(itl)), _ms(median(hf.seq["itl"]))
+    return [
+        Row(f"serving large model c={c}: requests failed or short (of {len(res)}); ratio: share", len(res) - len(ok),
+            None, (len(res) - len(ok)) / len(res), "== 0"),
+        Row(f"serving large model c={c}: output tok/s vs transformers sequential", tps, seq_tps, ratio(tps, seq_tps),
+            profile.target(">= 6")),
+        Row(f"serving large model c={c}: output tok/s vs transformers static batches of {c}", tps, static_tps,
+            ratio(tps, static_tps), profile.target(">= 1.5")),
+        Row(f"serving large model c={c}: ITL p50 ms (baseline: transformers, 1 request)", h, b, ratio(h, b)),
+    ]
