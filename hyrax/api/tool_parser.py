@@ -9,9 +9,10 @@ wrote it. Three shapes of answer:
 - a named function (forced): the whole answer is that function's arguments;
 - `required` (forced): the whole answer is one call body;
 - `auto`: free text in which each call is a body between the template's tags
-  (`<tool_call>...</tool_call>` for Hermes-style templates). Text outside the tags is content;
-  whitespace just before a tag, and after the last call, is dropped. A tagged block that is not
-  a call body stays in the content as written; an unclosed block at the end is closed there.
+  (`<tool_call>...</tool_call>` for Hermes-style templates), or each tagged block is a JSON
+  array of bodies (`<TOOLCALL>[...]</TOOLCALL>` for Nemotron-style ones). Text outside the tags
+  is content; whitespace around a call is dropped. A tagged block with no call in it stays in
+  the content as written; an unclosed block at the end is closed there.
 """
 from __future__ import annotations
 
@@ -131,20 +132,88 @@ class _Call:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+class _Block:
+    """One tagged block of an `auto` answer: a call body, or (`listed`) a JSON array of them.
+    Its calls join `calls`, the answer's, as their headers go out."""
+
+    def __init__(self, calls: list[_Call], listed: bool):
+        self.calls, self.listed = calls, listed
+        self.text = ""
+        self.made = 0  # calls of this block
+        self._open: _Call | None = None if listed else _Call(len(calls))
+        self._pos = 0  # listed: text before this is read
+        self._from = 0  # listed: where the open call's body starts
+        self._scan = _ValueScan()  # listed: the open call's body
+        self._state = "start"  # listed: start (before '['), items, done, or bad (not a list of calls)
+
+    def feed(self, piece: str) -> list[dict]:
+        self.text += piece
+        if not self.listed:
+            return self._feed_open(piece)
+        out = []
+        while self._pos < len(self.text) and self._state in ("start", "items"):
+            if self._open is not None:
+                self._scan.scan(self.text[self._from:])
+                upto = len(self.text) if self._scan.end is None else self._from + self._scan.end
+                out += self._feed_open(self.text[self._pos:upto])
+                self._pos = upto
+                if self._scan.end is None:
+                    break
+                out += self._close_open()
+                continue
+            ch = self.text[self._pos]
+            if ch.isspace() or (ch == "," and self.made):
+                self._pos += 1
+            elif ch == "[" and self._state == "start":
+                self._state, self._pos = "items", self._pos + 1
+            elif ch == "]" and self._state == "items":
+                self._state, self._pos = "done", self._pos + 1
+            elif ch == "{":  # a call body (a bare one, without the array, is read too)
+                self._state, self._from = "items", self._pos
+                self._open, self._scan = _Call(len(self.calls)), _ValueScan()
+            else:
+                self._state = "bad"
+        return out
+
+    def close(self) -> list[dict] | None:
+        """The block is complete: the rest of its calls; None when it holds none."""
+        out = self._close_open() if self._open is not None else []
+        return out if self.made else None
+
+    def _feed_open(self, piece: str) -> list[dict]:
+        parts = self._open.feed(piece)
+        self._joined()
+        return parts
+
+    def _close_open(self) -> list[dict]:
+        parts = self._open.close()
+        if parts is not None:
+            self._joined()
+        self._open = None
+        return parts or []
+
+    def _joined(self) -> None:
+        if self._open.started and self._open not in self.calls:
+            self.calls.append(self._open)
+            self.made += 1
+
+
 class ToolCallParser:
     """One choice's answer: `feed(text delta)` and `finish()` return (content delta, tool_calls
     deltas); `message()` is the whole assistant message once finished.
 
     Without `tags` the answer is one forced call: that function's arguments with `name`, else a
-    whole call body (`required`). With `tags` = (start, end), calls are delimited in free text,
-    and `parallel` False keeps only the first call (text after it is dropped)."""
+    whole call body (`required`). With `tags` = (start, end), calls are delimited in free text
+    (`listed`: each block holds a JSON array of call bodies), and `parallel` False keeps only the
+    first call (what follows it is dropped)."""
 
-    def __init__(self, name: str | None = None, tags: tuple[str, str] | None = None, parallel: bool = True):
-        self.tags, self.parallel = tags, parallel
+    def __init__(self, name: str | None = None, tags: tuple[str, str] | None = None, parallel: bool = True,
+                 listed: bool = False):
+        self.tags, self.parallel, self.listed = tags, parallel, listed
         self.content = ""
         self.calls: list[_Call] = []
         self._buf = ""  # text not yet told apart (a possible tag start, whitespace)
-        self._call: _Call | None = None
+        self._block: _Block | None = None  # auto: the open tagged block
         self._done = False  # parallel=False and the first call is complete
         self._gap = ""  # whitespace between the text and the open block's tag
         self._after_call = False  # whitespace from here on is dropped
@@ -163,7 +232,7 @@ class ToolCallParser:
         text, parts = "", []
         while not self._done:
             start, end = self.tags
-            if self._call is None:
+            if self._block is None:
                 if self._after_call:  # whitespace after a call is dropped
                     self._buf = self._buf.lstrip()
                     if not self._buf:
@@ -177,15 +246,15 @@ class ToolCallParser:
                 head = self._buf[:i].rstrip()
                 text, self._gap = text + head, self._buf[len(head):i]  # the gap goes if a call follows
                 self._buf = self._buf[i + len(start):]
-                self._call = _Call(len(self.calls))
+                self._block = _Block(self.calls, self.listed)
                 continue
             j = self._buf.find(end)
             if j < 0:
                 keep = _partial_tag(self._buf, end)
-                parts += self._call_feed(self._buf[:len(self._buf) - keep])
+                parts += self._block_feed(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
-            parts += self._call_feed(self._buf[:j])
+            parts += self._block_feed(self._buf[:j])
             self._buf = self._buf[j + len(end):]
             text, more = self._close(text, end)
             parts += more
@@ -196,8 +265,8 @@ class ToolCallParser:
         if self.forced:
             return "", self._call.close() or []
         text, parts = "", []
-        if not self._done and self._call is not None:  # an unclosed block: closed by the answer's end
-            parts += self._call_feed(self._buf)
+        if not self._done and self._block is not None:  # an unclosed block: closed by the answer's end
+            parts += self._block_feed(self._buf)
             self._buf = ""
             text, more = self._close(text, "")
             parts += more
@@ -216,20 +285,23 @@ class ToolCallParser:
     def made_calls(self) -> bool:
         return any(c.started for c in self.calls)
 
-    def _call_feed(self, piece: str) -> list[dict]:
-        parts = self._call.feed(piece)
-        if self._call.started and self._call not in self.calls:
-            self.calls.append(self._call)
+    def _block_feed(self, piece: str) -> list[dict]:
+        parts = self._block.feed(piece)
+        if parts and not self.parallel:  # the first call only: nothing past it
+            first = self.calls[0].index
+            parts = [p for p in parts if p["index"] == first]
+            del self.calls[1:]
         return parts
 
     def _close(self, text: str, end: str) -> tuple[str, list[dict]]:
-        """The open tagged block is complete: a call, or text as written."""
-        call, self._call = self._call, None
-        parts = call.close()
+        """The open tagged block is complete: calls, or text as written."""
+        block, self._block = self._block, None
+        parts = block.close()
         if parts is None:
-            return text + self._gap + self.tags[0] + call.text + end, []
-        if call not in self.calls:
-            self.calls.append(call)
+            return text + self._gap + self.tags[0] + block.text + end, []
+        if not self.parallel:
+            parts = [p for p in parts if p["index"] == self.calls[0].index]
+            del self.calls[1:]
         self._done, self._after_call = not self.parallel, True
         return text, parts
 

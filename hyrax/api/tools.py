@@ -10,8 +10,9 @@ answer becomes OpenAI's `tool_calls` in `tool_parser.py`.
   template's own syntax; Hyrax reads them back (`tool_parser.py`). That needs a template that
   renders the tools and names a call syntax Hyrax knows (`TOOL_FORMATS`: Hermes-style
   `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the syntax of Hermes- and
-  Qwen-style templates), and a tokenizer whose decoding keeps the tags; otherwise `auto` is
-  a 400 that says which of these is missing.
+  Qwen-style templates, and Nemotron-style `<TOOLCALL>[{...}, ...]</TOOLCALL>`), and a
+  tokenizer whose decoding keeps the tags; otherwise `auto` is a 400 that says which of these
+  is missing.
 """
 from __future__ import annotations
 
@@ -30,21 +31,26 @@ ANY_OBJECT = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """A template's tool-call syntax: each call is a JSON body {"name", "arguments"} between tags.
-    `unless`: text that marks a look-alike syntax with another body between the same tags."""
+    """A template's tool-call syntax: each call is a JSON body {"name", "arguments"} between tags
+    (`listed`: each tagged block is a JSON array of them). `unless`: text that marks a look-alike
+    syntax with another body between the same tags."""
 
     name: str
     start: str
     end: str
+    listed: bool = False
     unless: tuple[str, ...] = ()
 
     def written_by(self, source: str) -> bool:
         return self.start in source and self.end in source and not any(u in source for u in self.unless)
 
 
-# Known call syntaxes, recognised by their tags appearing in the template's source. Qwen3-Coder's
-# templates put XML (<function=name><parameter=key>) between the same tags: not this syntax.
-TOOL_FORMATS = (ToolFormat("hermes", "<tool_call>", "</tool_call>", unless=("<function=",)),)
+# Known call syntaxes, recognised by their tags appearing in the template's source: Hermes and
+# Qwen templates write <tool_call>{...}</tool_call>, Nemotron-H (Nano v2) ones
+# <TOOLCALL>[{...}, ...]</TOOLCALL>. Qwen3-Coder's templates put XML (<function=name><parameter=
+# key>) between <tool_call> tags: not the Hermes syntax.
+TOOL_FORMATS = (ToolFormat("hermes", "<tool_call>", "</tool_call>", unless=("<function=",)),
+                ToolFormat("nemotron", "<TOOLCALL>", "</TOOLCALL>", listed=True))
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class ToolPlan:
 
     def parser(self) -> ToolCallParser:
         if self.format is not None:
-            return ToolCallParser(tags=(self.format.start, self.format.end), parallel=self.parallel)
+            return ToolCallParser(tags=(self.format.start, self.format.end), parallel=self.parallel,
+                                  listed=self.format.listed)
         return ToolCallParser(name=self.name)
 
 

@@ -22,6 +22,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 DEMO = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
 TAGS = ("<tool_call>", "</tool_call>")
+LISTED = {"tags": ("<TOOLCALL>", "</TOOLCALL>"), "listed": True}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -73,8 +74,8 @@ def _reassemble(parts) -> list[tuple[str, str]]:
     return [tuple(calls[i]) for i in range(len(calls))]
 
 
-def _check(pieces, content, calls):
-    streamed, parts, message, _ = _run(pieces, tags=TAGS)
+def _check(pieces, content, calls, **kw):
+    streamed, parts, message, _ = _run(pieces, **{"tags": TAGS, **kw})
     assert message["content"] == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
     assert _reassemble(parts) == calls
@@ -158,14 +159,13 @@ def qwen_style(tmp_path_factory):
     return {special: _qwen_style_checkpoint(root, special) for special in (False, True)}
 
 
-def _token_stream_checks(tok, answer: str, content, calls, split_every_position: bool = True):
+def _token_stream_checks(tok, answer: str, content, calls, **kw):
     ids = tok.encode(answer)
-    splits = [[ids[:k], ids[k:]] for k in range(len(ids) + 1)] if split_every_position else []
-    for token_pieces in [[[t] for t in ids], *splits]:
+    for token_pieces in [[[t] for t in ids], *[[ids[:k], ids[k:]] for k in range(len(ids) + 1)]]:
         stream = TextStream(tok.decode)
         deltas = [stream.feed(piece) for piece in token_pieces] + [stream.finish()]
         assert "".join(deltas) == tok.decode(ids)
-        _check(deltas, content, calls)
+        _check(deltas, content, calls, **kw)
 
 
 ANSWER = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
@@ -234,25 +234,62 @@ def test_an_xml_body_between_the_same_tags_is_not_read_as_hermes():
 
 # ---- any text: streamed in any pieces, the same message as whole --------------------------
 FRAGMENTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": ', '{"arguments": ', '"name": "g"', "{", "}",
-             "[", "]", '"', "\\", ",", " ", "\n", "1", "true", "<", "</tool", "<tool_c", "text", "é"]
+             "[", "]", '"', "\\", ",", " ", "\n", "1", "true", "<", "</tool", "<tool_c", "text", "é", "<TOOLCALL>",
+             "</TOOLCALL>", "<TOOL"]
 
 
-def test_any_answer_streams_to_the_same_message_as_whole():
+@pytest.mark.parametrize("mode", [{"tags": TAGS}, LISTED], ids=["hermes", "listed"])
+def test_any_answer_streams_to_the_same_message_as_whole(mode):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.lists(st.sampled_from(FRAGMENTS), max_size=16).map("".join),
            st.lists(st.integers(0, 200), max_size=6), st.booleans())
     def check(answer, cuts, parallel):
-        _, whole_parts, whole, _ = _run([answer], tags=TAGS, parallel=parallel)
+        _, whole_parts, whole, _ = _run([answer], parallel=parallel, **mode)
         cuts = sorted({min(c, len(answer)) for c in cuts})
         pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
-        streamed, parts, message, _ = _run(pieces, tags=TAGS, parallel=parallel)
+        streamed, parts, message, _ = _run(pieces, parallel=parallel, **mode)
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
         assert message["content"] == whole["content"] and streamed == (message["content"] or "")
         assert _reassemble(parts) == calls == _reassemble(whole_parts)
         assert calls or message["content"] == answer  # without a call, the text comes back exactly
 
     check()
+
+
+# ---- Nemotron-style: each block a JSON array of calls ------------------------------------
+LISTED_ANSWERS = [
+    ('<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "f", "arguments": {"a": [1]}}]'
+     '</TOOLCALL>', None, [("get_weather", '{"city": "Oslo"}'), ("f", '{"a": [1]}')]),
+    ('Checking. <TOOLCALL>[\n  {"name": "f", "arguments": {"s": "],}"}}\n]</TOOLCALL>', "Checking.",
+     [("f", '{"s": "],}"}')]),
+    ('<TOOLCALL>{"name": "f", "arguments": {}}</TOOLCALL>', None, [("f", "{}")]),  # without the array
+    ('<TOOLCALL>[{"name": "f", "arguments": {}}, 42]</TOOLCALL>', None, [("f", "{}")]),  # a stray item dropped
+    ("<TOOLCALL>[1, 2]</TOOLCALL> done", "<TOOLCALL>[1, 2]</TOOLCALL> done", []),  # no call: text
+    ('<TOOLCALL>[{"name": "f", "arguments": {"x": 1', None, [("f", '{"x": 1')]),  # cut short
+]
+
+
+@pytest.mark.parametrize("answer,content,calls", LISTED_ANSWERS)
+def test_nemotron_style_blocks_hold_a_list_of_calls(answer, content, calls):
+    for i in range(len(answer) + 1):
+        _check([answer[:i], answer[i:]], content, calls, **LISTED)
+    _check(list(answer), content, calls, **LISTED)
+
+
+def test_nemotron_style_parallel_false_keeps_the_first_call_of_the_list():
+    answer = LISTED_ANSWERS[0][0]
+    for pieces in ([answer], list(answer)):
+        _, parts, message, _ = _run(pieces, parallel=False, **LISTED)
+        assert _reassemble(parts) == [("get_weather", '{"city": "Oslo"}')] and len(message["tool_calls"]) == 1
+
+
+def test_nemotron_style_template_plans_listed_calls_read_from_demo_token_streams():
+    template = QWEN_STYLE.replace("<tool_call>", "<TOOLCALL>[").replace("</tool_call>", "]</TOOLCALL>")
+    plan = plan_tools(_body(), template, load_tokenizer(DEMO, 264))
+    assert "[{" not in QWEN_STYLE and plan.format.name == "nemotron" and plan.parser().listed
+    answer, content, calls = LISTED_ANSWERS[1]
+    _token_stream_checks(load_tokenizer(DEMO, 264), answer, content, calls, **LISTED)
