@@ -9,13 +9,16 @@ them down (docs/deployment-ownership.md).
 """
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import ray
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
+from hyrax.cluster.autoscale import Autoscaler, ReplicaLoad, ScalePolicy
 from hyrax.cluster.deployment import Deployment, Replica
 from hyrax.cluster.placement import RoleSpec, namespace
 
@@ -32,7 +35,9 @@ class DeploymentInfo:
     name: str
     model_dir: str
     served_name: str
-    replicas: list[Replica]
+    replicas: list[Replica]  # serving: route new requests here
+    retiring: list[Replica] = field(default_factory=list)  # scaled down: drain (migrate) off, route nothing
+    generation: int = 0  # changes whenever the lists do
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)
@@ -47,6 +52,10 @@ class DeploymentController:
                                      namespace=namespace(name))
         self._lock = threading.Lock()
         self._started = False
+        self.retiring: dict[int, float] = {}  # id(replica) -> when it was retired (monotonic)
+        self.leaving: list[tuple[Replica, float]] = []  # out of describe(), stopped once gateways let go
+        self.generation = 0
+        self.scale_events: list[str] = []
 
     def ensure(self, timeout_s: float = 600.0, wait_for_room_s: float = 0.0) -> DeploymentInfo:
         with self._lock:
@@ -60,7 +69,65 @@ class DeploymentController:
         return self.describe()
 
     def describe(self) -> DeploymentInfo:
-        return DeploymentInfo(self.name, self.deployment.model_dir, self.served_name, list(self.deployment.replicas))
+        gone = {id(r) for r, _ in self.leaving}
+        reps = [r for r in self.deployment.replicas if id(r) not in gone]
+        return DeploymentInfo(self.name, self.deployment.model_dir, self.served_name,
+                              [r for r in reps if id(r) not in self.retiring],
+                              [r for r in reps if id(r) in self.retiring], self.generation)
+
+    # ---- autoscaling -------------------------------------------------------------------
+    def autoscale(self, role: str, policy: ScalePolicy, interval_s: float = 1.0, drain_s: float = 3.0) -> None:
+        """Scale `role` between the policy's bounds from now on (idempotent: one loop per controller).
+        A retired replica takes no new requests; gateways migrate theirs off it (client.drain). Once it
+        has held nothing for two measurements (`drain_s` after retiring at the earliest) it leaves
+        describe(), and it is stopped `drain_s` later, when every gateway has let go of it."""
+        if getattr(self, "_scaler", None) is None:
+            self._scaler = Autoscaler(policy)
+            threading.Thread(target=self._scale_loop, args=(role, interval_s, drain_s), daemon=True).start()
+
+    def _scale_loop(self, role: str, interval_s: float, drain_s: float) -> None:
+        idle: dict[int, int] = {}
+        while True:
+            time.sleep(interval_s)
+            try:
+                with self._lock:
+                    if self._started:
+                        self._scale_once(role, drain_s, idle)
+            except Exception:  # noqa: BLE001 - a replica that did not answer: measure again next time
+                logging.getLogger("hyrax.controller").exception("autoscale step failed")
+
+    def _scale_once(self, role: str, drain_s: float, idle: dict[int, int]) -> None:
+        now = time.monotonic()
+        for r, since in list(self.leaving):  # gateways refresh every second: stop it after a few
+            if now - since >= drain_s:
+                self.deployment.remove_replica(r)
+                self.leaving.remove((r, since))
+        gone = {id(r) for r, _ in self.leaving}
+        reps = [r for r in self.deployment.replicas if r.role == role and id(r) not in gone]
+        for r in [r for r in reps if id(r) in self.retiring]:
+            held = ray.get(r.coordinator.load.remote(), timeout=30)
+            idle[id(r)] = idle.get(id(r), 0) + 1 if held == 0 else 0
+            if idle[id(r)] >= 2 and now - self.retiring[id(r)] >= drain_s:
+                del self.retiring[id(r)]
+                self.leaving.append((r, now))
+                self._event(f"removed {role}/{r.index}")
+        serving = [r for r in reps if id(r) not in self.retiring]
+        loads = [_measure(r) for r in serving]
+        step = self._scaler.decide(loads)
+        if step > 0:
+            r = self.deployment.add_replica(role, timeout_s=300)
+            self._event(f"added {role}/{r.index}")
+        elif step < 0:
+            victim = max(serving, key=lambda r: r.index)  # the newest: last in, first out
+            self.retiring[id(victim)] = now
+            self._event(f"retiring {role}/{victim.index}")
+
+    def _event(self, what: str) -> None:
+        self.generation += 1
+        self.scale_events.append(what)
+
+    def events(self) -> list[str]:
+        return list(self.scale_events)
 
     def replicas(self) -> list[Replica]:
         return list(self.deployment.replicas)
@@ -69,6 +136,13 @@ class DeploymentController:
         with self._lock:
             self.deployment.shutdown()
             self._started = False
+
+
+def _measure(r: Replica) -> ReplicaLoad:
+    stats, pools = ray.get([r.coordinator.stats.remote(), r.coordinator.pools.remote()], timeout=30)
+    usage = max((c["used"] / c["capacity"] for c in pools["components"].values() if c["capacity"]), default=0.0)
+    held = stats["running"] + stats["waiting"] + stats["retracted"] + stats.get("handoff", 0)
+    return ReplicaLoad(waiting=stats["waiting"], held=held, pool_usage=usage)
 
 
 def find(name: str):

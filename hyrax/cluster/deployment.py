@@ -30,6 +30,18 @@ def free_resources_per_node() -> dict[str, dict[str, float]]:
         return {"": ray.available_resources()}
 
 
+def request_room(bundles: list[dict[str, float]]) -> None:
+    """Ask Ray's autoscaler for a cluster that holds all of `bundles` (the whole deployment:
+    request_resources sets a target, it does not add to the last one). Without an autoscaler
+    (a laptop, a fixed cluster) nothing happens and the placement simply waits."""
+    try:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+    except Exception:  # noqa: BLE001 - no autoscaler to ask: the pending group still waits for room
+        pass
+
+
 @dataclass
 class Replica:
     role: str
@@ -91,32 +103,67 @@ class Deployment:
                     raise
                 time.sleep(1.0)
         for (spec, i, bundles), node in zip(groups, nodes):
-            pg = placement_group(bundles, strategy="STRICT_PACK", name=f"hyrax/{spec.name}/{i}",
-                                 _soft_target_node_id=node or None)  # spread: the node check_fits chose
-            try:
-                ray.get(pg.ready(), timeout=timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                remove_placement_group(pg)  # something else took the room after the check
-                raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
-                                     f"(the cluster's free resources were taken meanwhile)") from None
-            role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
-            coord = RoleCoordinator.options(
-                name=f"hyrax/{spec.name}/{i}/coordinator", namespace=self.namespace,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(
-                spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s, namespace=self.namespace)
-            self.replicas.append(Replica(spec.name, i, spec.tp, coord, pg))
+            self.replicas.append(self._place(spec, i, bundles, node, timeout_s))
         try:
             ray.get([r.coordinator.health.remote() for r in self.replicas], timeout=timeout_s)
         except ray.exceptions.RayError as e:
             raise startup_error(e) from None
 
+    def _place(self, spec: RoleSpec, i: int, bundles: list[dict[str, float]], node, timeout_s: float) -> Replica:
+        """One replica: its placement group on `node` (a soft target: where check_fits found room
+        and the fewest replicas), then its coordinator in the group's first bundle."""
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"hyrax/{spec.name}/{i}",
+                             _soft_target_node_id=node or None)
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)  # something else took the room after the check
+            raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
+                                 f"(the cluster's free resources were taken meanwhile)") from None
+        role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
+        coord = RoleCoordinator.options(
+            name=f"hyrax/{spec.name}/{i}/coordinator", namespace=self.namespace,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s, namespace=self.namespace)
+        return Replica(spec.name, i, spec.tp, coord, pg)
+
+    def add_replica(self, role: str, timeout_s: float = 600.0) -> Replica:
+        """One more replica of `role`, with the next unused index; healthy when this returns."""
+        spec = next(r for r in self.roles if r.name == role)
+        i = max((r.index for r in self.replicas if r.role == role), default=-1) + 1
+        total = ray.cluster_resources()
+        pinned = frozenset(k for k in total if k.startswith("hyrax_"))
+        bundles = [rank_bundle(total.get("GPU", 0) > 0, role_resource(role) if role_resource(role) in pinned else None)
+                   for _ in range(spec.tp)]
+        try:
+            [node] = check_fits([(f"{role}/{i}", bundles)], free_resources_per_node())
+        except StartupFailure:  # no room now: ask Ray's autoscaler (if the cluster runs one) for a node
+            node = None
+            request_room([b for r in self.replicas for b in ray.util.placement_group_table(r.pg)["bundles"].values()]
+                         + bundles)
+        replica = self._place(spec, i, bundles, node, timeout_s)  # a pending group is a demand the autoscaler sees
+        try:
+            ray.get(replica.coordinator.health.remote(), timeout=timeout_s)
+        except ray.exceptions.RayError as e:
+            self._stop(replica)
+            raise startup_error(e) from None
+        self.replicas.append(replica)
+        return replica
+
+    def remove_replica(self, replica: Replica) -> None:
+        self.replicas = [r for r in self.replicas if r is not replica]
+        self._stop(replica)
+
+    @staticmethod
+    def _stop(r: Replica) -> None:
+        try:
+            ray.get(r.coordinator.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        ray.kill(r.coordinator, no_restart=True)
+        remove_placement_group(r.pg)
+
     def shutdown(self) -> None:
         for r in self.replicas:
-            try:
-                ray.get(r.coordinator.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            ray.kill(r.coordinator, no_restart=True)
-            remove_placement_group(r.pg)
+            self._stop(r)
         self.replicas = []

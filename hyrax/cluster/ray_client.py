@@ -112,6 +112,55 @@ async def survive_replica_loss(stream, request: dict) -> AsyncIterator[dict]:
                "handoff": {"request": request, "manifest": None, "payload": [], "lease_s": 0.0, "source": None}}
 
 
+class Membership:
+    """Keeps a gateway's engine client in step with its deployment while the controller scales
+    it: a replica added is routed to; a replica retired takes no new requests here and this
+    gateway migrates the requests it streams from it (`client.drain`); a replica removed leaves
+    the client. Runs as a task on the gateway's event loop, asking the controller once a second."""
+
+    def __init__(self, controller, client: EngineClient, lease: GatewayLease | None, generation: int,
+                 interval_s: float = 1.0):
+        self.controller, self.client, self.lease = controller, client, lease
+        self.generation, self.interval_s = generation, interval_s
+        self._draining: set[tuple[str, int]] = set()
+        self._tasks: set = set()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                info = await self.controller.describe.remote()
+            except Exception:  # noqa: BLE001 - the controller is busy or restarting: keep what we have
+                continue
+            if info.generation != self.generation:
+                self.apply(info)
+
+    def apply(self, info) -> None:
+        self.generation = info.generation
+        c = self.client
+        have = {(b.role, b.index): b for b in c.backends}
+        gateway = self.lease.id if self.lease is not None else None
+        for r in info.replicas + info.retiring:
+            if (r.role, r.index) not in have:
+                have[(r.role, r.index)] = RayBackend(r.coordinator, r.role, r.index, gateway=gateway)
+                if self.lease is not None:
+                    self.lease.handles.append(r.coordinator)
+        keep = {(r.role, r.index) for r in info.replicas + info.retiring}
+        for key, b in have.items():
+            if key not in keep:
+                c.draining.discard(id(b))
+        c.backends = [b for key, b in have.items() if key in keep]
+        for r in info.retiring:
+            key = (r.role, r.index)
+            if key not in self._draining:
+                self._draining.add(key)
+                task = asyncio.ensure_future(c.drain(have[key]))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if self.lease is not None:
+            self.lease.handles = [b.handle for b in c.backends]
+
+
 def model_info(model_dir: str, name: str) -> ModelInfo:
     cfg = ModelConfig.from_dir(model_dir)
     return ModelInfo(name=name, max_model_len=cfg.max_position_embeddings,

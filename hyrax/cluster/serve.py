@@ -56,6 +56,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     shape.add_argument("--prefill-tp", type=int, default=None)
     shape.add_argument("--decode-replicas", type=int, default=None)
     shape.add_argument("--decode-tp", type=int, default=None)
+    shape.add_argument("--min-replicas", type=int, default=None,
+                       help="autoscale the decode (or colocated) role between this many replicas and --max-replicas, "
+                            "on queue depth and pool usage; a replica scaled down is drained by live migration")
+    shape.add_argument("--max-replicas", type=int, default=None, help="upper bound of --min-replicas' autoscaling")
     gw = p.add_argument_group("gateway")
     gw.add_argument("--admin-token-file", default=None,
                     help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE})")
@@ -182,12 +186,29 @@ def resolve_admin_token(a) -> AdminToken:
     return AdminToken(tok, f"written to {path} (mode 600)", fd)
 
 
+def scale_policy(a, roles: list[RoleSpec]):
+    """The autoscaling policy for the decode (or colocated) role, or None without the flags."""
+    from hyrax.cluster.autoscale import ScalePolicy
+
+    if a.min_replicas is None and a.max_replicas is None:
+        return None
+    if a.min_replicas is None or a.max_replicas is None:
+        raise HyraxInputError("--min-replicas and --max-replicas go together")
+    policy = ScalePolicy(a.min_replicas, a.max_replicas)
+    role = roles[-1]  # decode, or the colocated role
+    if not policy.min_replicas <= role.replicas <= policy.max_replicas:
+        raise HyraxInputError(f"{role.name} starts with {role.replicas} replica(s), outside --min-replicas "
+                              f"{policy.min_replicas} .. --max-replicas {policy.max_replicas}")
+    return policy
+
+
 def validate(a) -> tuple:
     """Everything checked before anything starts."""
     config = engine_config_from_args(a)
     path = resolve_model_path(a.model)
     cfg = ModelConfig.from_dir(path)
     roles = roles_from_args(a, cfg)
+    policy = scale_policy(a, roles)
     if not 0 < a.port < 65536:
         raise HyraxInputError("--port must be in 1..65535")
     if a.max_inflight < 1:
@@ -202,9 +223,16 @@ def validate(a) -> tuple:
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
     if not a.address:
-        local_num_cpus(cpus_needed(roles), a.num_cpus)  # --num-cpus too small for the deployment
+        local_num_cpus(cpus_needed(largest(roles, policy)), a.num_cpus)  # --num-cpus too small for the deployment
     name = a.served_model_name or default_served_name(a.model)
     return config, path, cfg, roles, name
+
+
+def largest(roles: list[RoleSpec], policy) -> list[RoleSpec]:
+    """The deployment at its largest: the scaling role at --max-replicas."""
+    if policy is None:
+        return roles
+    return [*roles[:-1], RoleSpec(roles[-1].name, policy.max_replicas, roles[-1].tp)]
 
 
 def run(a: argparse.Namespace) -> int:
@@ -228,11 +256,11 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
 
     from hyrax.api.app import GatewaySettings, create_app
     from hyrax.cluster import controller
-    from hyrax.cluster.ray_client import GatewayLease, client_for
+    from hyrax.cluster.ray_client import GatewayLease, Membership, client_for
 
     num_cpus = None
     if not a.address:
-        num_cpus, note = local_num_cpus(cpus_needed(roles), a.num_cpus)
+        num_cpus, note = local_num_cpus(cpus_needed(largest(roles, scale_policy(a, roles))), a.num_cpus)
         if note:
             print(f"hyrax: {note}", file=sys.stderr)
     print(f"hyrax: starting Ray ({'joining ' + a.address if a.address else 'local, 127.0.0.1'}) ...", file=sys.stderr)
@@ -250,8 +278,12 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         name = dep.served_name
         lease = GatewayLease([r.coordinator for r in dep.replicas], a.gateway_lease).start()
         client = client_for(dep, name, a.max_inflight, lease=lease)
+        policy = scale_policy(a, roles)
+        if policy is not None:
+            ray.get(ctl.autoscale.remote(roles[-1].name, policy))
         app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
                                                  max_body_bytes=int(a.max_body_mb * 2**20)))
+        app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)
         base = f"http://{a.host}:{a.port}"
         print(f"hyrax: serving {name!r}\n"
               f"  OpenAI API      {base}/v1\n"
@@ -277,3 +309,18 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         if started_ray:
             ray.shutdown()
     return 0
+
+
+def _with_task(app, task):
+    """`app`, starting `task()` on the server's event loop when the server starts (the gateway's
+    membership refresh: replicas the controller adds or retires)."""
+    import asyncio
+
+    started = []
+
+    async def wrapped(scope, receive, send):
+        if not started:
+            started.append(asyncio.ensure_future(task()))
+        await app(scope, receive, send)
+
+    return wrapped

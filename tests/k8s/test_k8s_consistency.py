@@ -222,17 +222,21 @@ def test_gateways_attach_to_one_named_deployment_and_roll_one_at_a_time(rendered
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_raycluster_autoscales_within_the_pods_the_replicas_need(rendered, overlay):
     """In-tree autoscaling on; each worker group's bounds are the pods its role's replicas need
-    (whole replicas per pod), so the autoscaler can replace a lost pod but never strands one."""
+    (whole replicas per pod) at --min-replicas and --max-replicas (fixed roles: their count)."""
     res = rendered[overlay]
     rc = raycluster(res)
     assert rc["spec"]["enableInTreeAutoscaling"] is True
     assert rc["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] > 0
     gpu_cluster = any(ray_gpus(g) for g in rc["spec"]["workerGroupSpecs"])
-    for role, (replicas, tp) in _shape(gateway_argv(res)).items():
+    argv = gateway_argv(res)
+    for role, (replicas, tp) in _shape(argv).items():
         g = worker_group(rc, role)
         per_pod = ray_cpus(g) // tp if not gpu_cluster else min(ray_cpus(g) // tp, ray_gpus(g) // tp)
-        pods = -(-replicas // per_pod)
-        assert g["minReplicas"] == g["maxReplicas"] == pods, f"{overlay} {role}: bounds != {pods} pods"
+        lo, hi = replicas, replicas
+        if role == ROLES[-1] and flag(argv, "--max-replicas"):  # the decode role autoscales
+            lo, hi = int(flag(argv, "--min-replicas")), int(flag(argv, "--max-replicas"))
+        pods = (-(-lo // per_pod), -(-hi // per_pod))
+        assert (g["minReplicas"], g["maxReplicas"]) == pods, f"{overlay} {role}: bounds != {pods} pods"
 
 
 # ---- Grafana dashboard ----------------------------------------------------------------------

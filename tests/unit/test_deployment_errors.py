@@ -57,3 +57,20 @@ def test_attach_needs_an_address_and_a_usable_deployment_name():
     ns = parser.parse_args(["serve", "--address", "127.0.0.1:1", "--attach"])
     assert ns.deployment == "hyrax"
     validate(ns)
+
+
+def test_replica_limits_go_together_and_hold_the_starting_count():
+    import pytest
+
+    from hyrax.actors.model.errors import HyraxInputError
+    from hyrax.cluster.cli import build_parser
+    from hyrax.cluster.serve import validate
+
+    parser = build_parser()
+    with pytest.raises(HyraxInputError, match="go together"):
+        validate(parser.parse_args(["serve", "--min-replicas", "1"]))
+    with pytest.raises(HyraxInputError, match="outside"):
+        validate(parser.parse_args(["serve", "--decode-replicas", "3", "--min-replicas", "1", "--max-replicas", "2"]))
+    with pytest.raises(HyraxInputError, match="min <= max"):
+        validate(parser.parse_args(["serve", "--min-replicas", "2", "--max-replicas", "1"]))
+    validate(parser.parse_args(["serve", "--min-replicas", "1", "--max-replicas", "3"]))

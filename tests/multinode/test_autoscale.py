@@ -1,0 +1,99 @@
+"""Autoscaling (issue 20): `hyrax serve --min-replicas 1 --max-replicas 2` on its own local Ray
+cluster. A burst that queues adds a replica; a lull retires the newest, whose running request is
+migrated live to the other replica (the gateway drains it) before it is removed. Every request,
+including the one that crossed the scale-down, ends with the text an undisturbed run gives."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hyrax.testing.multinode import ADMIN, Stream, env, free_port, wait_until
+
+# ~2 min on 2 cores (a replica started and stopped while requests run): opt-in, `pytest -m slow tests/multinode`
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+HYRAX = Path(sys.executable).with_name("hyrax")
+BURST = ["k12;q3;w99;z4?q", "a1;b22;c333;d4444?c", "x9;y88;z777?y", "m5;n66;o777;p8888?p", "g1;h2;i3;j4;k5?i",
+         "t567;e03627;b86334?b"]
+LONG = "t567;e03627;b86334;u8890;d97427;a28719;y987;r410?b"
+
+
+class LocalServer:
+    """`hyrax serve` with a local cluster of its own: the gateway and the controller together."""
+
+    def __init__(self, log: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        e = env()
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(self.port), *args], env=e,
+                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def replicas(self) -> list[str]:
+        pools = httpx.get(f"{self.url}/admin/pools", headers=ADMIN, timeout=30).json()["replicas"]
+        return sorted(f"{p['role']}/{p['replica']}" for p in pools)
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
+            "model": "hyrax-demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def test_a_burst_adds_a_replica_and_a_lull_drains_the_newest_by_live_migration(tmp_path):
+    srv = LocalServer(tmp_path / "serve.log", "--colocated", "--replicas", "1", "--min-replicas", "1",
+                      "--max-replicas", "2", "--max-running", "2", "--deterministic", "--num-cpus", "2")
+    try:
+        def up():
+            assert srv.proc.poll() is None, srv.log.read_text()[-3000:]
+            try:
+                return httpx.get(f"{srv.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(up, 180, interval=0.5, what="the server")
+        assert srv.replicas() == ["colocated/0"]
+
+        # a burst that queues on the one replica (2 run at a time): a second replica is added
+        burst = [Stream(srv, p, 160, f"burst-{i}") for i, p in enumerate(BURST)]
+        wait_until(lambda: srv.replicas() == ["colocated/0", "colocated/1"], 180, interval=0.5,
+                   what="a second replica")
+        # two long requests: routed to the new, empty replica
+        long = [Stream(srv, LONG, 1200, f"long-{i}") for i in range(2)]
+        for s in burst:
+            s.join(300)
+            assert s.done and s.error is None, (s.request_id, s.error)
+
+        # the lull (2 requests left, room for them on one replica) retires the newest replica; the
+        # gateway migrates its two running requests to colocated/0, then it is removed
+        wait_until(lambda: srv.replicas() == ["colocated/0"], 180, interval=0.5, what="the newest replica removed")
+        assert all(not s.done for s in long), "the long requests finished before the scale-down: lengthen them"
+        for s in long:
+            s.join(300)
+            assert s.done and s.error is None, (s.request_id, s.error)
+        log = srv.log.read_text()
+
+        # every request ends as an undisturbed run on the one replica left ends it
+        assert [s.text for s in long] == [srv.complete(LONG, 1200)] * 2
+        assert [s.text for s in burst] == [srv.complete(p, 160) for p in BURST]
+        reqs = httpx.get(f"{srv.url}/admin/requests", headers=ADMIN, timeout=30).json()["requests"]
+        assert reqs == []
+        # the request on the retired replica moved with its state (verified import), not recomputed
+        verified = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{srv.url}/metrics", timeout=30).text.splitlines()
+                       if line.startswith("hyrax_transfers_in_total{") and 'result="verified"' in line)
+        assert verified >= 2, log[-2000:]
+    finally:
+        srv.stop()
