@@ -12,6 +12,9 @@ Semantics implemented (from the function's docstring and the kernel's argument c
   i + sk - sq - left <= j <= i + sk - sq + right; -1 means unbounded.
 - GQA: query head h reads KV head h // (H // KVH).
 
+The last key tile's block-table over-read of 2.6.2 (fixed upstream later) is an assertion
+here, so an adapter that passes a table exactly as wide as the pages in use fails on CPU.
+
 Deliberately pessimistic: every key of 0..sk-1 is gathered through the block table (also
 rows the window masks out, as a kernel tile straddling the window start does) and masked
 after QK^T, so masked rows still enter P @ V with probability 0.
@@ -19,6 +22,8 @@ after QK^T, so masked rows still enter P @ V with probability 0.
 from __future__ import annotations
 
 import torch
+
+KV_TILE_ROWS = 256  # the kernel's largest key tile (kBlockN), written here independently of batch.py
 
 
 def varlen_paged_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -41,6 +46,12 @@ def varlen_paged_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         sk = int(cu_seqlens_k[b + 1]) - int(cu_seqlens_k[b])
         sq = q1 - q0
         assert 0 < sq <= max_seqlen_q and sq <= sk <= max_seqlen_k
+        # 2.6.2 looks up the block table for every row of the sequence's last key tile (up to
+        # KV_TILE_ROWS rows), also past its last page: a table narrower than that is over-read
+        last_row = -(-sk // KV_TILE_ROWS) * KV_TILE_ROWS - 1
+        assert last_row // page < block_table.shape[1], (
+            f"sequence {b}: the last key tile reads block-table column {last_row // page}, past the "
+            f"table's {block_table.shape[1]} columns")
         j = torch.arange(sk)
         blocks = block_table[b, j // page].long()
         assert bool(((blocks >= 0) & (blocks < n_blocks)).all()), "block table points outside the cache"

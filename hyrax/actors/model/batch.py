@@ -27,6 +27,13 @@ class SeqSlice:
     slots: dict[str, int]  # slot component -> slot index
 
 
+# The longest key tile a paged attention kernel reads at once (vllm-flash-attn 2.6's kBlockN
+# is at most 256 rows). Its 2.6.2 kernels look up the block table for every row of a
+# sequence's last tile, also past the sequence's last page (fixed upstream later), so the
+# block table is padded to whole tiles.
+KV_TILE_ROWS = 256
+
+
 @dataclass
 class AttnIndex:
     write_rows: torch.Tensor  # (B, T) pool row of each new token, -1 for padding
@@ -34,13 +41,16 @@ class AttnIndex:
     key_pos: torch.Tensor  # (B, K) token position of each key
     key_valid: torch.Tensor  # (B, K) bool
     page_table: torch.Tensor  # (B, P) long, -1 where a page is not held
+    block_cols: int = 0  # the block table's width: pages covering the longest context in whole tiles
 
     @cached_property
     def block_table(self) -> torch.Tensor:
         """The page table as a paged kernel's int32 block table, computed once per step.
-        Released pages (-1) become page 0: they lie before the window, so they are never
-        read unmasked, and the address stays inside the pool."""
-        return self.page_table.clamp(min=0).to(torch.int32)
+        Released pages (-1) and the padding to `block_cols` become page 0: they lie before
+        the window or past the context, so they are never read unmasked, and the address
+        stays inside the pool."""
+        pad = max(0, self.block_cols - self.page_table.shape[1])
+        return torch.nn.functional.pad(self.page_table.clamp(min=0), (0, pad)).to(torch.int32)
 
 
 @dataclass
@@ -96,6 +106,7 @@ def build_forward_batch(
     positions = torch.where(q_valid, starts[:, None] + ar_t[None, :], torch.zeros((), dtype=torch.long))
     ids = _ragged([s.token_ids for s in seqs], T, 0)
     ctx = starts + q_lens  # tokens in context after this step
+    max_tiles = -(-int(ctx.max()) // KV_TILE_ROWS)
     attn: dict[str, AttnIndex] = {}
     slots: dict[str, torch.Tensor] = {}
     for comp in components:
@@ -128,6 +139,7 @@ def build_forward_batch(
             key_pos=key_pos.to(device),
             key_valid=key_valid.to(device),
             page_table=pt.to(device),
+            block_cols=-(-max_tiles * KV_TILE_ROWS // page_size),
         )
     return ForwardBatch(
         input_ids=ids.to(device), positions=positions.to(device), q_valid=q_valid.to(device),
