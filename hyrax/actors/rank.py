@@ -19,7 +19,7 @@ import torch
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
-from hyrax.actors.engine.rank_runtime import RankRuntime
+from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
 from hyrax.actors.model.hybrid import DTYPES
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
@@ -55,7 +55,7 @@ class RankWorker:
         sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                            config.swa_capacity_tokens)
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
-        self.runtime = RankRuntime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast,
+        self.runtime = make_rank_runtime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast,
                                    tokenizer_dir=model_dir)
         return {"rank": self.tp.rank, "device": str(self.device), "attention_backend": model.attention_backend_name,
                 "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}

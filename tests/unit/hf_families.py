@@ -15,7 +15,7 @@ from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import RankCalls, StepResult
 from hyrax.actors.engine.local import engine_for_model
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
-from hyrax.actors.engine.rank_runtime import RankRuntime
+from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.state import derive_components
@@ -131,7 +131,7 @@ def make_engine(path, tp_size: int = 1, **overrides) -> Engine:
                        config.swa_capacity_tokens)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
     bc = _Broadcast(ar)
-    ranks = [RankRuntime(m, sizes, host, rank=r, faults=config.faults, broadcast=bc.for_rank(r))
+    ranks = [make_rank_runtime(m, sizes, host, rank=r, faults=config.faults, broadcast=bc.for_rank(r))
              for r, m in enumerate(models)]
     return Engine(comps, sizes, host, ThreadedTPExecutor(ranks), config, cfg.vocab_size,
                   cfg.max_position_embeddings, cfg.eos_token_id, None)

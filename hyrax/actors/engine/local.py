@@ -7,7 +7,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import LocalExecutor
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
-from hyrax.actors.engine.rank_runtime import RankRuntime
+from hyrax.actors.engine.rank_runtime import make_rank_runtime
 from hyrax.actors.model.hybrid import DTYPES, HybridModel
 from hyrax.actors.model.loader import load_model
 
@@ -19,7 +19,8 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
     sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                        config.swa_capacity_tokens)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
-    rank = RankRuntime(model, sizes, host, rank=0, faults=config.faults, device=device, tokenizer_dir=tokenizer_dir)
+    rank = make_rank_runtime(model, sizes, host, rank=0, faults=config.faults, device=device,
+                             tokenizer_dir=tokenizer_dir)
     cfg = model.cfg
     return Engine(comps, sizes, host, LocalExecutor(rank), config, cfg.vocab_size,
                   cfg.max_position_embeddings, cfg.eos_token_id, decode)

@@ -22,14 +22,28 @@ from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
+from hyrax.actors.model.state import ComponentSpec
 
 Rows = dict[str, list[int]]
 
 
+def make_rank_runtime(model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
+                      faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None,
+                      tokenizer_dir: str | None = None) -> RankRuntime:
+    """The rank for `faults`: with test-only faults on this rank's saves (refused unless
+    allow_unsafe), the fault-injecting one; chosen here, once, so the production rank has no
+    fault branches."""
+    faults.check_components({c.name for c in model.components})
+    args = (model, sizes, host_rows, rank, device, broadcast, tokenizer_dir)
+    if faults.applies_to(rank) and (faults.skipped or faults.corrupt_backup_component):
+        from hyrax.testing.faults import UnsafeRankRuntime
+        return UnsafeRankRuntime(faults, *args)
+    return RankRuntime(*args)
+
+
 class RankRuntime:
     def __init__(self, model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
-                 faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None,
-                 tokenizer_dir: str | None = None):
+                 device: str | torch.device = "cpu", broadcast=None, tokenizer_dir: str | None = None):
         self.model = model
         for backend in model.attention_backends:
             backend.check_page_size(sizes.page_size)
@@ -45,8 +59,6 @@ class RankRuntime:
         }
         self.backups: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers = HostBuffers(pin)  # the host tensors of backups, reused
-        faults.check_components({c.name for c in self.components})
-        self.faults = faults if faults.applies_to(rank) else UnsafeFaults()
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
         self.last_token: dict[str, int] = {}
@@ -145,6 +157,14 @@ class RankRuntime:
         mine = expect.get(self.rank, {})
         return {name: [crc, mine.get(name)] for name, crc in self._restore(req_id, rows, location.host_rows).items()}
 
+    # what a save copies: every component, the bytes it checksummed (hyrax/testing/faults.py
+    # overrides both to leave a component out or corrupt one, for the tests' mutation checks)
+    def _saving(self) -> tuple[ComponentSpec, ...]:
+        return self.components
+
+    def _checksummed(self, name: str, data: torch.Tensor) -> None:
+        """data: a component's saved rows (layers, rows, *unit), just checksummed."""
+
     def _idx(self, rows: list[int], device: torch.device | str | None = None) -> torch.Tensor:
         """Row indices as a tensor: indexing with one is ~15x faster than with a Python list."""
         return torch.as_tensor(rows, dtype=torch.long, device=self.device if device is None else device)
@@ -163,9 +183,7 @@ class RankRuntime:
         self._sync()
         sums: dict[str, int] = {}
         kept: dict[str, torch.Tensor] = {}
-        for c in self.components:
-            if c.name in self.faults.skipped:
-                continue
+        for c in self._saving():
             src, idx = self.pools[c.name], self._idx(rows[c.name])
             data = self.buffers.take((src.shape[0], len(idx), *src.shape[2:]), src.dtype)
             if self.device.type == "cuda":
@@ -174,8 +192,7 @@ class RankRuntime:
             else:
                 torch.index_select(src, 1, idx, out=data)
             sums[c.name] = checksum(data)
-            if c.name == self.faults.corrupt_backup_component and data.numel():
-                data.view(torch.uint8).view(-1)[0] ^= 0xFF
+            self._checksummed(c.name, data)
             if host_rows is not None:
                 self.host[c.name].index_copy_(1, self._idx(host_rows[c.name], "cpu"), data)
                 self.buffers.give(data)
@@ -215,13 +232,10 @@ class RankRuntime:
         """
         self._sync()
         sums, data = {}, {}
-        for c in self.components:
-            if c.name in self.faults.skipped:
-                continue
+        for c in self._saving():
             t = self.pools[c.name].index_select(1, self._idx(rows[c.name])).cpu()
             sums[c.name] = checksum(t)
-            if c.name == self.faults.corrupt_backup_component and t.numel():
-                t.view(torch.uint8).view(-1)[0] ^= 0xFF
+            self._checksummed(c.name, t)
             data[c.name] = t
         layout = {c.name: list(c.shard_index) for c in self.components}
         return sums, {"data": data, "layout": layout}
