@@ -61,3 +61,17 @@ def test_backup_without_gdn_state_changes_tokens_when_unverified(checkpoint):
     out, s = _run(path, ps, skip_backup_component="gdn_state", disable_verification=True)
     assert s["retractions"] >= 3, s
     assert out != ref
+
+
+def test_bf16_gated_deltanet_keeps_its_decay_parameters_in_float32(checkpoint):
+    """A bf16 Qwen3-Next keeps each value head's A_log and dt_bias exactly as the checkpoint
+    stores them (float32): the decay exp(A_log) * softplus(a + dt_bias) compounds per token."""
+    from hyrax.actors.model.loader import load_model
+
+    ref, low = load_model(checkpoint[0], dtype=torch.float32), load_model(checkpoint[0], dtype=torch.bfloat16)
+    layers = [(r, lo) for r, lo in zip(ref.model.layers, low.model.layers) if hasattr(r, "linear_attn")]
+    assert layers
+    for r, lo in layers:
+        for name in ("A_log", "dt_bias"):
+            got, want = getattr(lo.linear_attn, name), getattr(r.linear_attn, name)
+            assert got.dtype == torch.float32 and torch.equal(got, want), name
