@@ -51,7 +51,8 @@ def _results(res: dict) -> dict:
 
 
 class ForcedBody(Body):
-    interval: int = Field(ge=0, description="retract a running request every this many steps; 0 turns it off")
+    interval: int = Field(ge=0, le=2**31 - 1,
+                          description="retract a running request every this many steps; 0 turns it off")
 
 
 @router.get("/requests")

@@ -117,6 +117,8 @@ def test_lone_surrogate_is_400_everywhere(local, no_generation, path, body, para
     ("/admin/forced-retraction", {"interval": True}, "interval"),
     ("/admin/forced-retraction", {"interval": 2.0}, "interval"),
     ("/admin/forced-retraction", {"interval": "3"}, "interval"),
+    ("/admin/forced-retraction", {"interval": 2**70}, "interval"),
+    ("/admin/forced-retraction", {"interval": -1}, "interval"),
     ("/admin/retract", {"count": True}, "count"),
     ("/admin/retract", {"all": 1}, "all"),
     ("/admin/retract", {"all": "true"}, "all"),
