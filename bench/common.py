@@ -279,12 +279,12 @@ def load_demo_engine(config=None, model=None):
     """An in-process engine (one rank, no Ray) over the demo checkpoint."""
     from hyrax.actors.engine.config import EngineConfig
     from hyrax.actors.engine.local import engine_for_model
-    from hyrax.actors.model.hybrid import DTYPES
+    from hyrax.actors.model.hybrid import resolve_dtype
     from hyrax.actors.model.loader import load_model
 
     config = config or EngineConfig()
     if model is None:
-        model = load_model(demo_model_dir(), dtype=DTYPES[config.dtype])
+        model = load_model(demo_model_dir(), dtype=resolve_dtype(config.dtype, "cpu"))
     return engine_for_model(model, config)
 
 

@@ -111,7 +111,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool,
     from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
     from hyrax.actors.ray_executor import RayExecutor
     from hyrax.actors.model.config import ModelConfig
-    from hyrax.actors.model.hybrid import DTYPES
+    from hyrax.actors.model.hybrid import resolve_dtype
     from hyrax.actors.model.sharding import TP
     from hyrax.actors.model.state import derive_components
 
@@ -135,7 +135,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool,
                 where = f"Ray TP={tp}" + (" overlap" if overlap else "")
                 progress(f"coordination: {where}, batch {batch}, {steps} decode steps")
                 config = _config(max(batches), overlap)
-                comps = derive_components(cfg, TP(0, tp), DTYPES[config.dtype])
+                comps = derive_components(cfg, TP(0, tp), resolve_dtype(config.dtype, "cpu"))
                 sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                                    config.swa_capacity_tokens)
                 engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb),

@@ -46,14 +46,15 @@ class RoleCoordinator:
         self.cfg = ModelConfig.from_dir(model_dir)
         check_tp(self.cfg, tp_size)
         self.tokenizer = load_tokenizer(model_dir, self.cfg.vocab_size)
-        comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[config.dtype])
-        sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                           config.swa_capacity_tokens)
         self.ranks: list = []
         self.healthy = False
         self.restarts = 0
         self.last_error: str | None = None
         self._start_ranks()
+        # the ranks resolved `auto` for the device they run on: the pools hold that dtype
+        comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[self.dtype])
+        sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
+                           config.swa_capacity_tokens)
         self.executor = RayExecutor(self.ranks, rank_timeout_s)
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
@@ -84,6 +85,10 @@ class RoleCoordinator:
         self.ranks[:] = ranks
         self.device = infos[0]["device"]
         self.attention_backend = infos[0]["attention_backend"]
+        dtypes = {i["dtype"] for i in infos}
+        if len(dtypes) != 1 or (getattr(self, "dtype", None) not in (None, *dtypes)):
+            raise RuntimeError(f"the ranks of {self.role}/{self.replica} resolved different dtypes: {sorted(dtypes)}")
+        self.dtype = dtypes.pop()
         self.healthy = True
 
     def _recover(self, err: Exception) -> None:

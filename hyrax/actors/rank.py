@@ -20,7 +20,7 @@ import torch
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
 from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
-from hyrax.actors.model.hybrid import DTYPES
+from hyrax.actors.model.hybrid import resolve_dtype
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
 from hyrax.env import apply_torch_threads
@@ -50,7 +50,8 @@ class RankWorker:
             self._join_group(dist_address)
             group = ReplicaGroup(self.device)
             allreduce, broadcast = group.all_reduce, group.broadcast_tokens
-        model = load_model(model_dir, self.tp, DTYPES[config.dtype], allreduce, self.device, config.attention_backend)
+        dtype = resolve_dtype(config.dtype, self.device)
+        model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend)
         comps = model.components
         sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
                            config.swa_capacity_tokens)
@@ -58,6 +59,7 @@ class RankWorker:
         self.runtime = make_rank_runtime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast,
                                    tokenizer_dir=model_dir)
         return {"rank": self.tp.rank, "device": str(self.device), "attention_backend": model.attention_backend_name,
+                "dtype": str(dtype).removeprefix("torch."),
                 "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
 
     def _join_group(self, dist_address: str) -> None:

@@ -9,7 +9,9 @@ from hyrax.actors.engine.config import ATTENTION_BACKENDS, BACKUP_MODES, EngineC
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default="float32")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
+                   help="model dtype; auto = float32 on the CPU, bfloat16 on CUDA (float16 on GPUs before "
+                        "compute capability 8.0)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (default 16)")
     g.add_argument("--kv-capacity-tokens", type=int, default=8192,
                    help="K/V pool capacity per attention component, in tokens (default 8192)")

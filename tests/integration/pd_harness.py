@@ -79,11 +79,11 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition") -> None:
 @lru_cache(maxsize=None)
 def _components(model_dir: str, tp_rank: int, tp_size: int, dtype: str):
     from hyrax.actors.model.config import ModelConfig
-    from hyrax.actors.model.hybrid import DTYPES
+    from hyrax.actors.model.hybrid import resolve_dtype
     from hyrax.actors.model.sharding import TP
     from hyrax.actors.model.state import derive_components
 
-    return derive_components(ModelConfig.from_dir(model_dir), TP(tp_rank, tp_size), DTYPES[dtype])
+    return derive_components(ModelConfig.from_dir(model_dir), TP(tp_rank, tp_size), resolve_dtype(dtype, "cpu"))
 
 
 def formula_bytes(num_tokens: int, tp: int = 1, model_dir: str = DEMO_MODEL, dtype: str = "float32") -> dict[str, int]:

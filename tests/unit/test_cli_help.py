@@ -41,7 +41,7 @@ def test_every_option_has_help_and_its_default(name):
     ("hyrax serve", "--max-batch-tokens", "(default: 512)"),
     ("hyrax serve", "--prefill-chunk", "(default: 256)"),
     ("hyrax serve", "--host-pool-mb", "(default: 256.0)"),
-    ("hyrax serve", "--dtype", "(default: float32)"),
+    ("hyrax serve", "--dtype", "(default: auto)"),
     ("hyrax serve", "--decode-tp", "default 1"),
     ("hyrax generate", "--max-tokens", "(default: 32)"),
     ("hyrax generate", "--temperature", "(default: 0.0)"),

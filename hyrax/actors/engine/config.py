@@ -63,7 +63,7 @@ class EngineConfig:
     forced_retraction_interval: int = 0
     deterministic: bool = False
     max_model_len: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 (float16 before sm80) on CUDA
     faults: UnsafeFaults = field(default_factory=UnsafeFaults)
     allow_unsafe: bool = False
     role: str = "colocated"  # "prefill": hand requests off after their first token
@@ -83,8 +83,8 @@ class EngineConfig:
             raise HyraxInputError("forced-retraction-interval must be >= 0 (0 = off)")
         if self.host_pool_mb < 0:
             raise HyraxInputError("host-pool-mb must be >= 0")
-        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
-            raise HyraxInputError("dtype must be float32, bfloat16, float16 or float64")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "float64"):
+            raise HyraxInputError("dtype must be auto, float32, bfloat16, float16 or float64")
         if self.faults.any and not self.allow_unsafe:
             raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
         if self.attention_backend not in ATTENTION_BACKENDS:

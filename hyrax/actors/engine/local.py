@@ -8,7 +8,7 @@ from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import LocalExecutor
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
 from hyrax.actors.engine.rank_runtime import make_rank_runtime
-from hyrax.actors.model.hybrid import DTYPES, HybridModel
+from hyrax.actors.model.hybrid import HybridModel, resolve_dtype
 from hyrax.actors.model.loader import load_model
 
 
@@ -27,7 +27,8 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
 
 
 def load_engine(model_dir: str, config: EngineConfig, decode=None, device: str = "cpu") -> Engine:
-    model = load_model(model_dir, dtype=DTYPES[config.dtype], device=device, attn_backend=config.attention_backend)
+    model = load_model(model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
+                       attn_backend=config.attention_backend)
     return engine_for_model(model, config, decode, device, tokenizer_dir=model_dir)
 
 

@@ -26,6 +26,21 @@ from hyrax.actors.model.state import ComponentSpec, component_by_name, derive_co
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+def resolve_dtype(name: str, device: torch.device | str, capability=None) -> torch.dtype:
+    """The model dtype a `--dtype` name means on `device`. `auto`: float32 on the CPU; on a
+    GPU bfloat16 where it computes bf16 natively (compute capability 8.0 and up), else
+    float16 - the dtypes the FlashAttention backend runs (a float32 default never picks it).
+    `capability` (device -> (major, minor)) is injectable for tests."""
+    if name != "auto":
+        return DTYPES[name]
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.float32
+    if capability is None:
+        from hyrax.actors.model.attn_backends import cuda_capability as capability
+    return torch.bfloat16 if capability(device)[0] >= 8 else torch.float16
+
+
 def _feed_forward(cfg: ModelConfig, kind: str, tp: TP, dtype: torch.dtype, allreduce: AllReduce) -> nn.Module:
     h, n = cfg.hidden_size, cfg.intermediate_size
     if kind == "gated":
