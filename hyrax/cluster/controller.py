@@ -1,6 +1,9 @@
 """One named, detached controller per deployment: it owns the deployment's placement groups and
 role coordinators, so they outlive every gateway that serves them.
 
+It also keeps the deployment whole: a replica whose coordinator died is dropped and replaced,
+and with autoscaling on it adds and retires replicas of the scaling role.
+
 A gateway finds the controller by the deployment's name (`hyrax serve --attach --deployment
 NAME`), asks it for the replicas, and talks to their coordinators directly; the controller is on
 no request's path. Actors a detached actor creates are owned by it, not by the driver that asked
@@ -56,6 +59,7 @@ class DeploymentController:
         self.leaving: list[tuple[Replica, float]] = []  # out of describe(), stopped once gateways let go
         self.generation = 0
         self.scale_events: list[str] = []
+        self.missing: list[str] = []  # roles of replicas that died and are not replaced yet
 
     def ensure(self, timeout_s: float = 600.0, wait_for_room_s: float = 0.0) -> DeploymentInfo:
         with self._lock:
@@ -66,7 +70,43 @@ class DeploymentController:
                     self.deployment.shutdown()
                     raise
                 self._started = True
+                threading.Thread(target=self._supervise, daemon=True).start()
         return self.describe()
+
+    # ---- replacing replicas that died ------------------------------------------------------
+    def _supervise(self, interval_s: float = 2.0) -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                with self._lock:
+                    if self._started:
+                        self._replace_dead()
+            except Exception:  # noqa: BLE001 - try again next round
+                logging.getLogger("hyrax.controller").exception("replica supervision failed")
+
+    def _replace_dead(self) -> None:
+        """A replica whose coordinator died (its node lost, its process killed) leaves the list at
+        once (gateways stop routing to it; its streams' requests are rebuilt elsewhere by the
+        gateways) and a new replica of its role is placed, now or, when there is no room yet
+        (Ray's autoscaler was asked for it), in a later round."""
+        gone = {id(r) for r, _ in self.leaving}
+        for r in [r for r in self.deployment.replicas if id(r) not in gone]:
+            try:
+                ray.get(r.coordinator.health.remote(), timeout=10)
+            except ray.exceptions.RayActorError:
+                self.deployment.remove_replica(r)
+                self.retiring.pop(id(r), None)
+                self.missing.append(r.role)
+                self._event(f"lost {r.role}/{r.index}")
+            except ray.exceptions.GetTimeoutError:
+                pass  # busy or hung, not dead: the gateways' health checks route around it
+        for role in list(self.missing):
+            try:
+                new = self.deployment.add_replica(role, timeout_s=60)
+            except Exception:  # noqa: BLE001 - no room yet: the next round tries again
+                break
+            self.missing.remove(role)
+            self._event(f"replaced a lost {role} replica with {role}/{new.index}")
 
     def describe(self) -> DeploymentInfo:
         gone = {id(r) for r, _ in self.leaving}

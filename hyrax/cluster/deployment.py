@@ -76,6 +76,7 @@ class Deployment:
         self.rank_timeout_s = rank_timeout_s
         self.namespace = namespace  # Ray namespace of its actor names (one per deployment name)
         self.replicas: list[Replica] = []
+        self._highest: dict[str, int] = {}  # the highest replica index add_replica gave out, per role
 
     def placement_groups(self, gpu: bool, pinned: frozenset[str] = frozenset()) -> list[tuple[RoleSpec, int, list[dict[str, float]]]]:
         """(role, replica index, bundles) of every placement group, in placement order;
@@ -130,7 +131,9 @@ class Deployment:
     def add_replica(self, role: str, timeout_s: float = 600.0) -> Replica:
         """One more replica of `role`, with the next unused index; healthy when this returns."""
         spec = next(r for r in self.roles if r.name == role)
-        i = max((r.index for r in self.replicas if r.role == role), default=-1) + 1
+        # indices are never reused: a lost replica's actor names may not be released yet
+        i = max([r.index for r in self.replicas if r.role == role] + [self._highest.get(role, -1)]) + 1
+        self._highest[role] = i
         total = ray.cluster_resources()
         pinned = frozenset(k for k in total if k.startswith("hyrax_"))
         bundles = [rank_bundle(total.get("GPU", 0) > 0, role_resource(role) if role_resource(role) in pinned else None)

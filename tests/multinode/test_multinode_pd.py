@@ -87,3 +87,23 @@ def test_losing_a_decode_node_mid_generation_loses_no_request_and_leaks_nothing(
     assert {p: s.text for p, s in zip(PROMPTS, streams)} == reference
     clean = cluster.clean(["hyrax/prefill/0/coordinator", f"{survivor}/coordinator"])
     assert clean == {"hyrax/prefill/0/coordinator": True, f"{survivor}/coordinator": True}
+
+
+def test_the_lost_replica_is_replaced_once_a_node_has_room_and_serves(served, reference):
+    """The controller places a new decode replica for the one lost with C as soon as a node with
+    room joins (here D); the gateway routes to it, and PD through it equals the reference."""
+    cluster, gw = served
+    cluster.add_node("D", num_cpus=1, resources={"hyrax_decode": 100})
+
+    def replaced():
+        on_d = [name for name, nodes in cluster.placement().items() if nodes == ["D"]]
+        listed = {f"{p['role']}/{p['replica']}" for p in gw.admin("pools")["replicas"]}
+        return on_d and all(name.removeprefix("hyrax/") in listed for name in on_d) and on_d
+    [name] = wait_until(replaced, 240, interval=0.5, what="a new decode replica on D, routed to")
+    assert name not in ("hyrax/decode/0", "hyrax/decode/1")  # a new replica, not the lost one's name
+    streams = [Stream(gw, p, MAX_TOKENS, f"after-{i}") for i, p in enumerate(PROMPTS)]
+    for s in streams:
+        s.join()
+        assert s.done and s.error is None, (s.request_id, s.error)
+    assert {p: s.text for p, s in zip(PROMPTS, streams)} == reference
+    assert cluster.clean([f"{name}/coordinator"]) == {f"{name}/coordinator": True}
