@@ -1,0 +1,473 @@
+"""Prefix cache for hybrid models: a radix tree over token ids at page granularity, one per
+replica, owned by the coordinator (see docs/prefix-cache.md).
+
+Every edge of the tree is a whole number of pages of tokens; a node holds, for the positions of
+its edge:
+
+- `full`: one page per edge page of every `token` component (shared by reference count with
+  the requests that hit it: they read these pages and write their own from the node's end on);
+- `window`: for every `window` component, the pages a hit needs (the component's live rows
+  before the end of some checkpoint below; -1 where nothing needs the page);
+- `checkpoint`: at a track boundary, the recurrent state after the node's last token — one
+  slot per `slot` component in that component's checkpoint pool, and its checksums per rank.
+
+A hit is the longest cached prefix that ends on a checkpoint. The tree never touches an
+allocator: `insert` reports the units it adopted (the caller moves their ownership from the
+request to `owner`), `evict` reports the units it let go (the caller frees them as `owner`).
+`check_invariants(allocators)` verifies both sides agree.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.statecopy import live_page_numbers
+from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
+
+CACHE_OWNER = "prefix-cache"
+Units = dict[str, list[int]]  # pool name -> units
+
+
+class PrefixCacheError(RuntimeError):
+    """The tree, or the tree and its allocators, disagree with themselves."""
+
+
+def checkpoint_pool(name: str) -> str:
+    """The pool holding checkpoints of slot component `name` (its own allocator, its own rows)."""
+    return f"{name}.checkpoint"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Recurrent state after a prefix: a slot per slot component in its checkpoint pool, and
+    the crc32 of each slot's bytes per TP rank (verified by the engine before a hit uses it)."""
+
+    slots: Mapping[str, int]  # slot component -> slot in checkpoint_pool(component)
+    checksums: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # component -> rank -> crc
+
+
+class Node:
+    __slots__ = ("id", "parent", "key", "start", "children", "full", "window", "checkpoint", "locks", "ref",
+                 "last_access")
+
+    def __init__(self, nid: int, parent: Node | None, key: tuple[int, ...], start: int):
+        self.id = nid
+        self.parent = parent
+        self.key = key  # token ids of the edge into this node (a whole number of pages)
+        self.start = start  # position of key[0]
+        self.children: dict[tuple[int, ...], Node] = {}  # by the child's first page of tokens
+        self.full: dict[str, list[int]] = {}  # token component -> one page per edge page
+        self.window: dict[str, list[int]] = {}  # window component -> page per edge page, -1 if not held
+        self.checkpoint: Checkpoint | None = None
+        self.locks = 0  # requests that hold exactly this node
+        self.ref = 0  # locks on this node and below: > 0 means nothing here may be freed
+        self.last_access = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+    def __repr__(self) -> str:
+        return f"Node({self.start}..{self.end}, ckpt={self.checkpoint is not None}, ref={self.ref})"
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest cached prefix of a query that ends on a checkpoint (length 0: no hit).
+
+    full: token component -> pages of positions 0..length-1 (share them: lock `node`);
+    window: window component -> {page number: cached page} the hit copies into its own pages;
+    checkpoint: the recurrent state the hit copies into its own slots."""
+
+    length: int
+    node: Node | None
+    full: Mapping[str, tuple[int, ...]]
+    window: Mapping[str, Mapping[int, int]]
+    checkpoint: Checkpoint | None
+
+
+@dataclass(frozen=True)
+class Inserted:
+    """node: the node ending at the inserted length (lock it to keep using the shared pages);
+    adopted: units the tree took over from the request (move their ownership to the cache);
+    rejected: checkpoint positions not taken (already cached, or window rows missing) — their
+    slots stay with the caller."""
+
+    node: Node
+    length: int
+    adopted: Units
+    rejected: tuple[int, ...]
+
+
+class PrefixCache:
+    def __init__(self, components: tuple[ComponentSpec, ...], page_size: int, owner: str = CACHE_OWNER):
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.owner = owner
+        self.tokens = tuple(c for c in components if c.kind == TOKEN)
+        self.windows = tuple(c for c in components if c.kind == WINDOW)
+        self.slots = tuple(c for c in components if c.kind == SLOT)
+        self.pools = (*(c.name for c in self.tokens), *(c.name for c in self.windows),
+                      *(checkpoint_pool(c.name) for c in self.slots))
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self.root = Node(next(self._ids), None, (), 0)
+
+    # ---- queries -------------------------------------------------------------------------
+    def nodes(self):
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def held(self) -> Units:
+        """Every unit the tree holds, per pool."""
+        out: Units = {p: [] for p in self.pools}
+        for n in self.nodes():
+            for pool, units in self._units(n):
+                out[pool].extend(units)
+        return out
+
+    @staticmethod
+    def _units(n: Node):
+        """(pool, units) of everything node `n` holds."""
+        yield from n.full.items()
+        for name, pages in n.window.items():
+            yield name, [p for p in pages if p >= 0]
+        if n.checkpoint is not None:
+            for name, slot in n.checkpoint.slots.items():
+                yield checkpoint_pool(name), [slot]
+
+    def match(self, token_ids: Sequence[int]) -> Match:
+        """The longest cached prefix of `token_ids` that ends on a checkpoint; touches it (LRU).
+        A request passes its prompt without the last token: the hit must leave one to compute."""
+        ps = self.page_size
+        node, pos, path, best = self.root, 0, [], 0
+        while pos + ps <= len(token_ids):
+            child = node.children.get(tuple(token_ids[pos:pos + ps]))
+            if child is None or tuple(token_ids[pos:pos + len(child.key)]) != child.key:
+                break  # a partial edge holds no checkpoint
+            node, pos = child, pos + len(child.key)
+            path.append(node)
+            if node.checkpoint is not None:
+                best = len(path)
+        if best == 0:
+            return Match(0, None, {}, {}, None)
+        path = path[:best]
+        hit = path[-1]
+        self._touch(hit)
+        full = {c.name: tuple(p for n in path for p in n.full[c.name]) for c in self.tokens}
+        window = {c.name: {k: self._window_page(path, c.name, k) for k in self._window_needs(c, hit.end)}
+                  for c in self.windows}
+        return Match(hit.end, hit, full, window, hit.checkpoint)
+
+    # ---- references ------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        """A request uses the prefix ending at `node`: nothing on its path may be evicted."""
+        if node.checkpoint is None:
+            raise PrefixCacheError(f"{node!r}: only a node with a checkpoint can be locked")
+        node.locks += 1
+        n: Node | None = node
+        while n is not None:
+            n.ref += 1
+            n = n.parent
+
+    def unlock(self, node: Node) -> None:
+        if node.locks < 1:
+            raise PrefixCacheError(f"{node!r}: unlocked more often than locked")
+        node.locks -= 1
+        n: Node | None = node
+        while n is not None:
+            n.ref -= 1
+            n = n.parent
+
+    # ---- insert ----------------------------------------------------------------------------
+    def insert(self, token_ids: Sequence[int], full: Mapping[str, Sequence[int]],
+               window: Mapping[str, Sequence[int]], checkpoints: Mapping[int, Checkpoint]) -> Inserted:
+        """Cache a request's prefix up to its last checkpoint position.
+
+        full / window: the request's page tables (page number -> unit, -1 where it holds none);
+        checkpoints: position (a multiple of the page size) -> the request's checkpoint there.
+        Pages the tree already holds are not taken (the request keeps its duplicates)."""
+        ps = self.page_size
+        if not checkpoints:
+            raise ValueError("insert needs at least one checkpoint (a hit must end on one)")
+        cuts = sorted(checkpoints)
+        end = cuts[-1]
+        if any(p <= 0 or p % ps or p > len(token_ids) for p in cuts):
+            raise ValueError(f"checkpoint positions must be multiples of {ps} in (0, {len(token_ids)}]: {cuts}")
+        for c in self.tokens:
+            table = full[c.name]
+            if len(table) < end // ps or any(u < 0 for u in table[:end // ps]):
+                raise ValueError(f"{c.name}: the page table does not cover positions 0..{end - 1}")
+        for p, ck in checkpoints.items():
+            if set(ck.slots) != {c.name for c in self.slots}:
+                raise ValueError(f"checkpoint at {p} has slots for {sorted(ck.slots)}, "
+                                 f"the model has {sorted(c.name for c in self.slots)}")
+        adopted: Units = {p: [] for p in self.pools}
+        rejected: list[int] = []
+        node, pos, path = self.root, 0, []
+        for cut in cuts:
+            while pos < cut:
+                child = node.children.get(tuple(token_ids[pos:pos + ps]))
+                if child is None:
+                    child = self._grow(node, token_ids, pos, cut, full, adopted)
+                else:
+                    m = self._common(child.key, token_ids, pos, cut - pos)
+                    if m < len(child.key):
+                        child = self._split(child, m)
+                node, pos = child, child.end
+                path.append(node)
+            if node.checkpoint is not None or not self._adopt_window(path, window, adopted):
+                rejected.append(cut)
+                continue
+            node.checkpoint = checkpoints[cut]
+            for name, slot in checkpoints[cut].slots.items():
+                adopted[checkpoint_pool(name)].append(slot)
+        node = self._prune(node, adopted)
+        self._touch(node)
+        last = node if node.checkpoint is not None else self._deepest_checkpoint(node)
+        return Inserted(last, last.end, {p: u for p, u in adopted.items() if u}, tuple(rejected))
+
+    def _grow(self, parent: Node, token_ids, pos: int, cut: int, full, adopted: Units) -> Node:
+        ps = self.page_size
+        n = Node(next(self._ids), parent, tuple(token_ids[pos:cut]), pos)
+        pages = range(pos // ps, cut // ps)
+        for c in self.tokens:
+            n.full[c.name] = [full[c.name][k] for k in pages]
+            adopted[c.name].extend(n.full[c.name])
+        for c in self.windows:
+            n.window[c.name] = [-1] * len(pages)
+        parent.children[n.key[:ps]] = n
+        return n
+
+    def _prune(self, node: Node, adopted: Units) -> Node:
+        """Drop a newly grown tail that ended up without a checkpoint (its last one was
+        rejected): nothing could ever hit it. Its pages go back to the request."""
+        while node is not self.root and not node.children and node.checkpoint is None and node.ref == 0:
+            for name, pages in node.full.items():
+                gone = set(pages)
+                adopted[name] = [u for u in adopted[name] if u not in gone]
+            parent = node.parent
+            del parent.children[node.key[:self.page_size]]
+            node.parent = None
+            node = parent
+        return node
+
+    def _common(self, key: tuple[int, ...], token_ids, pos: int, limit: int) -> int:
+        """Length of the common prefix of `key` and token_ids[pos:], in whole pages, at most `limit`."""
+        ps, m = self.page_size, 0
+        while m < min(len(key), limit) and tuple(token_ids[pos + m:pos + m + ps]) == key[m:m + ps]:
+            m += ps
+        return m
+
+    def _split(self, child: Node, m: int) -> Node:
+        """Cut `child`'s edge after `m` tokens; returns the new upper node (it ends at start + m)."""
+        ps, k = self.page_size, m // self.page_size
+        parent = child.parent
+        top = Node(next(self._ids), parent, child.key[:m], child.start)
+        top.full = {n: u[:k] for n, u in child.full.items()}
+        top.window = {n: u[:k] for n, u in child.window.items()}
+        child.full = {n: u[k:] for n, u in child.full.items()}
+        child.window = {n: u[k:] for n, u in child.window.items()}
+        top.ref, top.last_access = child.ref, child.last_access
+        parent.children[top.key[:ps]] = top
+        child.key, child.start, child.parent = child.key[m:], child.start + m, top
+        top.children = {child.key[:ps]: child}
+        return top
+
+    def _adopt_window(self, path: list[Node], window: Mapping[str, Sequence[int]], adopted: Units) -> bool:
+        """Make the tree hold every window page a hit at path[-1].end needs, taking missing ones
+        from the request's tables; False (and nothing taken) if the request lacks one."""
+        end, take = path[-1].end, []
+        for c in self.windows:
+            table = window.get(c.name, ())
+            for k in self._window_needs(c, end):
+                node, j = self._locate(path, k)
+                if node.window[c.name][j] < 0:
+                    if k >= len(table) or table[k] < 0:
+                        return False
+                    take.append((c.name, node, j, table[k]))
+        for name, node, j, unit in take:
+            node.window[name][j] = unit
+            adopted[name].append(unit)
+        return True
+
+    def _locate(self, path: list[Node], page: int) -> tuple[Node, int]:
+        pos = page * self.page_size
+        for n in reversed(path):
+            if n.start <= pos < n.end:
+                return n, (pos - n.start) // self.page_size
+        raise PrefixCacheError(f"page {page} is not on the path")
+
+    def _window_page(self, path: list[Node], name: str, page: int) -> int:
+        node, j = self._locate(path, page)
+        return node.window[name][j]
+
+    def _window_needs(self, comp: ComponentSpec, end: int) -> list[int]:
+        return live_page_numbers(comp, end, self.page_size)
+
+    def _path(self, node: Node) -> list[Node]:
+        """The nodes from the root's child down to `node` (empty for the root)."""
+        path = []
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            path.append(n)
+            n = n.parent
+        return path[::-1]
+
+    def _deepest_checkpoint(self, node: Node) -> Node:
+        while node.checkpoint is None and node.parent is not None:
+            node = node.parent
+        return node
+
+    def _touch(self, node: Node) -> None:
+        t = next(self._clock)
+        n: Node | None = node
+        while n is not None:
+            n.last_access = t
+            n = n.parent
+
+    # ---- eviction ---------------------------------------------------------------------------
+    def evict(self, need: Mapping[str, int] | None = None) -> Units:
+        """Free least recently used unreferenced leaves (every component of a node together)
+        until `need` (pool -> units) is met, or everything evictable is gone when `need` is
+        None. Returns the freed units: the caller gives them back to its allocators."""
+        freed: Units = {p: [] for p in self.pools}
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if not n.children and n.ref == 0]
+        heapq.heapify(heap)
+
+        def met() -> bool:
+            return need is not None and all(len(freed.get(p, ())) >= k for p, k in need.items())
+
+        while heap and not met():
+            _, _, n = heapq.heappop(heap)
+            if n.children or n.ref or n.parent is None or n.parent.children.get(n.key[:self.page_size]) is not n:
+                continue
+            parent = self._remove(n, freed)
+            if parent is not self.root and not parent.children and parent.ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return {p: u for p, u in freed.items() if u}
+
+    def flush(self) -> Units:
+        """Evict everything no request references."""
+        return self.evict(None)
+
+    def _remove(self, n: Node, freed: Units) -> Node:
+        """Detach leaf `n`, freeing its units, the window pages above it only its checkpoint
+        needed, and ancestors left as leaves without a checkpoint. Returns the first parent kept."""
+        while True:
+            parent = n.parent
+            for pool, units in self._units(n):
+                freed[pool].extend(units)
+            del parent.children[n.key[:self.page_size]]
+            n.parent = None
+            if n.checkpoint is not None:
+                self._drop_unneeded_window(parent, n.end, freed)
+            if parent is self.root or parent.children or parent.ref or parent.checkpoint is not None:
+                return parent
+            n = parent
+
+    def _drop_unneeded_window(self, node: Node, end: int, freed: Units) -> None:
+        """After a checkpoint at `end` below `node` left: free the window pages on the path that
+        no remaining checkpoint needs."""
+        path = self._path(node)
+        for c in self.windows:
+            for k in self._window_needs(c, end):
+                if not path or k * self.page_size >= path[-1].end:
+                    continue  # on the removed node itself: already freed
+                owner, j = self._locate(path, k)
+                if owner.window[c.name][j] < 0:
+                    continue
+                if not self._window_needed(owner, c, k):
+                    freed[c.name].append(owner.window[c.name][j])
+                    owner.window[c.name][j] = -1
+
+    def _window_needed(self, node: Node, comp: ComponentSpec, page: int) -> bool:
+        """Whether a checkpoint at or below `node` needs window page `page` of `comp`."""
+        horizon = (page + 1) * self.page_size + comp.window
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.checkpoint is not None and page in self._window_needs(comp, n.end):
+                return True
+            stack.extend(ch for ch in n.children.values() if ch.start < horizon)
+        return False
+
+    # ---- invariants ---------------------------------------------------------------------------
+    def check_invariants(self, allocators: Mapping[str, IndexAllocator] | None = None) -> None:
+        """Structure, reference counts and window rows; with `allocators` (pool name -> its
+        allocator) also that the tree owns exactly the units it holds and every pool balances."""
+        ps = self.page_size
+
+        def fail(msg):
+            raise PrefixCacheError(msg)
+
+        def check(n: Node) -> int:
+            """Checks the subtree of `n`; returns the locks in it."""
+            locks = n.locks
+            for key, ch in n.children.items():
+                if ch.parent is not n or ch.key[:ps] != key:
+                    fail(f"{ch!r}: parent/child links disagree")
+                if not ch.key or len(ch.key) % ps or ch.start != n.end:
+                    fail(f"{ch!r}: an edge must be a whole number of pages starting at its parent's end")
+                pages = len(ch.key) // ps
+                if {c.name for c in self.tokens} != set(ch.full) or any(len(u) != pages for u in ch.full.values()):
+                    fail(f"{ch!r}: full pages do not cover the edge")
+                if {c.name for c in self.windows} != set(ch.window) or any(len(u) != pages
+                                                                           for u in ch.window.values()):
+                    fail(f"{ch!r}: window table does not cover the edge")
+                if not ch.children and ch.checkpoint is None:
+                    fail(f"{ch!r}: a leaf without a checkpoint can never be hit")
+                if ch.locks and ch.checkpoint is None:
+                    fail(f"{ch!r}: locked without a checkpoint")
+                locks += check(ch)
+            if n.ref != locks or n.locks < 0:
+                fail(f"{n!r}: ref {n.ref} != locks at and below it {locks}")
+            return locks
+
+        check(self.root)
+        for n in self.nodes():  # window rows: every checkpoint has what a hit needs, nothing else is held
+            path = self._path(n)
+            for c in self.windows:
+                if n.checkpoint is not None:
+                    for k in self._window_needs(c, n.end):
+                        if self._window_page(path, c.name, k) < 0:
+                            fail(f"{n!r}: {c.name} page {k} needed by the checkpoint is not held")
+                for j, unit in enumerate(n.window[c.name]):
+                    if unit >= 0 and not self._window_needed(n, c, n.start // ps + j):
+                        fail(f"{n!r}: {c.name} page {n.start // ps + j} is held but no checkpoint needs it")
+        held = self.held()
+        for pool, units in held.items():
+            if len(set(units)) != len(units):
+                fail(f"{pool}: a unit is held twice by the tree")
+        if allocators is None:
+            return
+        for pool, units in held.items():
+            alloc = allocators[pool]
+            alloc.check()
+            if set(alloc.owned_by(self.owner)) != set(units):
+                fail(f"{pool}: the tree holds {sorted(units)}, the allocator says it owns "
+                     f"{alloc.owned_by(self.owner)}")
+
+
+def transfer(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Sequence[int]], old: str, new: str) -> None:
+    """Move the ownership of `units` (pool -> units) from `old` to `new`."""
+    for pool, idx in units.items():
+        if idx:
+            allocators[pool].free(old, list(idx))
+            allocators[pool].claim(new, tuple(idx))
+
+
+def give_back(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Sequence[int]],
+              owner: str = CACHE_OWNER) -> None:
+    """Return units the tree let go (`evict`, `flush`) to their allocators."""
+    for pool, idx in units.items():
+        if idx:
+            allocators[pool].free(owner, list(idx))

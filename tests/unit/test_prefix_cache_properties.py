@@ -1,0 +1,77 @@
+"""Random insert / match / lock / unlock / evict sequences against a reference model (a set of
+cached prefixes), with real IndexAllocators; every pool ends at its baseline."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefix_cache_world import World
+from test_prefix_cache import cached_prefixes
+
+STEMS = (tuple(range(10, 30)), tuple(range(10, 22)) + (1,) * 8, (5,) * 20)
+
+prompts = st.builds(lambda stem, cut, tail: STEMS[stem][:cut] + tuple(tail),
+                    st.integers(0, len(STEMS) - 1), st.integers(0, 20),
+                    st.lists(st.integers(0, 3), min_size=1, max_size=10))
+ops = st.lists(st.one_of(
+    st.tuples(st.just("run"), prompts),
+    st.tuples(st.just("finish"), st.integers(0, 7)),
+    st.tuples(st.just("match"), prompts),
+    st.tuples(st.just("match_seen"), st.integers(0, 30), st.integers(1, 30), st.integers(0, 3)),
+    st.tuples(st.just("evict"), st.sampled_from(["full_kv", "swa_kv", "mamba_ssm.checkpoint"]), st.integers(1, 6)),
+    st.tuples(st.just("flush")),
+), max_size=30)
+
+
+def expected_hit(reference: set, q: tuple) -> int:
+    return max((len(p) for p in reference if len(p) <= len(q) and q[:len(p)] == p), default=0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, window=st.sampled_from([3, 10, 17]), interval=st.sampled_from([4, 8]))
+def test_random_sequences_match_the_reference_and_return_every_pool_to_baseline(ops, window, interval):
+    w = World(page_size=4, interval=interval, window=window, pages=40, ckpt_slots=24)
+    reference: set[tuple[int, ...]] = set()
+    running: list[str] = []
+    seen: list[tuple[int, ...]] = []
+    for k, op in enumerate(ops):
+        if op[0] == "run":
+            ids = op[1]
+            if len(ids) < 2 or not w.fits(ids):
+                continue
+            expect = expected_hit(reference, ids[:-1])
+            h = w.run(f"r{k}", ids)  # verifies the hit's contents against what it would compute
+            assert h.hit == expect
+            running.append(f"r{k}")
+            seen.append(ids)
+            reference |= {ids[:p] for p in range(w.ps, len(ids) + 1, w.ps) if w.policy.is_boundary(p, len(ids))}
+        elif op[0] == "finish" and running:
+            w.finish(running.pop(op[1] % len(running)))
+        elif op[0] in ("match", "match_seen"):
+            if op[0] == "match_seen":  # a prefix of a prompt seen before, often ending inside an edge
+                if not seen:
+                    continue
+                q = seen[op[1] % len(seen)][:op[2]] + (op[3],)
+            else:
+                q = op[1]
+            m = w.cache.match(q)
+            assert m.length == expected_hit(reference, q)
+            if m.length:
+                w.verify_hit(q[:m.length] + (0,), m)
+        elif op[0] in ("evict", "flush"):
+            need = {op[1]: op[2]} if op[0] == "evict" else None
+            freed = w.evict(need)
+            left = cached_prefixes(w.cache)
+            assert left <= reference
+            for rid in running:  # what a running request locked is still cached
+                h = w.requests[rid]
+                assert all(h.ids[:n.end] in left for n in h.locked)
+            if need is None or any(len(freed.get(p, ())) < n for p, n in need.items()):
+                assert all(n.ref > 0 for n in w.cache.nodes() if not n.children), "an evictable leaf was left"
+            reference = left
+        w.check()
+    for rid in running:
+        w.finish(rid)
+    w.check()
+    w.evict()
+    assert w.at_baseline() and not list(w.cache.nodes())
