@@ -95,7 +95,8 @@ class Stream:
     (retract, abort, kill a rank) while the stream keeps flowing.
     """
 
-    def __init__(self, coord, request_id: str, prompt_ids: list[int], max_tokens: int, **params):
+    def __init__(self, coord, request_id: str, prompt_ids: list[int], max_tokens: int, gateway: str | None = None,
+                 **params):
         self.id = request_id
         self.prompt = list(prompt_ids)
         self.tokens: list[int] = []
@@ -103,7 +104,8 @@ class Stream:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self._cv = threading.Condition()
-        self._gen = coord.generate.remote(request_id, self.prompt, {"max_tokens": max_tokens, **PARAMS, **params})
+        self._gen = coord.generate.remote(request_id, self.prompt, {"max_tokens": max_tokens, **PARAMS, **params},
+                                          gateway=gateway)  # the gateway lease holding the stream (None: none)
         self._thread = threading.Thread(target=self._consume, name=f"stream-{request_id}", daemon=True)
         self._thread.start()
 
