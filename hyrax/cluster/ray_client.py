@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import uuid
@@ -130,10 +131,10 @@ class Membership:
             await asyncio.sleep(self.interval_s)
             try:
                 info = await self.controller.describe.remote()
-            except Exception:  # noqa: BLE001 - the controller is busy or restarting: keep what we have
-                continue
-            if info.generation != self.generation:
-                self.apply(info)
+                if info.generation != self.generation:
+                    self.apply(info)
+            except Exception:  # noqa: BLE001 - the controller is busy or gone: keep what we have, ask again
+                logging.getLogger("hyrax.gateway").warning("deployment membership refresh failed", exc_info=True)
 
     def apply(self, info) -> None:
         self.generation = info.generation
