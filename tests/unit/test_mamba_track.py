@@ -211,3 +211,15 @@ def test_any_chunking_and_interleaving_caches_every_boundary_with_its_own_state(
     w.check()
     w.evict()
     assert w.at_baseline()
+
+
+def test_a_request_leaving_while_its_step_runs_abandons_the_write_and_keeps_its_last_checkpoint():
+    track = MambaTrack(TrackPolicy(4, 4))
+    ring = (CheckpointSlots.of({"m": 0}), CheckpointSlots.of({"m": 1}))
+    s = track.start(ring)
+    s, a = track.plan(s, "r", 0, 4, 100)
+    s = track.process(s, a)
+    s, b = track.plan(s, "r", 4, 8, 100)  # retracted or aborted while this step runs
+    s = track.abandon(s, b)
+    assert track.keep(s) == Kept(4, ring[a.ring_index]) and s.pending == ()
+    assert set(track.release(s)) == set(ring)  # every slot it holds goes back at the one free point

@@ -216,3 +216,29 @@ def test_evicting_a_branch_frees_the_window_pages_above_it_that_only_it_needed()
     w.check()
     w.finish("a")
     assert w.drained()
+
+
+def test_retract_abort_or_hand_off_of_a_hit_frees_only_its_own_units():
+    """Retraction, abort and hand-off all leave through the same free: the request's own units
+    and its locks. What the tree or another request references stays, intact, and the request
+    hits again when it comes back (a restore after retraction, a re-prefill after a fallback)."""
+    w = World()
+    w.run("a", PROMPT), w.finish("a")
+    b = w.run("b", PROMPT[:20] + (4,) * 6)
+    c = w.run("c", PROMPT[:18] + (6,) * 6)
+    assert b.hit == c.hit == 16
+    shared = w.cache.match(PROMPT[:17]).full["full_kv"]
+    w.finish("b")  # retracted (its backup holds copies), aborted, or handed off: the same free
+    w.check()
+    assert w.cache.match(PROMPT[:17]).full["full_kv"] == shared
+    w.verify_hit(PROMPT[:17], w.cache.match(PROMPT[:16]))
+    again = w.run("b", PROMPT[:20] + (4,) * 6)  # resumed by re-prefill: hits its own earlier insert
+    assert again.hit == 24
+    w.finish("b"), w.finish("c")
+    assert w.drained()
+
+
+def test_evict_refuses_a_pool_the_tree_does_not_hold():
+    w = World()
+    with pytest.raises(ValueError, match="no units"):
+        w.cache.evict({"mamba_ssm": 1})  # the request slots: the tree holds checkpoints, not these

@@ -339,6 +339,9 @@ class PrefixCache:
         """Free least recently used unreferenced leaves (every component of a node together)
         until `need` (pool -> units) is met, or everything evictable is gone when `need` is
         None. Returns the freed units: the caller gives them back to its allocators."""
+        unknown = set(need or ()) - set(self.pools)
+        if unknown:
+            raise ValueError(f"the prefix cache holds no units of {sorted(unknown)}; its pools: {list(self.pools)}")
         freed: Units = {p: [] for p in self.pools}
         heap = [(n.last_access, n.id, n) for n in self.nodes() if not n.children and n.ref == 0]
         heapq.heapify(heap)
