@@ -150,3 +150,16 @@ class World:
 
     def at_baseline(self) -> bool:
         return all(a.num_free == a.capacity for a in self.alloc.values())
+
+
+def cached_prefixes(cache) -> set[tuple[int, ...]]:
+    """The token prefixes the tree holds a checkpoint for."""
+    out = set()
+    for n in cache.nodes():
+        if n.checkpoint is not None:
+            keys, a = [], n
+            while a is not cache.root:
+                keys.append(a.key)
+                a = a.parent
+            out.add(tuple(t for k in reversed(keys) for t in k))
+    return out

@@ -5,21 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hyrax.actors.engine.prefix_cache import CACHE_OWNER, Checkpoint, PrefixCacheError, checkpoint_pool
-from prefix_cache_world import World
+from prefix_cache_world import World, cached_prefixes
 
 PROMPT = tuple(range(100, 125))  # 25 tokens: page size 4, interval 8 -> checkpoints at 8, 16, 24
-
-
-def cached_prefixes(cache) -> set[tuple[int, ...]]:
-    out = set()
-    for n in cache.nodes():
-        if n.checkpoint is not None:
-            keys, a = [], n
-            while a is not cache.root:
-                keys.append(a.key)
-                a = a.parent
-            out.add(tuple(t for k in reversed(keys) for t in k))
-    return out
 
 
 def test_hit_is_the_longest_cached_prefix_that_ends_on_a_checkpoint():
@@ -192,6 +180,9 @@ def test_unlock_without_lock_and_lock_without_checkpoint_are_errors():
         w.cache.unlock(node)
     with pytest.raises(PrefixCacheError):
         w.cache.lock(w.cache.root)
+    w.evict()
+    with pytest.raises(PrefixCacheError, match="evicted"):
+        w.cache.lock(node)  # a Match kept past an eviction cannot pin what is gone
 
 
 def test_a_hit_never_ends_on_a_split_point_without_a_checkpoint():

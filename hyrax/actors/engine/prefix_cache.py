@@ -172,6 +172,8 @@ class PrefixCache:
         """A request uses the prefix ending at `node`: nothing on its path may be evicted."""
         if node.checkpoint is None:
             raise PrefixCacheError(f"{node!r}: only a node with a checkpoint can be locked")
+        if node.parent is None:
+            raise PrefixCacheError(f"{node!r}: evicted, no longer in the tree")
         node.locks += 1
         n: Node | None = node
         while n is not None:
