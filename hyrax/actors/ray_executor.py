@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import ray
 
-from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums
+from hyrax.actors.engine.executor import RankCalls, RankFailure, StepError, Sums
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
 
@@ -43,4 +43,14 @@ class RayExecutor(RankCalls):
         return [r.execute.remote(plan) for r in self.ranks]
 
     def collect(self, refs: list) -> StepResult:
-        return self._wait("execute", refs)[0]
+        """Rank 0's result. A rank that raised while every rank answered is a StepError (the
+        ranks live on); a rank that died, hung or left the others waiting is a RankFailure."""
+        try:
+            return ray.get(refs, timeout=self.timeout_s)[0]
+        except ray.exceptions.RayTaskError as e:
+            answered, _ = ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 10.0))
+            if len(answered) == len(refs) and not isinstance(e, ray.exceptions.RayActorError):
+                raise StepError(f"the step raised on a rank: {e.cause!r}") from e
+            raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
+        except Exception as e:  # RayActorError, GetTimeoutError
+            raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e

@@ -54,6 +54,12 @@ class UnsafeRankRuntime(RankRuntime):
     def _saving(self):
         return tuple(c for c in self.components if c.name not in self.faults.skipped)
 
+    def execute(self, plan):
+        n = self.faults.step_error_at_context
+        if n and any(e.end >= n for e in plan.entries):
+            raise RuntimeError(f"injected step error: a request reached {n} tokens of context")
+        return super().execute(plan)
+
     def _checksummed(self, name: str, data: torch.Tensor) -> None:
         if name == self.faults.corrupt_backup_component and data.numel():
             data.view(torch.uint8).view(-1)[0] ^= 0xFF

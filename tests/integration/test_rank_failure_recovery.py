@@ -1,6 +1,7 @@
 """A TP rank actor dies mid-generation: the coordinator replaces its ranks and rebuilds
 every in-flight request by recompute (or ends it with finish_reason "error"); no stream
-hangs, the replica is healthy and clean again, and new requests succeed."""
+hangs, the replica is healthy and clean again, and new requests succeed. A step that raises
+on live ranks is not a death: its request ends with "error" and the ranks stay."""
 from __future__ import annotations
 
 import time
@@ -8,14 +9,18 @@ import time
 import pytest
 import ray
 
-from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
 from ray_harness import DEMO_MODEL, Stream, assert_clean, call, deployed, prompt, reference, replica, run_all, uid
 
 pytestmark = pytest.mark.timeout(300)
 
 # float64: the rebuilt requests resume through prefill; their greedy tokens then match the
 # uninterrupted run exactly.
-CONFIG = EngineConfig(deterministic=True, dtype="float64")
+# Every rank's step raises once a request reaches STEP_ERROR_AT tokens of context (as an
+# out-of-memory would); the kill test's requests stay far below it.
+STEP_ERROR_AT = 300
+CONFIG = EngineConfig(deterministic=True, dtype="float64", allow_unsafe=True,
+                      faults=UnsafeFaults(step_error_at_context=STEP_ERROR_AT))
 
 
 @pytest.fixture(scope="module")
@@ -65,4 +70,20 @@ def test_killed_rank_mid_generation_recovers_every_in_flight_request(kill_tp2):
     after = run_all(coord, [p], 12, prefix="after-kill-")
     assert after[0].finish_reason == "length"
     assert after[0].tokens == reference(DEMO_MODEL, CONFIG, [p], 12)[0]
+    assert_clean(coord)
+
+
+def test_a_step_that_raises_on_live_ranks_fails_its_request_and_keeps_the_ranks(kill_tp2):
+    coord = kill_tp2
+    before, ranks = call(coord.stats), call(coord.rank_handles)
+    doomed = run_all(coord, [prompt(STEP_ERROR_AT - 10, seed=1200)], 30, prefix="step-error-")[0]
+    assert doomed.finish_reason == "error" and 0 < len(doomed.tokens) < 30, (doomed.finish_reason, doomed.tokens)
+    after = call(coord.stats)
+    assert after["step_errors"] - before["step_errors"] == 1
+    assert after["recoveries"] == before["recoveries"] and call(coord.rank_handles) == ranks  # no restart
+    assert call(coord.health)["healthy"] is True
+    assert_clean(coord)
+    p = prompt(15, seed=1201)
+    again = run_all(coord, [p], 12, prefix="after-step-error-")[0]
+    assert again.finish_reason == "length" and again.tokens == reference(DEMO_MODEL, CONFIG, [p], 12)[0]
     assert_clean(coord)

@@ -20,6 +20,8 @@ class UnsafeFaults:
     corrupt_backup_component: flip a byte of this component's backup after checksumming.
     disable_verification: restore trusts the backup (no completeness/ownership/checksum check).
     only_rank: apply the faults on this TP rank only (None: every rank).
+    step_error_at_context: a rank's step raises (as an out-of-memory would) when a request in
+        it reaches this many tokens of context (0: off). The rank stays alive.
     """
 
     skip_backup_component: str | None = None
@@ -27,11 +29,12 @@ class UnsafeFaults:
     corrupt_backup_component: str | None = None
     disable_verification: bool = False
     only_rank: int | None = None
+    step_error_at_context: int = 0
 
     @property
     def any(self) -> bool:
         return bool(self.skip_backup_component or self.restore_into_old_indices
-                    or self.corrupt_backup_component or self.disable_verification)
+                    or self.corrupt_backup_component or self.disable_verification or self.step_error_at_context)
 
     @property
     def skipped(self) -> frozenset[str]:

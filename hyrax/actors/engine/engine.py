@@ -19,7 +19,7 @@ import uuid
 from hyrax.actors.engine.admission import check_request, claim
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
-from hyrax.actors.engine.executor import Executor, StepResult
+from hyrax.actors.engine.executor import Executor, StepError, StepResult
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.inspection import all_free, check_invariants, describe_requests, pool_usage
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
@@ -75,6 +75,7 @@ class Engine:
         self.finished_requests: dict[str, Request] = {}
         self._forget: list[str] = []  # requests whose last token the ranks may forget
         self._pressure = False
+        self.last_step_error: str | None = None
 
     # ---- the request table, as the rest of the code reads it -----------------------------
     @property
@@ -216,8 +217,32 @@ class Engine:
             self.sync()
 
     def _commit_step(self, plan: StepPlan, handle) -> None:
-        self.commit(plan, self.executor.collect(handle))
+        try:
+            result = self.executor.collect(handle)
+        except StepError as e:
+            self._fail_step(plan, e)
+            return
+        self.commit(plan, result)
         self.inflight.committed(plan.step)
+
+    def _fail_step(self, plan: StepPlan, error: StepError) -> None:
+        """A step raised on live ranks: its requests end with `error` (their rows are suspect),
+        and so do those of the step submitted after it, which read those rows; every other
+        request, and the ranks, carry on."""
+        self.stats.step_errors += 1
+        self.last_step_error = str(error)
+        later = self.inflight.swap(None)
+        if later is not None:
+            try:
+                self.executor.collect(later[1])
+            except StepError:
+                pass
+        failed = {e.req_id for e in plan.entries} | ({e.req_id for e in later[0].entries} if later else set())
+        self.inflight.committed(max(plan.step, later[0].step if later else plan.step))
+        for rid in failed:
+            req = self.table.get(rid)
+            if req is not None:
+                self._finish(req, "error")
 
     def commit(self, plan: StepPlan, result: StepResult) -> None:
         """Apply a step's results using the step's own plan snapshot (results.py); a prefill

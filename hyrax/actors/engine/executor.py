@@ -15,7 +15,13 @@ from hyrax.actors.engine.rank_runtime import RankRuntime
 
 
 class RankFailure(RuntimeError):
-    """A rank died, hung past the timeout, or raised."""
+    """A rank died, hung past the timeout, or failed outside a step: its ranks are replaced."""
+
+
+class StepError(RuntimeError):
+    """Every rank is alive and answered, but running a step raised on one of them (out of
+    memory, a kernel refusing its input): a deterministic error of that step's requests, not
+    a rank death. The engine fails those requests and keeps its ranks."""
 
 
 Sums = dict[int, dict[str, int]]  # rank -> component -> checksum
@@ -73,8 +79,19 @@ class LocalExecutor(RankCalls):
         return [getattr(self.rank, method)(*args)]
 
     def submit(self, plan: StepPlan):
-        """In-process, a step simply runs now."""
-        return self.rank.execute(plan)
+        """In-process, a step simply runs now (an error is raised when it is collected)."""
+        try:
+            return self.rank.execute(plan)
+        except Exception as e:  # noqa: BLE001 - reported by collect, as the Ray executor does
+            return _Raised(e)
 
     def collect(self, handle: StepResult) -> StepResult:
+        if isinstance(handle, _Raised):
+            raise StepError(f"the step raised on rank 0: {type(handle.error).__name__}: {handle.error}") \
+                from handle.error
         return handle
+
+
+class _Raised:
+    def __init__(self, error: Exception):
+        self.error = error

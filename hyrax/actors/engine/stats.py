@@ -28,6 +28,7 @@ class EngineStats:
     restore_fallbacks: int = 0
     host_pool_full: int = 0
     recoveries: int = 0
+    step_errors: int = 0  # steps that raised on live ranks: their requests failed, the ranks stayed
     offers_reclaimed: int = 0  # hand-offs whose lease ended without an acknowledgement
 
     def summary(self) -> dict:
@@ -43,6 +44,7 @@ class EngineStats:
             "checksum_failures": self.checksum_failures,
             "host_pool_full": self.host_pool_full,
             "recoveries": self.recoveries,
+            "step_errors": self.step_errors,
             "offers_reclaimed": self.offers_reclaimed,
             "finished": dict(self.finished),
             "bytes_backed_up": dict(self.bytes_backed_up),
