@@ -25,6 +25,7 @@ from hyrax.actors.engine.inspection import all_free, check_invariants, describe_
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
 from hyrax.actors.engine.moves import make_moves
 from hyrax.actors.engine.plan import StepPlan
+from hyrax.actors.engine.recovery import Recovery
 from hyrax.actors.engine.pools import PoolSizes
 from hyrax.actors.engine.request import Request, SamplingParams, State
 from hyrax.actors.engine.retractions import Retractions
@@ -75,7 +76,8 @@ class Engine:
         self.finished_requests: dict[str, Request] = {}
         self._forget: list[str] = []  # requests whose last token the ranks may forget
         self._pressure = False
-        self.last_step_error: str | None = None
+        self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
+                                 finish=self._finish, reset=self._reset_pipeline)
 
     # ---- the request table, as the rest of the code reads it -----------------------------
     @property
@@ -220,29 +222,10 @@ class Engine:
         try:
             result = self.executor.collect(handle)
         except StepError as e:
-            self._fail_step(plan, e)
+            self.recovery.step_failed(plan, e)
             return
         self.commit(plan, result)
         self.inflight.committed(plan.step)
-
-    def _fail_step(self, plan: StepPlan, error: StepError) -> None:
-        """A step raised on live ranks: its requests end with `error` (their rows are suspect),
-        and so do those of the step submitted after it, which read those rows; every other
-        request, and the ranks, carry on."""
-        self.stats.step_errors += 1
-        self.last_step_error = str(error)
-        later = self.inflight.swap(None)
-        if later is not None:
-            try:
-                self.executor.collect(later[1])
-            except StepError:
-                pass
-        failed = {e.req_id for e in plan.entries} | ({e.req_id for e in later[0].entries} if later else set())
-        self.inflight.committed(max(plan.step, later[0].step if later else plan.step))
-        for rid in failed:
-            req = self.table.get(rid)
-            if req is not None:
-                self._finish(req, "error")
 
     def commit(self, plan: StepPlan, result: StepResult) -> None:
         """Apply a step's results using the step's own plan snapshot (results.py); a prefill
@@ -294,33 +277,15 @@ class Engine:
         out, self._outputs = self._outputs, []
         return out
 
-    # ---- faults ----------------------------------------------------------------------------
+    # ---- faults (recovery.py) -----------------------------------------------------------
     def reset_for_recovery(self) -> list[str]:
-        """After the ranks were lost and restarted with empty pools: every request keeps its
-        tokens and is rebuilt by prefill (recompute). Returns the ids affected."""
-        live = self._drop_all_state()
-        self.stats.recoveries += 1
-        return [r.id for r in live]
+        return self.recovery.reset_for_recovery()
 
     def fail_all(self, reason: str = "error") -> list[str]:
-        """Finish every unfinished request (ranks gone for good); nothing stays queued."""
-        self._drop_all_state()
-        ids = list(self.requests)
-        for rid in ids:
-            self._finish(self.requests[rid], reason)
-        return ids
+        return self.recovery.fail_all(reason)
 
-    def _drop_all_state(self) -> list[Request]:
-        """Forget every index, backup and step in flight; every live request back to waiting."""
-        self.inflight.forget()
+    def _reset_pipeline(self) -> None:
         self._forget, self._pressure = [], False
-        live = self.table.rebuild_all()
-        for req in live:
-            req.indices, req.backup, req.num_computed, req.export_payload = {}, None, 0, None
-        # in place: the state mover and the free point hold these same dicts
-        self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
-        self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
-        return live
 
     # ---- inspection (inspection.py) ------------------------------------------------------
     def describe_requests(self) -> list[dict]:
