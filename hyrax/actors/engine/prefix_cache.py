@@ -20,86 +20,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.prefix_checks import check_tree
 from hyrax.actors.engine.statecopy import live_page_numbers
 from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
 
-CACHE_OWNER = "prefix-cache"
-Units = dict[str, list[int]]  # pool name -> units
-
-
-class PrefixCacheError(RuntimeError):
-    """The tree, or the tree and its allocators, disagree with themselves."""
-
-
-def checkpoint_pool(name: str) -> str:
-    """The pool holding checkpoints of slot component `name` (its own allocator, its own rows)."""
-    return f"{name}.checkpoint"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """Recurrent state after a prefix: a slot per slot component in its checkpoint pool, and
-    the crc32 of each slot's bytes per TP rank (verified by the engine before a hit uses it)."""
-
-    slots: Mapping[str, int]  # slot component -> slot in checkpoint_pool(component)
-    checksums: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # component -> rank -> crc
-
-
-class Node:
-    __slots__ = ("id", "parent", "key", "start", "children", "full", "window", "checkpoint", "locks", "ref",
-                 "last_access")
-
-    def __init__(self, nid: int, parent: Node | None, key: tuple[int, ...], start: int):
-        self.id = nid
-        self.parent = parent
-        self.key = key  # token ids of the edge into this node (a whole number of pages)
-        self.start = start  # position of key[0]
-        self.children: dict[tuple[int, ...], Node] = {}  # by the child's first page of tokens
-        self.full: dict[str, list[int]] = {}  # token component -> one page per edge page
-        self.window: dict[str, list[int]] = {}  # window component -> page per edge page, -1 if not held
-        self.checkpoint: Checkpoint | None = None
-        self.locks = 0  # requests that hold exactly this node
-        self.ref = 0  # locks on this node and below: > 0 means nothing here may be freed
-        self.last_access = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
-
-    def __repr__(self) -> str:
-        return f"Node({self.start}..{self.end}, ckpt={self.checkpoint is not None}, ref={self.ref})"
-
-
-@dataclass(frozen=True)
-class Match:
-    """The longest cached prefix of a query that ends on a checkpoint (length 0: no hit).
-
-    full: token component -> pages of positions 0..length-1 (share them: lock `node`);
-    window: window component -> {page number: cached page} the hit copies into its own pages;
-    checkpoint: the recurrent state the hit copies into its own slots."""
-
-    length: int
-    node: Node | None
-    full: Mapping[str, tuple[int, ...]]
-    window: Mapping[str, Mapping[int, int]]
-    checkpoint: Checkpoint | None
-
-
-@dataclass(frozen=True)
-class Inserted:
-    """node: the node ending at the inserted length (lock it to keep using the shared pages);
-    adopted: units the tree took over from the request (move their ownership to the cache);
-    rejected: checkpoint positions not taken (already cached, or window rows missing) — their
-    slots stay with the caller."""
-
-    node: Node
-    length: int
-    adopted: Units
-    rejected: tuple[int, ...]
+from hyrax.actors.engine.prefix_nodes import (  # noqa: F401 - the cache's public values, re-exported
+    CACHE_OWNER, Checkpoint, Inserted, Match, Node, PrefixCacheError, Units, checkpoint_pool, give_back, transfer,
+)
 
 
 class PrefixCache:
@@ -405,74 +335,7 @@ class PrefixCache:
             stack.extend(ch for ch in n.children.values() if ch.start < horizon)
         return False
 
-    # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self, allocators: Mapping[str, IndexAllocator] | None = None) -> None:
         """Structure, reference counts and window rows; with `allocators` (pool name -> its
         allocator) also that the tree owns exactly the units it holds and every pool balances."""
-        ps = self.page_size
-
-        def fail(msg):
-            raise PrefixCacheError(msg)
-
-        def check(n: Node) -> int:
-            """Checks the subtree of `n`; returns the locks in it."""
-            locks = n.locks
-            for key, ch in n.children.items():
-                if ch.parent is not n or ch.key[:ps] != key:
-                    fail(f"{ch!r}: parent/child links disagree")
-                if not ch.key or len(ch.key) % ps or ch.start != n.end:
-                    fail(f"{ch!r}: an edge must be a whole number of pages starting at its parent's end")
-                pages = len(ch.key) // ps
-                if {c.name for c in self.tokens} != set(ch.full) or any(len(u) != pages for u in ch.full.values()):
-                    fail(f"{ch!r}: full pages do not cover the edge")
-                if {c.name for c in self.windows} != set(ch.window) or any(len(u) != pages
-                                                                           for u in ch.window.values()):
-                    fail(f"{ch!r}: window table does not cover the edge")
-                if not ch.children and ch.checkpoint is None:
-                    fail(f"{ch!r}: a leaf without a checkpoint can never be hit")
-                if ch.locks and ch.checkpoint is None:
-                    fail(f"{ch!r}: locked without a checkpoint")
-                locks += check(ch)
-            if n.ref != locks or n.locks < 0:
-                fail(f"{n!r}: ref {n.ref} != locks at and below it {locks}")
-            return locks
-
-        check(self.root)
-        for n in self.nodes():  # window rows: every checkpoint has what a hit needs, nothing else is held
-            path = self._path(n)
-            for c in self.windows:
-                if n.checkpoint is not None:
-                    for k in self._window_needs(c, n.end):
-                        if self._window_page(path, c.name, k) < 0:
-                            fail(f"{n!r}: {c.name} page {k} needed by the checkpoint is not held")
-                for j, unit in enumerate(n.window[c.name]):
-                    if unit >= 0 and not self._window_needed(n, c, n.start // ps + j):
-                        fail(f"{n!r}: {c.name} page {n.start // ps + j} is held but no checkpoint needs it")
-        held = self.held()
-        for pool, units in held.items():
-            if len(set(units)) != len(units):
-                fail(f"{pool}: a unit is held twice by the tree")
-        if allocators is None:
-            return
-        for pool, units in held.items():
-            alloc = allocators[pool]
-            alloc.check()
-            if set(alloc.owned_by(self.owner)) != set(units):
-                fail(f"{pool}: the tree holds {sorted(units)}, the allocator says it owns "
-                     f"{alloc.owned_by(self.owner)}")
-
-
-def transfer(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Sequence[int]], old: str, new: str) -> None:
-    """Move the ownership of `units` (pool -> units) from `old` to `new`."""
-    for pool, idx in units.items():
-        if idx:
-            allocators[pool].free(old, list(idx))
-            allocators[pool].claim(new, tuple(idx))
-
-
-def give_back(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Sequence[int]],
-              owner: str = CACHE_OWNER) -> None:
-    """Return units the tree let go (`evict`, `flush`) to their allocators."""
-    for pool, idx in units.items():
-        if idx:
-            allocators[pool].free(owner, list(idx))
+        check_tree(self, allocators)
