@@ -108,7 +108,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool,
     """One set of TP rank actors; per (overlap, batch), a fresh Engine over them (the engine
     owns every index, so a new engine starts from empty pools as far as it knows)."""
     from hyrax.actors.engine.engine import Engine
-    from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+    from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
     from hyrax.actors.ray_executor import RayExecutor
     from hyrax.actors.model.config import ModelConfig
     from hyrax.actors.model.hybrid import resolve_dtype
@@ -136,8 +136,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[bool,
                 progress(f"coordination: {where}, batch {batch}, {steps} decode steps")
                 config = _config(max(batches), overlap)
                 comps = derive_components(cfg, TP(0, tp), resolve_dtype(config.dtype, "cpu"))
-                sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                                   config.swa_capacity_tokens)
+                sizes = pool_sizes_for(comps, config)
                 engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb),
                                 RayExecutor(ranks, 120.0), config, cfg.vocab_size,
                                 cfg.max_position_embeddings, cfg.eos_token_id)

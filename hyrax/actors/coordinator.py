@@ -21,7 +21,7 @@ from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.gateway_leases import GatewayLeases
-from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.loop import EngineLoop
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.hybrid import DTYPES
@@ -53,8 +53,7 @@ class RoleCoordinator:
         self._start_ranks()
         # the ranks resolved `auto` for the device they run on: the pools hold that dtype
         comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[self.dtype])
-        sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                           config.swa_capacity_tokens)
+        sizes = pool_sizes_for(comps, config)
         self.executor = RayExecutor(self.ranks, rank_timeout_s)
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from hyrax.actors.engine.config import EngineConfig
-from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
 from hyrax.actors.model.hybrid import resolve_dtype
 from hyrax.actors.model.loader import load_model
@@ -53,8 +53,7 @@ class RankWorker:
         dtype = resolve_dtype(config.dtype, self.device)
         model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend)
         comps = model.components
-        sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                           config.swa_capacity_tokens)
+        sizes = pool_sizes_for(comps, config)
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
         self.runtime = make_rank_runtime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast,
                                    tokenizer_dir=model_dir)

@@ -104,3 +104,21 @@ def test_stop_string_ends_the_request_and_truncates_the_text():
     assert req.finish_reason == "stop" and req.output_ids == ref[:t]
     full = decode(ref[:t])
     assert req.text == full[: full.index(stop)]
+
+
+def test_stop_strings_are_checked_by_decoding_each_token_once():
+    """The engine's stop-string check decodes incrementally (issue 15/21): a 300-token request
+    whose stop string never appears decodes a bounded number of ids per token (it decoded the
+    whole output on every token: ~45,000 ids here)."""
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return "".join(chr(0x100 + i) for i in ids)
+
+    e = make_engine(tiny_model(HYBRID))
+    e.decode = e.results.stop.decode = decode
+    rid = e.add_request(PROMPT, SamplingParams(max_tokens=300, ignore_eos=True, stop=("never appears",)))
+    run_to_completion(e)
+    assert len(e.finished_requests[rid].output_ids) == 300
+    assert sum(decoded) <= 8 * 300 + 300, sum(decoded)  # + the finished request's text, decoded once

@@ -6,7 +6,7 @@ import torch
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import LocalExecutor
-from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.rank_runtime import make_rank_runtime
 from hyrax.actors.model.hybrid import HybridModel, resolve_dtype
 from hyrax.actors.model.loader import load_model
@@ -16,8 +16,7 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
                      device: str | torch.device = "cpu", tokenizer_dir: str | None = None) -> Engine:
     """`tokenizer_dir`: where tokenizer.json is, for structured output (None: byte tokens)."""
     comps = model.components
-    sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                       config.swa_capacity_tokens)
+    sizes = pool_sizes_for(comps, config)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
     rank = make_rank_runtime(model, sizes, host, rank=0, faults=config.faults, device=device,
                              tokenizer_dir=tokenizer_dir)

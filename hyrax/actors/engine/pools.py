@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyrax.actors.model.state import ComponentSpec
+from hyrax.actors.model.state import TOKEN, WINDOW, ComponentSpec
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,20 @@ def pool_sizes(components: tuple[ComponentSpec, ...], page_size: int, kv_capacit
         raise ValueError("page_size must be >= 1")
     units = {}
     for c in components:
-        if c.kind == "token":
+        if c.kind == TOKEN:
             units[c.name] = -(-kv_capacity_tokens // page_size)
-        elif c.kind == "window":
+        elif c.kind == WINDOW:
             units[c.name] = -(-(swa_capacity_tokens or kv_capacity_tokens) // page_size)
         else:
             units[c.name] = mamba_slots
     return PoolSizes(page_size, units)
+
+
+def pool_sizes_for(components: tuple[ComponentSpec, ...], config) -> PoolSizes:
+    """Units per component for an EngineConfig's capacities: the one place every replica,
+    rank and in-process engine sizes its pools from."""
+    return pool_sizes(components, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
+                      config.swa_capacity_tokens)
 
 
 def allocate_device_pools(components: tuple[ComponentSpec, ...], sizes: PoolSizes,

@@ -103,6 +103,7 @@ class Request:
     retracted_at_step: int = -1  # not resumed automatically in the step that retracted it
     finish_reason: str | None = None
     text: str = ""
+    stop_scan: object | None = field(default=None, repr=False, compare=False)  # TextStream over output_ids
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     first_scheduled_at: float | None = None

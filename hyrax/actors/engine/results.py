@@ -18,6 +18,7 @@ from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import releasable_pages
 from hyrax.actors.model.state import ComponentSpec, WINDOW
+from hyrax.actors.model.text_stream import TextStream
 
 
 @dataclass
@@ -53,10 +54,13 @@ class StopRule:
         if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
             return "stop"
         if p.stop and self.decode is not None:
-            text = self.decode(req.output_ids)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                req.text = text[: min(hits)]
+            scan = req.stop_scan  # decodes only the new token (an imported request: its outputs, once)
+            if scan is None or len(scan.ids) != len(req.output_ids) - 1:
+                scan = req.stop_scan = TextStream(self.decode, tuple(p.stop))
+                scan.feed(req.output_ids[:-1])
+            scan.feed([tok])
+            if scan.stopped:
+                req.text = scan.emitted
                 return "stop"
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
