@@ -34,9 +34,16 @@ CHEAP = ANY_JSON.filter(lambda v: not (isinstance(v, int) and not isinstance(v, 
 BOUNDED = {"max_tokens", "max_completion_tokens", "n", "min_tokens"}
 
 
+def weighted(*choices):
+    """One of (weight, strategy) pairs, drawn in proportion to the weights. (`st.one_of(a, a, b)`
+    collapses the repeated strategy: it draws a and b about equally often.)"""
+    table = [strategy for weight, strategy in choices for _ in range(weight)]
+    return st.integers(0, len(table) - 1).flatmap(lambda i: table[i])
+
+
 def texts(**kw):
     """Mostly valid text; one draw in six is a string with a lone surrogate."""
-    return st.one_of(*[st.text(**kw)] * 5, SURROGATES)
+    return weighted((5, st.text(**kw)), (1, SURROGATES))
 
 
 PROMPT = st.one_of(texts(min_size=1, max_size=20), st.lists(texts(min_size=1, max_size=8), min_size=1, max_size=2),
@@ -59,7 +66,7 @@ SAMPLING = {  # valid values of the optional sampling fields
 # Structured output and tools: mostly valid values (which may still be a 400: auto on the demo's
 # template, a grammar beside ignore_eos), one draw in four malformed but of the right outer type.
 def mostly(valid, malformed):
-    return st.one_of(valid, valid, valid, malformed)
+    return weighted((3, valid), (1, malformed))
 
 
 WORDS = st.text(alphabet="abcxyz", min_size=1, max_size=4)
@@ -138,7 +145,7 @@ def body(draw, path: str):
     extra = draw(st.sampled_from(["tools", "grammar", "none"])) if set(GRAMMARS) <= set(optional) else "none"
     if extra == "tools" and "tools" in optional:  # tool_choice mostly given: auto (the default) is a 400 here
         b.update(draw(st.fixed_dictionaries(
-            {"tools": TOOLS["tools"], "tool_choice": st.one_of(TOOL_CHOICE, TOOL_CHOICE, TOOL_CHOICE, st.none())},
+            {"tools": TOOLS["tools"], "tool_choice": weighted((3, TOOL_CHOICE), (1, st.none()))},
             optional={"parallel_tool_calls": TOOLS["parallel_tool_calls"]})))
     elif extra != "none":
         k = draw(st.sampled_from(sorted(GRAMMARS)))
@@ -167,7 +174,7 @@ GETS = st.tuples(st.just("get"), st.one_of(
     st.text(alphabet="abcdefghijklmnopqrstuvwxyz.-_", max_size=12).map(lambda n: f"/dashboard/assets/{n or 'x'}"),
 ), st.just(b""))
 AUTH = st.sampled_from(["admin", "admin", "admin", "admin", "none", "wrong"])
-REQUEST = st.tuples(st.one_of(POSTS, POSTS, POSTS, POSTS, GETS), AUTH)
+REQUEST = st.tuples(weighted((4, POSTS), (1, GETS)), AUTH)
 HEADERS = {"admin": ADMIN, "none": {}, "wrong": {"Authorization": "Bearer not-the-token"}}
 
 
