@@ -70,13 +70,14 @@ def _document(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyrax.cluster import admin_cli, bench_cli, doctor, eval_cli, generate, serve, train_demo_cli
+    from hyrax.cluster import admin_cli, bench_cli, doctor, eval_cli, generate, serve, train_demo_cli, undeploy_cli
 
     p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
     serve.add_parser(sub)
+    undeploy_cli.add_parser(sub)
     admin_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     train_demo_cli.add_parser(sub)

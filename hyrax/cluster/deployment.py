@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, replace
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hyrax.actors.coordinator import RoleCoordinator
@@ -51,6 +52,22 @@ class Replica:
     pg: object
 
 
+def parse_group_name(name: str, namespace: str) -> tuple[str, int] | None:
+    """(role, index) of a placement group named by Deployment.group_name in `namespace`, else None."""
+    parts = name.split("/")
+    if len(parts) != 3 or parts[0] != namespace or not parts[2].isdigit():
+        return None
+    return parts[1], int(parts[2])
+
+
+def _actor(name: str, namespace: str):
+    """The live actor of that name, or None."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
 _INPUT_ERROR = "HyraxInputError: "
 
 
@@ -66,15 +83,25 @@ def startup_error(e: Exception) -> Exception:
     return StartupFailure(f"a replica failed to start: {lines[-1] if lines else type(e).__name__}")
 
 
+def coordinator_name(role: str, index: int) -> str:
+    """The name of a replica's coordinator, in its deployment's Ray namespace."""
+    return f"hyrax/{role}/{index}/coordinator"
+
+
 class Deployment:
+    """A deployment's replicas. `detached`: each replica (its coordinator and its placement group)
+    outlives the process that placed it (the controller), so a restarted controller can take it
+    back by name (`adopt`); the replica's ranks live and die with its coordinator."""
+
     def __init__(self, model_dir: str, roles: list[RoleSpec], config: EngineConfig,
-                 rank_timeout_s: float = 60.0, namespace: str = "hyrax"):
+                 rank_timeout_s: float = 60.0, namespace: str = "hyrax", detached: bool = False):
         cfg = ModelConfig.from_dir(model_dir)
         for r in roles:
             check_tp(cfg, r.tp)
         self.model_dir, self.roles, self.config = model_dir, roles, config
         self.rank_timeout_s = rank_timeout_s
         self.namespace = namespace  # Ray namespace of its actor names (one per deployment name)
+        self.lifetime = "detached" if detached else None
         self.replicas: list[Replica] = []
         self._highest: dict[str, int] = {}  # the highest replica index add_replica gave out, per role
 
@@ -113,8 +140,8 @@ class Deployment:
     def _place(self, spec: RoleSpec, i: int, bundles: list[dict[str, float]], node, timeout_s: float) -> Replica:
         """One replica: its placement group on `node` (a soft target: where check_fits found room
         and the fewest replicas), then its coordinator in the group's first bundle."""
-        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"hyrax/{spec.name}/{i}",
-                             _soft_target_node_id=node or None)
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=self.group_name(spec.name, i),
+                             lifetime=self.lifetime, _soft_target_node_id=node or None)
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -123,7 +150,7 @@ class Deployment:
                                  f"(the cluster's free resources were taken meanwhile)") from None
         role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
         coord = RoleCoordinator.options(
-            name=f"hyrax/{spec.name}/{i}/coordinator", namespace=self.namespace,
+            name=coordinator_name(spec.name, i), namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         ).remote(spec.name, i, self.model_dir, spec.tp, role_config, pg, self.rank_timeout_s, namespace=self.namespace)
         return Replica(spec.name, i, spec.tp, coord, pg)
@@ -153,18 +180,52 @@ class Deployment:
         self.replicas.append(replica)
         return replica
 
-    def remove_replica(self, replica: Replica) -> None:
+    def remove_replica(self, replica: Replica, graceful: bool = True) -> None:
+        """Stop `replica`; without `graceful`, kill it at once (it hangs: it would not answer)."""
         self.replicas = [r for r in self.replicas if r is not replica]
-        self._stop(replica)
+        self._stop(replica, graceful)
 
     @staticmethod
-    def _stop(r: Replica) -> None:
-        try:
-            ray.get(r.coordinator.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+    def _stop(r: Replica, graceful: bool = True) -> None:
+        if graceful:
+            try:
+                ray.get(r.coordinator.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         ray.kill(r.coordinator, no_restart=True)
-        remove_placement_group(r.pg)
+        remove_placement_group(r.pg)  # ends the ranks in it too
+
+    # ---- taking replicas back (a restarted controller) -----------------------------------
+    def group_name(self, role: str, index: int) -> str:
+        """A replica's placement group name (placement group names are not namespaced: the
+        deployment's namespace leads, so two deployments' groups never share a name)."""
+        return f"{self.namespace}/{role}/{index}"
+
+    def adopt(self) -> list[Replica]:
+        """Take back the replicas this deployment placed before (detached, found by name): every
+        live coordinator of one of its roles with its placement group. A group left without a
+        coordinator (placed just before the controller died) is removed, and so is a coordinator
+        without its group; replica indices go on after the highest ever given out."""
+        roles = {r.name for r in self.roles}
+        groups: dict[tuple[str, int], dict] = {}
+        for pg_id, info in ray.util.placement_group_table().items():
+            key = parse_group_name(info.get("name") or "", self.namespace)
+            if key is None or key[0] not in roles:
+                continue
+            self._highest[key[0]] = max(self._highest.get(key[0], -1), key[1])
+            if info["state"] != "REMOVED":
+                groups[key] = dict(info, pg=PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+        coords = {(role, i): _actor(coordinator_name(role, i), self.namespace)
+                  for role in roles for i in range(self._highest.get(role, -1) + 1)}
+        for role, i in sorted({k for k, c in coords.items() if c is not None} | set(groups)):
+            info, coord = groups.get((role, i)), coords.get((role, i))
+            if coord is not None and info is not None:
+                self.replicas.append(Replica(role, i, len(info["bundles"]), coord, info["pg"]))
+            elif coord is not None:
+                ray.kill(coord, no_restart=True)
+            else:
+                remove_placement_group(info["pg"])
+        return list(self.replicas)
 
     def shutdown(self) -> None:
         for r in self.replicas:

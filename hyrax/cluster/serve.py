@@ -24,6 +24,9 @@ from hyrax.cluster.ray_cluster import local_num_cpus
 from hyrax.env import admin_token as env_admin_token
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
+# the autoscaling flags: (lower, upper) bound flags, and the role they scale (None: the last
+# role, decode or colocated)
+SCALING_FLAGS = (("--min-replicas", "--max-replicas", None), ("--min-prefill-replicas", "--max-prefill-replicas", "prefill"))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -56,10 +59,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     shape.add_argument("--prefill-tp", type=int, default=None)
     shape.add_argument("--decode-replicas", type=int, default=None)
     shape.add_argument("--decode-tp", type=int, default=None)
-    shape.add_argument("--min-replicas", type=int, default=None,
-                       help="autoscale the decode (or colocated) role between this many replicas and --max-replicas, "
-                            "on queue depth and pool usage; a replica scaled down is drained by live migration")
-    shape.add_argument("--max-replicas", type=int, default=None, help="upper bound of --min-replicas' autoscaling")
+    for lo, hi, role in SCALING_FLAGS:
+        shape.add_argument(lo, type=int, default=None,
+                           help=f"autoscale the {role or 'decode (or colocated)'} role between this many replicas and "
+                                f"{hi}, on queue depth and pool usage; a replica scaled down is drained by live migration")
+        shape.add_argument(hi, type=int, default=None, help=f"upper bound of {lo}' autoscaling")
+    shape.add_argument("--hung-replica-timeout", type=float, default=15.0,
+                       help="seconds a replica may leave the controller's health checks unanswered before it "
+                            "counts as hung and is killed and replaced like a dead one (its requests are rebuilt "
+                            "on other replicas)")
     gw = p.add_argument_group("gateway")
     gw.add_argument("--admin-token-file", default=None,
                     help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE})")
@@ -186,20 +194,33 @@ def resolve_admin_token(a) -> AdminToken:
     return AdminToken(tok, f"written to {path} (mode 600)", fd)
 
 
-def scale_policy(a, roles: list[RoleSpec]):
-    """The autoscaling policy for the decode (or colocated) role, or None without the flags."""
+def scale_policies(a, roles: list[RoleSpec]) -> dict:
+    """Role -> its autoscaling policy, for every role whose bounds are given."""
     from hyrax.cluster.autoscale import ScalePolicy
 
-    if a.min_replicas is None and a.max_replicas is None:
-        return None
-    if a.min_replicas is None or a.max_replicas is None:
-        raise HyraxInputError("--min-replicas and --max-replicas go together")
-    policy = ScalePolicy(a.min_replicas, a.max_replicas)
-    role = roles[-1]  # decode, or the colocated role
-    if not policy.min_replicas <= role.replicas <= policy.max_replicas:
-        raise HyraxInputError(f"{role.name} starts with {role.replicas} replica(s), outside --min-replicas "
-                              f"{policy.min_replicas} .. --max-replicas {policy.max_replicas}")
-    return policy
+    out = {}
+    for lo_flag, hi_flag, role_name in SCALING_FLAGS:
+        lo, hi = (getattr(a, f.removeprefix("--").replace("-", "_")) for f in (lo_flag, hi_flag))
+        if lo is None and hi is None:
+            continue
+        if lo is None or hi is None:
+            raise HyraxInputError(f"{lo_flag} and {hi_flag} go together")
+        role = roles[-1] if role_name is None else next((r for r in roles if r.name == role_name), None)
+        if role is None:
+            raise HyraxInputError(f"{lo_flag} scales the {role_name} role, which a --colocated deployment does not have")
+        if not 1 <= lo <= hi:
+            raise HyraxInputError(f"{lo_flag} {lo} and {hi_flag} {hi}: need 1 <= min <= max")
+        if not lo <= role.replicas <= hi:
+            raise HyraxInputError(f"{role.name} starts with {role.replicas} replica(s), outside {lo_flag} "
+                                  f"{lo} .. {hi_flag} {hi}")
+        out[role.name] = ScalePolicy(lo, hi)
+    return out
+
+
+def supervision_from_args(a):
+    from hyrax.cluster.supervision import Supervision
+
+    return Supervision(health_timeout_s=min(5.0, a.hung_replica_timeout), hung_after_s=a.hung_replica_timeout)
 
 
 def validate(a) -> tuple:
@@ -208,7 +229,8 @@ def validate(a) -> tuple:
     path = resolve_model_path(a.model)
     cfg = ModelConfig.from_dir(path)
     roles = roles_from_args(a, cfg)
-    policy = scale_policy(a, roles)
+    policies = scale_policies(a, roles)
+    supervision_from_args(a)
     if not 0 < a.port < 65536:
         raise HyraxInputError("--port must be in 1..65535")
     if a.max_inflight < 1:
@@ -223,16 +245,14 @@ def validate(a) -> tuple:
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
     if not a.address:
-        local_num_cpus(cpus_needed(largest(roles, policy)), a.num_cpus)  # --num-cpus too small for the deployment
+        local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment
     name = a.served_model_name or default_served_name(a.model)
     return config, path, cfg, roles, name
 
 
-def largest(roles: list[RoleSpec], policy) -> list[RoleSpec]:
-    """The deployment at its largest: the scaling role at --max-replicas."""
-    if policy is None:
-        return roles
-    return [*roles[:-1], RoleSpec(roles[-1].name, policy.max_replicas, roles[-1].tp)]
+def largest(roles: list[RoleSpec], policies: dict) -> list[RoleSpec]:
+    """The deployment at its largest: every scaling role at its upper bound."""
+    return [RoleSpec(r.name, policies[r.name].max_replicas, r.tp) if r.name in policies else r for r in roles]
 
 
 def run(a: argparse.Namespace) -> int:
@@ -260,7 +280,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
 
     num_cpus = None
     if not a.address:
-        num_cpus, note = local_num_cpus(cpus_needed(largest(roles, scale_policy(a, roles))), a.num_cpus)
+        num_cpus, note = local_num_cpus(cpus_needed(largest(roles, scale_policies(a, roles))), a.num_cpus)
         if note:
             print(f"hyrax: {note}", file=sys.stderr)
     print(f"hyrax: starting Ray ({'joining ' + a.address if a.address else 'local, 127.0.0.1'}) ...", file=sys.stderr)
@@ -270,7 +290,8 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
     owner = not a.attach  # a server that deployed its replicas tears them down on exit; an attached one never
     ctl, lease = None, None
     try:
-        ctl = controller.create(a.deployment, str(path), name, roles, config, a.rank_timeout, attach=a.attach)
+        ctl = controller.create(a.deployment, str(path), name, roles, config, a.rank_timeout, attach=a.attach,
+                                scaling=scale_policies(a, roles), supervision=supervision_from_args(a))
         shape = ', '.join(f'{r.name} x{r.replicas} (tp={r.tp})' for r in roles)
         print(f"hyrax: {'attaching to' if a.attach else 'deploying'} {a.deployment!r}"
               f"{'' if a.attach else ': ' + shape} ...", file=sys.stderr)
@@ -278,9 +299,6 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         name = dep.served_name
         lease = GatewayLease([r.coordinator for r in dep.replicas], a.gateway_lease).start()
         client = client_for(dep, name, a.max_inflight, lease=lease)
-        policy = scale_policy(a, roles)
-        if policy is not None:
-            ray.get(ctl.autoscale.remote(roles[-1].name, policy))
         app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
                                                  max_body_bytes=int(a.max_body_mb * 2**20)))
         app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)

@@ -63,3 +63,34 @@ class UnsafeRankRuntime(RankRuntime):
     def _checksummed(self, name: str, data: torch.Tensor) -> None:
         if name == self.faults.corrupt_backup_component and data.numel():
             data.view(torch.uint8).view(-1)[0] ^= 0xFF
+
+
+# ---- a replica that hangs: alive to Ray, answering nothing ---------------------------------
+# Not an engine fault: no production class is swapped for it. The test freezes the process of an
+# actor (a coordinator: its loop, its health answers, its streams all stop) as a deadlocked or
+# swapped-out process would be; Ray still counts the actor alive, so only a health check with a
+# timeout can tell. Run from a Ray driver on the machine that hosts the actor.
+
+def actor_pid(actor) -> int:
+    """The pid of `actor`'s process, from Ray's actor table (no call to the actor itself)."""
+    import ray
+
+    info = ray._private.state.actors(actor._actor_id.hex())
+    if info.get("State") != "ALIVE" or not info.get("Pid"):
+        raise RuntimeError(f"actor {actor._actor_id.hex()} has no live process ({info.get('State')})")
+    return int(info["Pid"])
+
+
+def hang_actor(actor, *, allow_unsafe: bool = False) -> int:
+    """Freeze `actor`'s process with SIGSTOP (test-only: refused unless `allow_unsafe`, like every
+    fault here). Returns its pid; SIGCONT ends the hang, and killing the actor ends the process."""
+    import os
+    import signal
+
+    from hyrax.actors.model.errors import HyraxInputError
+
+    if not allow_unsafe:
+        raise HyraxInputError("hanging an actor is test-only fault injection: pass the explicit unsafe switch")
+    pid = actor_pid(actor)
+    os.kill(pid, signal.SIGSTOP)
+    return pid

@@ -4,67 +4,23 @@ migrated live to the other replica (the gateway drains it) before it is removed.
 including the one that crossed the scale-down, ends with the text an undisturbed run gives."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
-from hyrax.testing.multinode import ADMIN, Stream, env, free_port, wait_until
+from hyrax.testing.multinode import ADMIN, Gateway, Stream, wait_until
 
 # ~2 min on 2 cores (a replica started and stopped while requests run): opt-in, `pytest -m slow tests/multinode`
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
-HYRAX = Path(sys.executable).with_name("hyrax")
 BURST = ["k12;q3;w99;z4?q", "a1;b22;c333;d4444?c", "x9;y88;z777?y", "m5;n66;o777;p8888?p", "g1;h2;i3;j4;k5?i",
          "t567;e03627;b86334?b"]
 LONG = "t567;e03627;b86334;u8890;d97427;a28719;y987;r410?b"
 
 
-class LocalServer:
-    """`hyrax serve` with a local cluster of its own: the gateway and the controller together."""
-
-    def __init__(self, log: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        e = env()
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(self.port), *args], env=e,
-                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def replicas(self) -> list[str]:
-        pools = httpx.get(f"{self.url}/admin/pools", headers=ADMIN, timeout=30).json()["replicas"]
-        return sorted(f"{p['role']}/{p['replica']}" for p in pools)
-
-    def complete(self, prompt: str, max_tokens: int) -> str:
-        r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
-            "model": "hyrax-demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-
 def test_a_burst_adds_a_replica_and_a_lull_drains_the_newest_by_live_migration(tmp_path):
-    srv = LocalServer(tmp_path / "serve.log", "--colocated", "--replicas", "1", "--min-replicas", "1",
-                      "--max-replicas", "2", "--max-running", "2", "--deterministic", "--num-cpus", "2")
+    srv = Gateway(None, tmp_path, "serve", "--colocated", "--replicas", "1", "--min-replicas", "1",
+                  "--max-replicas", "2", "--max-running", "2", "--deterministic", "--num-cpus", "2")
     try:
-        def up():
-            assert srv.proc.poll() is None, srv.log.read_text()[-3000:]
-            try:
-                return httpx.get(f"{srv.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_until(up, 180, interval=0.5, what="the server")
+        srv.wait_serving()
         assert srv.replicas() == ["colocated/0"]
 
         # a burst that queues on the one replica (2 run at a time): a second replica is added

@@ -9,15 +9,12 @@ on B by recompute from the tokens their gateway had streamed), and A and B are l
 One cluster and one deployment for the module; the tests run in file order (the last removes C)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from hyrax.testing.multinode import Gateway, HeldCluster, Stream, wait_until
+from hyrax.testing.multinode import Gateway, HeldCluster, Stream, reference_texts, wait_until
 
 # ~1.5-2 min on 2 cores (four raylets, seven torch processes): opt-in, `pytest -m slow tests/multinode`
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-DEMO = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
 PROMPTS = ["t567;e03627;b86334;u8890;d97427;a28719;y987;r410?b", "k12;q3;w99;z4?q", "a1;b22;c333;d4444?c",
            "x9;y88;z777?y", "m5;n66;o777;p8888?p", "g1;h2;i3;j4;k5?i"]
 MAX_TOKENS = 24
@@ -25,19 +22,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
-    """Every prompt's greedy text from the single-process engine (no Ray)."""
-    from hyrax.actors.engine.config import EngineConfig
-    from hyrax.actors.engine.local import load_engine, run_to_completion
-    from hyrax.actors.engine.request import SamplingParams
-    from hyrax.actors.model.config import ModelConfig
-    from hyrax.actors.model.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(DEMO, ModelConfig.from_dir(DEMO).vocab_size)
-    engine = load_engine(DEMO, EngineConfig(deterministic=True), decode=tok.decode)
-    ids = {p: engine.add_request(tok.encode(p), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-           for p in PROMPTS}
-    run_to_completion(engine)
-    return {p: engine.finished_requests[rid].text for p, rid in ids.items()}
+    return reference_texts(PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
