@@ -2,8 +2,8 @@
 
 It owns the request table, the scheduler and every index allocator (the `Engine`), creates
 and supervises its TP rank actors, and runs the step loop in a thread of its own. Clients
-(the gateway) submit requests and stream their tokens back through a Ray streaming
-generator; admin calls retract, resume and inspect.
+(the gateway) submit requests and take their tokens back through one Ray streaming generator
+per gateway (`feed`), one message per engine step; admin calls retract, resume and inspect.
 
 Faults: every rank call has a timeout. When a rank dies or hangs, the replica is marked
 unhealthy, its ranks are replaced, and every request it held is rebuilt by recompute from
@@ -11,6 +11,8 @@ its tokens; if ranks cannot be restarted, the requests end with finish_reason "e
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 import time
 
@@ -23,6 +25,7 @@ from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.gateway_leases import GatewayLeases
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.step_feed import Sink
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.hybrid import DTYPES
 from hyrax.actors.model.sharding import TP, check_tp
@@ -61,6 +64,7 @@ class RoleCoordinator:
         self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover,
                                source=ray.get_runtime_context().current_actor, ack=_ack_remote)
         self.gateways = GatewayLeases()
+        self.feeds: dict[str, tuple[Sink, asyncio.Queue]] = {}  # feed id -> its sink and batch queue
         threading.Thread(target=self._expire_gateways, name="hyrax-gateway-leases", daemon=True).start()
 
     # ---- ranks -------------------------------------------------------------------------
@@ -109,9 +113,41 @@ class RoleCoordinator:
         self.last_error = f"replica down after {self.restarts} restarts; failed {len(ids)} requests"
 
     # ---- client API: delegated to the engine loop --------------------------------------
+    def _feed(self, feed_id: str, gateway: str | None) -> tuple[Sink, asyncio.Queue]:
+        """The batches for one gateway's feed (made by whichever of `feed`/`submit` comes first);
+        a stream that ends closes its hold on the gateway's lease."""
+        if feed_id not in self.feeds:
+            q: asyncio.Queue = asyncio.Queue()
+            self.feeds[feed_id] = (Sink(q.put_nowait, on_end=functools.partial(self.gateways.close, gateway)), q)
+        return self.feeds[feed_id]
+
+    async def feed(self, feed_id: str, gateway: str | None = None):
+        """Streaming generator: one message per engine step for all the streams opened with
+        `submit(feed_id, ...)`, a list of (request id, item) in the order the engine made them
+        (batches the gateway has not taken yet go out joined). The gateway fans them out."""
+        _, q = self._feed(feed_id, gateway)
+        while True:
+            batch = await q.get()
+            while not q.empty():
+                batch += q.get_nowait()
+            yield batch
+
+    async def submit(self, feed_id: str, request_id: str, prompt_ids: list[int], params: dict,
+                     gateway: str | None = None) -> None:
+        """Start a request whose items go out on `feed_id` ({"token_ids", "finished",
+        "finish_reason"}, ...). `gateway`: the id of the gateway whose lease keeps it alive."""
+        sink, _ = self._feed(feed_id, gateway)
+        self.gateways.open(gateway, request_id)
+        self.loop.submit(request_id, prompt_ids, params, sink)
+
+    async def submit_imported(self, feed_id: str, handoff: dict, gateway: str | None = None) -> None:
+        """`submit` for a request handed over by another replica (PD or migration)."""
+        sink, _ = self._feed(feed_id, gateway)
+        self.gateways.open(gateway, handoff["request"]["id"])
+        self.loop.submit_imported(handoff, sink)
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict, gateway: str | None = None):
-        """Streaming generator: yields {"token_ids", "finished", "finish_reason"} per step.
-        `gateway`: the id of the gateway streaming it, whose lease keeps the stream alive."""
+        """One request's own streaming generator (tests, scripts): yields its items one by one."""
         self.gateways.open(gateway, request_id)
         try:
             async for item in self.loop.generate(request_id, prompt_ids, params):
@@ -120,7 +156,7 @@ class RoleCoordinator:
             self.gateways.close(gateway, request_id)
 
     async def generate_imported(self, handoff: dict, gateway: str | None = None):
-        """Streaming generator for a request handed over by another replica (PD or migration)."""
+        """`generate` for a request handed over by another replica."""
         rid = handoff["request"]["id"]
         self.gateways.open(gateway, rid)
         try:

@@ -12,6 +12,7 @@ import ray
 
 from hyrax.actors.engine.commands import Abort, Command
 from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.engine.step_feed import Fanout, is_last
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.tokenizer import chat_template, load_tokenizer
 from hyrax.api.client import EngineClient, ModelInfo
@@ -51,36 +52,59 @@ class RayBackend:
         self.handle, self.role, self.index = handle, role, index
         self.timeout_s = timeout_s
         self.gateway = gateway  # this gateway's lease id, sent with every stream it opens
+        self._feed: ReplicaFeed | None = None
 
     async def run(self, cmd: Command):
         """Send a command (hyrax/actors/engine/commands.py) to the replica's coordinator."""
         return await asyncio.wait_for(self.handle.run.remote(cmd), self.timeout_s)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
-        finished = False
-        try:
-            sp = SamplingParams(**params) if isinstance(params, dict) else params
-            request = {"id": request_id, "prompt_ids": list(prompt_ids), "output_ids": [], "params": sp,
-                       "seed": sp.seed if sp.seed is not None else random.getrandbits(62), "retractions": 0}
-            async for item in survive_replica_loss(
-                    self.handle.generate.remote(request_id, prompt_ids, params, gateway=self.gateway), request):
-                finished = bool(item.get("finished")) or "handoff" in item
-                yield item
-        finally:
-            if not finished:  # the consumer went away: free the request on the replica now
-                asyncio.ensure_future(self.handle.run.remote(Abort(request_id)))
+    def feed(self) -> "ReplicaFeed":
+        """This gateway's one stream of step batches from the replica (a new one once it ended)."""
+        if self._feed is None or self._feed.ended or self._feed.aloop is not asyncio.get_running_loop():
+            self._feed = ReplicaFeed(self.handle, self.gateway)
+        return self._feed
 
-    async def generate_imported(self, handoff: dict) -> AsyncIterator[dict]:
-        rid = handoff["request"]["id"]
-        finished = False
+    def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
+        sp = SamplingParams(**params) if isinstance(params, dict) else params
+        request = {"id": request_id, "prompt_ids": list(prompt_ids), "output_ids": [], "params": sp,
+                   "seed": sp.seed if sp.seed is not None else random.getrandbits(62), "retractions": 0}
+        return self._follow(request, lambda feed: self.handle.submit.remote(feed.id, request_id, prompt_ids, params,
+                                                                            gateway=self.gateway))
+
+    def generate_imported(self, handoff: dict) -> AsyncIterator[dict]:
+        request = dict(handoff["request"], output_ids=list(handoff["request"]["output_ids"]))
+        return self._follow(request, lambda feed: self.handle.submit_imported.remote(feed.id, handoff,
+                                                                                     gateway=self.gateway))
+
+    async def _follow(self, request: dict, submit) -> AsyncIterator[dict]:
+        """One request's items, fanned out from the replica's feed. If the replica is lost
+        mid-stream, the stream ends with a hand-off that carries no state, only the request's
+        tokens so far (`request`, kept up to date here): the engine client hands it to another
+        replica like any hand-off, which rebuilds the state by prefill over prompt + output
+        (recompute) and continues the same stream. The lost replica held the only copy of the
+        state, so recompute is the one way back; the tokens the client already has are never
+        regenerated."""
+        rid = request["id"]
+        feed = self.feed()
+        q, finished = feed.fanout.open(rid), False
         try:
-            request = dict(handoff["request"], output_ids=list(handoff["request"]["output_ids"]))
-            async for item in survive_replica_loss(
-                    self.handle.generate_imported.remote(handoff, gateway=self.gateway), request):
-                finished = bool(item.get("finished")) or "handoff" in item
+            try:
+                await submit(feed)
+            except REPLICA_LOST:
+                q.put_nowait(LOST)
+            while not finished:
+                item = await q.get()
+                if item is LOST:
+                    item = {"token_ids": [], "finished": False, "finish_reason": None,
+                            "handoff": {"request": request, "manifest": None, "payload": [], "lease_s": 0.0,
+                                        "source": None}}
+                elif item.get("error") is None:
+                    request["output_ids"].extend(item.get("token_ids") or [])
+                finished = is_last(item)
                 yield item
         finally:
-            if not finished:
+            feed.fanout.close(rid)
+            if not finished:  # the consumer went away: free the request on the replica now
                 asyncio.ensure_future(self.handle.run.remote(Abort(rid)))
 
     async def health(self) -> dict:
@@ -93,24 +117,39 @@ class RayBackend:
 # A replica that is gone (its node lost, its process killed): the stream's actor died, or the
 # objects it had yielded died with it. An error raised by the replica's own code is not one.
 REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+LOST = object()  # what each open stream of a feed gets when its replica is lost
 
 
-async def survive_replica_loss(stream, request: dict) -> AsyncIterator[dict]:
-    """The items of one replica's token stream. If the replica is lost mid-stream, the stream ends
-    with a hand-off that carries no state, only the request's tokens so far (`request`, kept up to
-    date here): the engine client hands it to another replica like any hand-off, which rebuilds
-    the state by prefill over prompt + output (recompute) and continues the same stream. The lost
-    replica held the only copy of the state, so recompute is the one way back; the tokens the
-    client already has are never regenerated."""
-    try:
-        async for ref in stream:
-            item = await ref
-            if item.get("error") is None:
-                request["output_ids"].extend(item.get("token_ids") or [])
-            yield item
-    except REPLICA_LOST:
-        yield {"token_ids": [], "finished": False, "finish_reason": None,
-               "handoff": {"request": request, "manifest": None, "payload": [], "lease_s": 0.0, "source": None}}
+class ReplicaFeed:
+    """The one stream of step batches (hyrax/actors/engine/step_feed.py) a replica sends this
+    gateway, fanned out to the queues of the requests it streams: one Ray message per engine
+    step, not one per token per request. When the replica is lost, every open stream gets
+    `LOST`; when the feed fails otherwise, an error item ends each of them."""
+
+    def __init__(self, handle, gateway: str | None):
+        self.id = f"feed-{uuid.uuid4().hex[:12]}"
+        self.fanout = Fanout()
+        self.ended = False
+        self.messages = 0  # batches received
+        self.aloop = asyncio.get_running_loop()
+        self._task = asyncio.ensure_future(self._pump(handle.feed.remote(self.id, gateway=gateway)))
+
+    async def _pump(self, stream) -> None:
+        try:
+            async for ref in stream:
+                batch = await ref
+                self.messages += 1
+                self.fanout.dispatch(batch)
+            end: object = {"error": "the replica's feed ended", "finished": True, "finish_reason": "error",
+                           "token_ids": []}
+        except REPLICA_LOST:
+            end = LOST
+        except Exception as e:  # noqa: BLE001 - every stream of this feed must end, whatever happened
+            logging.getLogger("hyrax.gateway").exception("a replica's feed failed")
+            end = {"error": f"the replica's feed failed: {type(e).__name__}: {e}", "finished": True,
+                   "finish_reason": "error", "token_ids": []}
+        self.ended = True
+        self.fanout.broadcast(end)
 
 
 class Membership:

@@ -1,4 +1,5 @@
-"""EngineLoop: runs an Engine's step loop in a thread and streams tokens to asyncio clients.
+"""EngineLoop: runs an Engine's step loop in a thread and streams tokens to asyncio clients,
+one batch per step per consumer (step_feed.py).
 
 The Ray RoleCoordinator wraps one; the gateway's in-process client (tests, single-process
 use) uses one directly. Ray-free.
@@ -19,6 +20,7 @@ from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams, State
 from hyrax.actors.engine.selection import pick_victims
+from hyrax.actors.engine.step_feed import Fanout, Sink, follow, is_last
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")
@@ -46,7 +48,9 @@ class EngineLoop:
         self._checked_idle = False
         self.lock = threading.RLock()
         self.wake = threading.Event()
-        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.streams: dict[str, Sink] = {}  # request id -> the consumer its items go to
+        self._local: dict[asyncio.AbstractEventLoop, tuple[Sink, Fanout]] = {}  # in-process callers
+        self.batches_posted = 0  # messages to consumers: one per consumer per step at most
         self.early_aborts = EarlyAborts()
         self.stopping = False
         self.healthy = True
@@ -66,26 +70,29 @@ class EngineLoop:
                 self.wake.clear()
                 continue
             with self.lock:
-                t0 = time.perf_counter()
-                try:
-                    outs = self.engine.step()
-                except RankFailure as e:
-                    if self.on_rank_failure is None:
-                        raise
-                    self.on_rank_failure(e)
-                    outs = self.engine.step_outputs_flush()
-                except Exception as e:  # noqa: BLE001 - an engine bug must not wedge every stream
-                    log.exception("engine step failed; failing the replica's requests")
-                    self.last_error = f"{type(e).__name__}: {e}"
-                    if self.on_rank_failure is not None:
-                        self.on_rank_failure(e)  # replace the ranks: their state is suspect
-                    else:
-                        self.engine.fail_all("error")
-                    outs = self.engine.step_outputs_flush()
-                else:
-                    self.step_seconds.append(time.perf_counter() - t0)
-                    del self.step_seconds[:-1000]
-            self._deliver(outs)
+                self._deliver(self._step())
+
+    def _step(self) -> list:
+        """One engine step (under the lock); a failed one answers its requests instead."""
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except RankFailure as e:
+            if self.on_rank_failure is None:
+                raise
+            self.on_rank_failure(e)
+            return self.engine.step_outputs_flush()
+        except Exception as e:  # noqa: BLE001 - an engine bug must not wedge every stream
+            log.exception("engine step failed; failing the replica's requests")
+            self.last_error = f"{type(e).__name__}: {e}"
+            if self.on_rank_failure is not None:
+                self.on_rank_failure(e)  # replace the ranks: their state is suspect
+            else:
+                self.engine.fail_all("error")
+            return self.engine.step_outputs_flush()
+        self.step_seconds.append(time.perf_counter() - t0)
+        del self.step_seconds[:-1000]
+        return outs
 
     def _watch(self) -> None:
         """Cheap checks between steps: stuck (work queued, nothing running, no progress) and,
@@ -114,82 +121,117 @@ class EngineLoop:
                     f"for {time.monotonic() - self._blocked_since:.0f} s (pools: {self.engine.pool_usage()})")
         return None
 
-    def _deliver(self, outs) -> None:
-        for o in outs:
-            target = self.streams.get(o.req_id)
-            if target is None:
+    def _deliver(self, outs, last: tuple[str, dict] | None = None) -> None:
+        """Under the lock: one batch per consumer (step_feed.py) of the items for `outs` and then
+        `last`, in order; a stream's last item ends it."""
+        batches: dict[int, tuple[Sink, list]] = {}
+        items = [(o.req_id, self._item(o)) for o in outs if o.req_id in self.streams]
+        for rid, item in items + ([last] if last is not None else []):
+            sink = self.streams.get(rid)
+            if sink is None:
                 continue
-            loop, q = target
-            item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
-            if o.handoff is not None:
-                item["handoff"] = dict(o.handoff, source=self.source)
-            if o.logprobs:
-                item["logprobs"] = o.logprobs
-            if o.finished:
-                req = self.engine.finished_requests.pop(o.req_id, None)
-                if req is not None:
-                    item["text"] = req.text
-                    item["num_output_tokens"] = len(req.output_ids)
-                    item["num_prompt_tokens"] = len(req.prompt_ids)
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            batches.setdefault(id(sink), (sink, []))[1].append((rid, item))
+            if is_last(item):
+                del self.streams[rid]
+                if sink.on_end is not None:
+                    sink.on_end(rid)
+        for sink, batch in batches.values():
+            sink.post(batch)
+        self.batches_posted += len(batches)
+
+    def _item(self, o) -> dict:
+        item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
+        if o.handoff is not None:
+            item["handoff"] = dict(o.handoff, source=self.source)
+        if o.logprobs:
+            item["logprobs"] = o.logprobs
+        if o.finished:
+            req = self.engine.finished_requests.pop(o.req_id, None)
+            if req is not None:
+                item["text"] = req.text
+                item["num_output_tokens"] = len(req.output_ids)
+                item["num_prompt_tokens"] = len(req.prompt_ids)
+        return item
 
     # ---- client API --------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
-        """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
-        try:
-            sp = SamplingParams(**params)
-        except TypeError as e:
-            yield {"error": f"invalid sampling parameters: {e}", "finished": True, "finish_reason": "error", "token_ids": []}
-            return
-        async for item in self._stream(request_id, lambda: self.engine.add_request(prompt_ids, sp, request_id)):
-            yield item
+    def submit(self, request_id: str, prompt_ids: list[int], params: dict, sink: Sink) -> None:
+        """Start a request whose items go to `sink` with those of every other stream it holds."""
+        def admit():
+            try:
+                sp = SamplingParams(**params)
+            except TypeError as e:
+                raise HyraxInputError(f"invalid sampling parameters: {e}") from None
+            self.engine.add_request(prompt_ids, sp, request_id)
+        self.open_stream(request_id, sink, admit)
 
-    async def generate_imported(self, handoff: dict):
-        """Take over a request exported by another replica and stream the rest of it. The
-        first item acknowledges the import: {"imported": result, "token_ids": []}."""
+    def submit_imported(self, handoff: dict, sink: Sink) -> None:
+        """Take over a request exported by another replica and stream the rest of it to `sink`.
+        Its first item acknowledges the import: {"imported": result, "token_ids": []}."""
         rid = handoff["request"]["id"]
-        results = []
 
         def admit():
-            results.append(self.engine.import_request(handoff))
+            result = self.engine.import_request(handoff)
             # the state is ours now (imported, or rebuilt by prefill from the tokens): tell the source
             if handoff.get("source") is not None:
                 self.ack(handoff["source"], rid)
+            return {"token_ids": [], "finished": False, "finish_reason": None, "imported": result}
+        self.open_stream(rid, sink, admit)
 
-        async for item in self._stream(rid, admit):
-            if results:
-                yield {"token_ids": [], "finished": False, "finish_reason": None, "imported": results.pop()}
+    def open_stream(self, request_id: str, sink: Sink, admit: Callable[[], dict | None]) -> None:
+        """Register the stream of `request_id` with `sink` and admit the request; `admit` may
+        return the stream's first item. A refusal (its abort came first, invalid input) is the
+        stream's one and last item."""
+        with self.lock:
+            self.streams[request_id] = sink
+            first = {"finished": True, "finish_reason": "abort", "token_ids": []}
+            if not self.early_aborts.take(request_id):  # else its client left before it got here
+                try:
+                    first = admit()
+                except HyraxInputError as e:
+                    first = {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
+            if first is not None:
+                self._deliver([], (request_id, first))
+        self.wake.set()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
+        """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
+        async for item in self._stream(request_id, lambda sink: self.submit(request_id, prompt_ids, params, sink)):
             yield item
 
-    async def _stream(self, request_id: str, admit):
-        q: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            if self.early_aborts.take(request_id):  # its client left before it got here
-                yield {"finished": True, "finish_reason": "abort", "token_ids": []}
-                return
-            self.streams[request_id] = (asyncio.get_running_loop(), q)
-            try:
-                admit()
-            except HyraxInputError as e:
-                del self.streams[request_id]
-                yield {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
-                return
-        self.wake.set()
-        handed_off = False
+    async def generate_imported(self, handoff: dict):
+        """`submit_imported` for an in-process caller: the first item is {"imported": result}."""
+        async for item in self._stream(handoff["request"]["id"], lambda sink: self.submit_imported(handoff, sink)):
+            yield item
+
+    async def _stream(self, request_id: str, start):
+        """One request's items for a caller on this event loop, fanned out from the one batch
+        per step that this loop's consumer gets."""
+        aloop = asyncio.get_running_loop()
+        if aloop not in self._local:
+            fan = Fanout()
+            self._local[aloop] = (Sink(fan.dispatch, aloop), fan)
+        sink, fan = self._local[aloop]
+        q, done = fan.open(request_id), False
         try:
-            while True:
-                item = await q.get()
-                handed_off = "handoff" in item
+            start(sink)
+            async for item in follow(q):
+                done = is_last(item)
                 yield item
-                if item["finished"] or handed_off:
-                    return
         finally:
-            self.streams.pop(request_id, None)
-            with self.lock:
-                if request_id in self.engine.requests and not handed_off:
-                    self.engine.abort(request_id)
-                    self.engine.step_outputs_flush()
-                self.engine.finished_requests.pop(request_id, None)
+            fan.close(request_id)
+            if not fan:
+                self._local.pop(aloop, None)
+            if not done:
+                self._abandon(request_id)
+
+    def _abandon(self, request_id: str) -> None:
+        """A caller left before its stream's last item: abort the request if the stream had not
+        ended here (a hand-off already offered is the lease's business)."""
+        with self.lock:
+            if self.streams.pop(request_id, None) is not None and request_id in self.engine.requests:
+                self.engine.abort(request_id)
+                self._deliver(self.engine.step_outputs_flush())
+            self.engine.finished_requests.pop(request_id, None)
 
     # ---- commands (commands.py), dispatched by type -------------------------------------
     def run(self, cmd: Command):
@@ -215,13 +257,10 @@ class EngineLoop:
             exported = self.engine.export_running(request_id)
             if exported is None:
                 return False
-            handoff = dict(exported, source=self.source)
             # tokens the export's sync committed go out first: the stream ends with the hand-off
-            outs = self.engine.step_outputs_flush()
-            loop, q = self.streams[request_id]
-        self._deliver(outs)
-        loop.call_soon_threadsafe(q.put_nowait, {"token_ids": [], "finished": False, "finish_reason": None,
-                                                 "handoff": handoff})
+            handoff = {"token_ids": [], "finished": False, "finish_reason": None,
+                       "handoff": dict(exported, source=self.source)}
+            self._deliver(self.engine.step_outputs_flush(), (request_id, handoff))
         return True
 
     def release(self, request_id: str) -> bool:
@@ -233,8 +272,7 @@ class EngineLoop:
             ok = self.engine.abort(request_id)
             if not ok and request_id not in self.streams:
                 self.early_aborts.remember(request_id)
-            outs = self.engine.step_outputs_flush()
-        self._deliver(outs)  # the stream ends now, even if the loop has nothing left to step
+            self._deliver(self.engine.step_outputs_flush())  # the stream ends now, even if nothing is left to step
         return ok
 
     def retract(self, cmd: Retract) -> dict[str, Outcome]:
@@ -295,6 +333,7 @@ class EngineLoop:
         s["step_ms_p50"] = round(1000 * steps[len(steps) // 2], 3) if steps else None
         s["stuck"] = self.stuck_reason() is not None
         s["early_aborts_refused"] = self.early_aborts.refused
+        s["stream_batches"] = self.batches_posted
         return s
 
     def load(self) -> int:

@@ -1,0 +1,75 @@
+"""Step batches: what one engine step produced for one consumer's streams, sent as one message.
+
+After each step the engine loop's thread posts one batch per consumer, `[(request id, item), ...]`
+in the order the engine produced the items, instead of one message per token per request. A
+consumer is an asyncio event loop: the in-process client's, or the coordinator's feed to one
+gateway (one Ray streaming generator per gateway and replica, which the gateway fans out to its
+HTTP streams: hyrax/cluster/ray_client.py). A `Fanout` on the consumer's side hands each item
+to its request's queue; `follow` reads one request's queue to its last item.
+
+An item is the last of its stream when it finishes the request or hands it off (`is_last`).
+Ray-free.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+Batch = list[tuple[str, dict]]
+
+
+def is_last(item: dict) -> bool:
+    return bool(item.get("finished")) or "handoff" in item
+
+
+class Sink:
+    """One consumer's entry, safe to call from any thread: `post(batch)` runs `deliver(batch)`
+    on the consumer's event loop, batches in the order they were posted. `on_end(request_id)`
+    runs (on the posting thread) when a stream of this consumer ended: last item posted."""
+
+    def __init__(self, deliver: Callable[[Batch], None], aloop: asyncio.AbstractEventLoop | None = None,
+                 on_end: Callable[[str], None] | None = None):
+        self.aloop = aloop or asyncio.get_running_loop()
+        self.deliver, self.on_end = deliver, on_end
+        self.posted = 0  # batches posted: the messages this consumer was sent
+
+    def post(self, batch: Batch) -> None:
+        self.posted += 1
+        self.aloop.call_soon_threadsafe(self.deliver, batch)
+
+
+class Fanout:
+    """Per-request queues behind one consumer; used on its event loop only."""
+
+    def __init__(self):
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        q = self.queues[request_id] = asyncio.Queue()
+        return q
+
+    def close(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    def dispatch(self, batch: Batch) -> None:
+        for rid, item in batch:
+            q = self.queues.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    def broadcast(self, item: object) -> None:
+        """The same item (a copy each, if a dict) to every open stream: the feed itself ended."""
+        for q in self.queues.values():
+            q.put_nowait(dict(item) if isinstance(item, dict) else item)
+
+    def __len__(self) -> int:
+        return len(self.queues)
+
+
+async def follow(q: asyncio.Queue) -> AsyncIterator[dict]:
+    """One request's items, up to and including its last."""
+    while True:
+        item = await q.get()
+        yield item
+        if is_last(item):
+            return
