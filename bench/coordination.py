@@ -166,4 +166,6 @@ def run(profile: Profile) -> list[Row]:
         for (overlap, batch), (step_s, fwd_s) in _over_ray(tp, profile.coord_batches, steps).items():
             ray_rows.append((overlap, tp, _row(f"Ray TP={tp}" + (" overlap" if overlap else ""), batch, step_s,
                                                fwd_s, profile)))
-    return rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])]
+    from bench import step_cpu
+
+    return rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])] + step_cpu.run(profile)

@@ -1,0 +1,103 @@
+"""Per-step CPU time of the coordinator side at 64 running requests vs at 1 (issue 21).
+
+The step a replica runs, in process: an `EngineLoop` (the coordinator's loop thread) over an
+in-process engine on the demo checkpoint, its streams read by asyncio consumers in this
+process (`EngineLoop.generate`, as the in-process gateway client does). Per decode step, the
+loop thread's CPU time (`time.thread_time`) from the start of the step to the end of its
+delivery, minus the CPU time of the model's forward call: scheduling, plan building, batch
+building, sampling, result commit and streaming (one batch per step to the consumers). Torch
+runs single-threaded, so the forward's work is on the timed thread and is subtracted whole.
+
+Only steady decode steps count: every request running, each past its first two tokens.
+
+Row: median CPU ms per step at 64 running requests (hyrax) vs at 1 (baseline); target: ratio
+<= 2 (the step's fixed cost dominates; per-request work stays small).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from bench.common import BENCH_SEED, Profile, load_demo_engine, median, progress, prompt_ids
+from bench.report import Row
+
+PROMPT = 16
+BIG = 64
+
+
+def _config(batch: int):
+    from hyrax.actors.engine.config import EngineConfig
+
+    return EngineConfig(kv_capacity_tokens=16384, mamba_slots=batch + 4, max_running=max(batch, 8), overlap=True)
+
+
+class _StepTimer:
+    """Wraps an EngineLoop's `_step`/`_deliver` and its model's `forward` (instance attributes,
+    this loop only) and records, per steady decode step, thread CPU seconds outside forward."""
+
+    def __init__(self, loop, batch: int):
+        self.loop, self.batch = loop, batch
+        self.samples: list[float] = []
+        self._forward_cpu = 0.0
+        self._t0: float | None = None
+        engine = loop.engine
+        model = engine.executor.rank.model
+        inner_forward, inner_step, inner_deliver = model.forward, loop._step, loop._deliver
+
+        def forward(*args, **kwargs):
+            t = time.thread_time()
+            try:
+                return inner_forward(*args, **kwargs)
+            finally:
+                self._forward_cpu += time.thread_time() - t
+
+        def step():
+            steady = len(engine.running) == batch and all(len(r.output_ids) >= 2 for r in engine.running)
+            self._forward_cpu, self._t0 = 0.0, (time.thread_time() if steady else None)
+            return inner_step()
+
+        def deliver(outs, last=None):
+            inner_deliver(outs, last)
+            if self._t0 is not None and last is None:
+                self.samples.append(time.thread_time() - self._t0 - self._forward_cpu)
+                self._t0 = None
+
+        model.forward, loop._step, loop._deliver = forward, step, deliver
+
+
+def _per_step_cpu(batch: int, steps: int) -> list[float]:
+    """Thread CPU seconds per steady decode step (forward excluded) with `batch` streams."""
+    from hyrax.actors.engine.loop import EngineLoop
+
+    engine = load_demo_engine(_config(batch))
+    loop = EngineLoop(engine, f"bench-step-cpu-{batch}")
+    timer = _StepTimer(loop, batch)
+    rng = random.Random(BENCH_SEED)
+    params = {"max_tokens": steps + 8, "ignore_eos": True}
+
+    async def one(i: int) -> None:
+        async for _ in loop.generate(f"cpu-{batch}-{i}", prompt_ids(rng, PROMPT), params):
+            pass
+
+    async def run_all() -> None:
+        await asyncio.gather(*(one(i) for i in range(batch)))
+    try:
+        asyncio.run(run_all())
+        with loop.lock:
+            engine.check_invariants()
+    finally:
+        loop.shutdown()
+    if len(timer.samples) < steps // 2:
+        raise RuntimeError(f"step_cpu: only {len(timer.samples)} steady steps at batch {batch}")
+    return timer.samples
+
+
+def run(profile: Profile) -> list[Row]:
+    steps = max(40, profile.coord_steps * 4)
+    out = {}
+    for batch in (1, BIG):
+        progress(f"step cpu: {batch} running request(s), {steps} decode steps")
+        out[batch] = median(_per_step_cpu(batch, steps)) * 1e3
+    return [Row(f"coordination: per-step CPU ms excl. forward, {BIG} running vs 1 (scheduler, batch building, "
+                f"sampling, streaming)", out[BIG], out[1], out[BIG] / out[1], profile.target("<= 2"))]
