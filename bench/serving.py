@@ -214,8 +214,23 @@ def run(profile: Profile) -> list[Row]:
                 h, b = _ms(percentile(xs, q)), _ms(percentile(ref, q))
                 rows.append(Row(f"serving c={c}: {name} p{q} ms (baseline: transformers, 1 request)", h, b,
                                 ratio(h, b)))
+    rows += _ttft_under_load(measured, target_c, profile)
     if profile.large_requests:
         rows += run_large(profile)
+    return rows
+
+
+def _ttft_under_load(measured: dict, c: int, profile: Profile) -> list[Row]:
+    """TTFT p50/p99 at concurrency `c` against a lone request's TTFT (Hyrax at concurrency 1,
+    p50), same stack and run: what chunked prefill interleaved with decode (the engine's
+    default step budget) leaves of a new request's wait under load."""
+    if 1 not in measured or c == 1 or not measured[1][1]:
+        return []
+    lone, rows = _ms(median(measured[1][1])), []
+    for q in (50, 99):
+        h = _ms(percentile(measured[c][1], q))
+        rows.append(Row(f"serving c={c}: TTFT p{q} ms vs a lone request's (Hyrax c=1 TTFT p50)", h, lone,
+                        ratio(h, lone), profile.target("<= 3") if q == 50 else ""))
     return rows
 
 
