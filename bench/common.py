@@ -45,6 +45,10 @@ class Profile:
     memory_concurrency: int = 8
     memory_forced_interval: int = 2
     memory_formula_prompts: tuple[int, ...] = (5, 40, 300, 1000)
+    # prefix cache: shared prefix length, requests that share it, unique-prompt requests (0 % hits)
+    prefix_len: int = 1024
+    prefix_requests: int = 8
+    prefix_unique_requests: int = 16
     # soak: requests in the chaos run, share of vanishing clients, clients at once, chaos pace
     soak_requests: int = 10_000
     soak_vanish_share: float = 0.25
@@ -77,6 +81,8 @@ QUICK = Profile(
     transfer_reps=5,
     memory_total=300,
     memory_first=50,
+    prefix_requests=6,
+    prefix_unique_requests=12,
     soak_requests=1000,
 )
 TINY = Profile(  # the smoke test: plumbing only, seconds
@@ -96,6 +102,9 @@ TINY = Profile(  # the smoke test: plumbing only, seconds
     memory_first=8,
     memory_concurrency=4,
     memory_formula_prompts=(5, 100),
+    prefix_len=64,
+    prefix_requests=2,
+    prefix_unique_requests=2,
     soak_requests=60,
     soak_concurrency=8,
     soak_operator_period_s=0.3,

@@ -13,7 +13,7 @@ import time
 from bench.common import PROFILES, env_summary, progress, shutdown_ray, single_thread_torch
 from bench.report import Row, markdown, write_json
 
-SUITES = ("serving", "coordination", "retraction", "transfer", "memory", "soak", "multinode")
+SUITES = ("serving", "coordination", "retraction", "transfer", "memory", "prefix", "soak", "multinode")
 # run only when named: the soak (~30 minutes full, ~4 quick) and multinode (a 5-raylet cluster)
 DEFAULT_SUITES = SUITES[:-2]
 

@@ -83,6 +83,15 @@ def build() -> dict:
             q("min by (role, replica) (hyrax_replica_healthy)", "healthy {{role}}/{{replica}}"),
             q("sum (increase(hyrax_replica_recoveries_total[15m]))", "recoveries (15m)"),
         ], 0, 32, "short", w=24),
+        panel(10, "Prefix cache hit rate (prompt tokens)", [
+            q("sum by (role, replica) (rate(hyrax_prefix_cache_hit_tokens_total[5m])) / "
+              "sum by (role, replica) (rate(hyrax_prefix_cache_query_tokens_total[5m]))", "{{role}}/{{replica}}"),
+        ], 0, 40, "percentunit"),
+        panel(11, "Prefix cache units and evictions", [
+            q("sum by (component) (hyrax_pool_cached_units)", "cached {{component}}"),
+            q("sum by (pool) (rate(hyrax_prefix_cache_evicted_units_total[5m]))", "evicted/s {{pool}}"),
+            q("sum (rate(hyrax_prefix_cache_corrupt_checkpoints_total[5m]))", "corrupt checkpoints/s"),
+        ], 12, 40, "short", overrides=[red(".*corrupt.*")]),
     ]
     return {
         "title": "Hyrax", "uid": "hyrax-overview", "schemaVersion": 39, "version": 1,

@@ -101,6 +101,9 @@ class RankWorker:
     def num_backups(self) -> int:
         return self.runtime.num_backups()
 
+    def checkpoint_sums(self, slots):
+        return self.runtime.checkpoint_sums(slots)
+
 
 def place_rank(gpu_ids: list, visible: str | None, cuda_available: bool,
                set_device: Callable[[torch.device], None] = torch.cuda.set_device) -> torch.device:

@@ -43,10 +43,10 @@ class RayExecutor(RankCalls):
         return [r.execute.remote(plan) for r in self.ranks]
 
     def collect(self, refs: list) -> StepResult:
-        """Rank 0's result. A rank that raised while every rank answered is a StepError (the
+        """Rank 0's result, with every rank's checkpoint checksums. A rank that raised while every rank answered is a StepError (the
         ranks live on); a rank that died, hung or left the others waiting is a RankFailure."""
         try:
-            return ray.get(refs, timeout=self.timeout_s)[0]
+            results = ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:
             answered, _ = ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 10.0))
             if len(answered) == len(refs) and not isinstance(e, ray.exceptions.RayActorError):
@@ -54,3 +54,4 @@ class RayExecutor(RankCalls):
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
         except Exception as e:  # RayActorError, GetTimeoutError
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
+        return StepResult.gathered(results)

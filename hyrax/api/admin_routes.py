@@ -83,6 +83,12 @@ async def forced(body: ForcedBody, request: Request):
     return {"interval": body.interval}
 
 
+@router.post("/flush-cache")
+async def flush_cache(request: Request):
+    """Evict every cached prefix that no request is using, on every replica."""
+    return {"replicas": await request.app.state.client.flush_cache()}
+
+
 class ReplicaRef(Body):
     role: Text
     replica: int = Field(ge=0)

@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from hyrax.actors.engine.commands import (Abort, Command, ListRequests, Load, MigrateOut, Pools, Resume, Retract,
-                                          SetForcedRetraction, Stats)
+from hyrax.actors.engine.commands import (Abort, Command, FlushCache, ListRequests, Load, MigrateOut, Pools, Resume,
+                                          Retract, SetForcedRetraction, Stats)
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 
@@ -274,6 +274,11 @@ class EngineClient:
 
     async def set_forced_retraction(self, interval: int) -> None:
         await self._each(SetForcedRetraction(interval))
+
+    async def flush_cache(self) -> list[dict]:
+        """Every replica evicts the cached prefixes no request uses; units freed per replica."""
+        res = await self._each(FlushCache())
+        return [{"role": b.role, "replica": b.index, "freed": r} for b, r in zip(self.backends, res)]
 
     async def list_requests(self) -> list[dict]:
         out = []

@@ -44,6 +44,8 @@ async def summary(request: Request):
     for s in stats:
         r = {k: s.get(k) for k in keep}
         r["bytes_transferred"] = sum(s.get("bytes_transferred", {}).values())
+        pc = s.get("prefix_cache", {})
+        r["prefix_query_tokens"], r["prefix_hit_tokens"] = pc.get("query_tokens", 0), pc.get("hit_tokens", 0)
         reps.append(r)
     ttft = request.app.state.metrics.ttft
     return {"model": client.model.name, "ready": request.app.state.ready, "replicas": reps,

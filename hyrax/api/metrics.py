@@ -81,11 +81,17 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
         ("transfers_in", "Requests imported from another replica, by result.", ["result"]),
         ("transfers_out", "Requests handed to another replica (PD hand-off or migration).", []),
         ("replica_recoveries", "Times a replica replaced failed ranks.", []),
+        ("prefix_cache_query_tokens", "Prompt tokens of requests that asked the prefix cache.", []),
+        ("prefix_cache_hit_tokens", "Prompt tokens a prefix-cache hit covered (not prefilled).", []),
+        ("prefix_cache_checkpoints", "Recurrent-state checkpoints handed to the prefix cache.", []),
+        ("prefix_cache_corrupt_checkpoints", "Prefix-cache hits refused: a checkpoint failed its checksum.", []),
+        ("prefix_cache_evicted_units", "Units (pages or checkpoint slots) evicted from the prefix cache.", ["pool"]),
     )}
     pg = {n: GaugeMetricFamily(f"hyrax_{n}", d, labels=RL + ["rank", "component"]) for n, d in (
         ("pool_usage_ratio", "Used / capacity of a device pool shard."),
         ("pool_free_units", "Free units (pages or slots) of a device pool shard."),
         ("host_pool_usage_ratio", "Used / capacity of a host backup pool shard."),
+        ("pool_cached_units", "Units of a device pool the prefix cache holds (evictable when unreferenced)."),
     )}
     up = GaugeMetricFamily("hyrax_replica_healthy", "1 when every rank of the replica answers.", labels=RL)
     hists: dict[str, list] = {}
@@ -111,6 +117,13 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
                 c[fam].add_metric(lab + [comp], n)
         for result, n in s.get("transfers_in", {}).items():
             c["transfers_in"].add_metric(lab + [result], n)
+        pc = s.get("prefix_cache", {})
+        for fam, key in (("prefix_cache_query_tokens", "query_tokens"), ("prefix_cache_hit_tokens", "hit_tokens"),
+                         ("prefix_cache_checkpoints", "checkpoints"),
+                         ("prefix_cache_corrupt_checkpoints", "corrupt_checkpoints")):
+            c[fam].add_metric(lab, pc.get(key, 0))
+        for pool, n in pc.get("evicted_units", {}).items():
+            c["prefix_cache_evicted_units"].add_metric(lab + [pool], n)
         for name, h in s.get("histograms", {}).items():
             hists.setdefault(name, []).append((lab, h))
     for p in pools:
@@ -119,7 +132,8 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
             for comp, u in p["components"].items():
                 l2 = lab + [str(rank), comp]
                 pg["pool_usage_ratio"].add_metric(l2, u["used"] / u["capacity"] if u["capacity"] else 0.0)
-                pg["pool_free_units"].add_metric(l2, u["capacity"] - u["used"])
+                pg["pool_free_units"].add_metric(l2, u["capacity"] - u["used"] - u.get("cached", 0))
+                pg["pool_cached_units"].add_metric(l2, u.get("cached", 0))
                 hc = u.get("host_capacity", 0)
                 pg["host_pool_usage_ratio"].add_metric(l2, u.get("host_used", 0) / hc if hc else 0.0)
     for r in health.get("replicas", []):

@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
     s.add_argument("ids", nargs="+")
     f = acts.add_parser("forced-retraction", help="retract one request every N steps (0 = off)")
     f.add_argument("interval", type=int)
+    acts.add_parser("flush-cache", help="evict every cached prompt prefix no request is using")
     m = acts.add_parser("migrate", help="move a running request to another replica")
     m.add_argument("id")
     m.add_argument("--to", default=None, metavar="ROLE/REPLICA", help="e.g. decode/1 (default: least loaded)")
@@ -73,6 +74,8 @@ def _request(a) -> tuple[str, str, dict | None]:
         return "POST", "/admin/resume", {"request_ids": a.ids}
     if a.action == "forced-retraction":
         return "POST", "/admin/forced-retraction", {"interval": a.interval}
+    if a.action == "flush-cache":
+        return "POST", "/admin/flush-cache", None
     if a.action == "migrate":
         body = {"request_id": a.id}
         if a.to:

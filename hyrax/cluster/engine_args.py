@@ -33,6 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "gpu extra imports, else torch SDPA (default auto)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: outputs independent of batch composition")
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the state of cached prompt prefixes (radix tree; full-attention pages shared, "
+                        "sliding-window rows and recurrent checkpoints copied); default on, ignored by decode "
+                        "replicas, which never prefill prompts")
+    g.add_argument("--mamba-track-interval", type=int, default=None, metavar="N",
+                   help="checkpoint the recurrent state every N tokens for the prefix cache (a multiple of "
+                        "--page-size; default: the first multiple of the page size >= 64)")
+    g.add_argument("--mamba-checkpoint-slots", type=int, default=0, metavar="N",
+                   help="checkpoint slots per recurrent component (default 0: 3 x --mamba-slots)")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
     u.add_argument("--unsafe-allow-fault-injection", action="store_true",
                    help="allow the --unsafe-* options below (they break state on purpose, to prove tests notice)")
@@ -60,5 +69,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
-        overlap=not a.no_overlap, attention_backend=a.attention_backend,
+        overlap=not a.no_overlap, attention_backend=a.attention_backend, prefix_cache=a.prefix_cache,
+        mamba_track_interval=a.mamba_track_interval or -(-64 // max(a.page_size, 1)) * max(a.page_size, 1),
+        mamba_checkpoint_slots=a.mamba_checkpoint_slots,
     )

@@ -12,7 +12,7 @@ import pytest
 
 from obs_harness import ADMIN, ADMIN_TOKEN, MODEL, admin_get, pools_clean, wait_until
 
-CHARTS = ("c-throughput", "c-queue", "c-pools", "c-retract", "c-transfer", "c-ttft")
+CHARTS = ("c-throughput", "c-queue", "c-pools", "c-retract", "c-transfer", "c-ttft", "c-prefix")
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, Hyrax!", "0123456789" * 5, "Tell me more."]
 MAX_TOKENS = 300
 

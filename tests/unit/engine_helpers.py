@@ -93,12 +93,15 @@ def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
 
 
 def assert_idle_clean(engine: Engine) -> None:
-    """Every device and host pool is back to free + used == capacity with nothing owned,
-    no request is left anywhere and no rank holds a backup."""
+    """Every device and host pool is back to free + used == capacity with nothing owned by a
+    request, no request is left anywhere and no rank holds a backup; what the prefix cache
+    still holds is referenced by nothing, and flushing it frees every unit."""
     engine.check_invariants()
     assert engine.is_idle_clean(), engine.pool_usage()
     assert not engine.requests and not engine.running and not engine.waiting and not engine.retracted
     assert all(n == 0 for n in engine.executor.num_backups().values()), engine.executor.num_backups()
+    engine.flush_cache()
+    engine.check_invariants()
     for a in list(engine.alloc.values()) + list(engine.host_alloc.values()):
         assert a.num_free + a.num_used == a.capacity, a.name
         assert a.num_used == 0 and not a.owners(), (a.name, a.owners())

@@ -14,7 +14,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import RankCalls, StepResult
 from hyrax.actors.engine.local import engine_for_model
-from hyrax.actors.engine.pools import host_pool_rows, pool_sizes
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
@@ -98,7 +98,7 @@ class ThreadedTPExecutor(RankCalls):
         return in_threads([lambda rk=rk: getattr(rk, method)(*args) for rk in self.ranks])
 
     def submit(self, plan):
-        return self._each("execute", plan)[0]
+        return StepResult.gathered(self._each("execute", plan))
 
     def collect(self, handle: StepResult) -> StepResult:
         return handle
@@ -127,8 +127,7 @@ def make_engine(path, tp_size: int = 1, **overrides) -> Engine:
     models = [load_model(path, TP(r, tp_size), torch.float32, allreduce=ar.for_rank(r)) for r in range(tp_size)]
     cfg = models[0].cfg
     comps = derive_components(cfg, TP(0, tp_size), torch.float32)
-    sizes = pool_sizes(comps, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                       config.swa_capacity_tokens)
+    sizes = pool_sizes_for(comps, config)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
     bc = _Broadcast(ar)
     ranks = [make_rank_runtime(m, sizes, host, rank=r, faults=config.faults, broadcast=bc.for_rank(r))
@@ -150,6 +149,23 @@ def run_to_end(engine: Engine, ids: list[str]) -> list[list[int]]:
         engine.check_invariants()
     assert_idle_clean(engine)
     return [engine.finished_requests[i].output_ids for i in ids]
+
+
+def hand_off_all(prefill: Engine, decode: Engine, ids: list[str]) -> None:
+    """Step the prefill engine until each of `ids` was offered, imported by `decode` (every
+    import must verify) and acknowledged."""
+    from hyrax.actors.engine.lifecycle import Outcome
+
+    offered: set[str] = set()
+    for _ in range(1_000):
+        if len(offered) == len(ids):
+            break
+        for out in prefill.step():
+            if out.handoff is not None:
+                assert decode.import_request(out.handoff) == Outcome.VERIFIED
+                assert prefill.release_handoff(out.req_id)
+                offered.add(out.req_id)
+    assert offered == set(ids)
 
 
 def rank_logits(path, tp_size: int, ids: list[int], chunks: list[int]) -> list[torch.Tensor]:

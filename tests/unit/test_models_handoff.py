@@ -43,16 +43,7 @@ def test_prefill_tp1_to_decode_tp2_handoff_keeps_transformers_tokens(checkpoint)
     prefill = hff.make_engine(path, 1, role="prefill")
     decode = hff.make_engine(path, 2, role="decode")
     ids = [prefill.add_request(p, greedy(hff.NEW_TOKENS)) for p in ps]
-    offered: set[str] = set()
-    for _ in range(1_000):
-        if len(offered) == len(ids):
-            break
-        for out in prefill.step():
-            if out.handoff is not None:
-                assert decode.import_request(out.handoff) == Outcome.VERIFIED
-                assert prefill.release_handoff(out.req_id)
-                offered.add(out.req_id)
-    assert offered == set(ids)
+    hff.hand_off_all(prefill, decode, ids)
     assert_idle_clean(prefill)
     assert hff.run_to_end(decode, ids) == ref
     assert decode.stats.summary()["checksum_failures"] == 0

@@ -21,7 +21,8 @@ PS = 4
 COMPS = derive_components(tiny_config("full_swa_mamba"), dtype=torch.float32)  # full_kv, swa_kv, mamba_*
 PAGED = [c.name for c in COMPS if c.paged]
 SLOTS = [c.name for c in COMPS if not c.paged]
-CONFIG = EngineConfig(page_size=PS, max_batch_tokens=16, prefill_chunk=8, max_running=4)
+# the prefix cache's chunk cuts at track boundaries are tested on their own (test_prefix_engine.py)
+CONFIG = EngineConfig(page_size=PS, max_batch_tokens=16, prefill_chunk=8, max_running=4, prefix_cache=False)
 
 
 def req(rid: str, prompt: int, outputs: int = 0, computed: int | None = None, placeholder: bool = False,
@@ -103,7 +104,7 @@ def test_no_room_without_a_step_in_flight_names_the_fewest_victims_in_victim_ord
     young = req("young", 4, 1, pages=2, first_page=30, slot=2, arrival=2.0)
     grow = dataclasses.replace(grow, ids=grow.ids + (1,))  # its first output: one token to decode
     got = schedule(view(running=[grow, old, young], n_pages=0))
-    assert got == NeedRoom(victims=("young",))
+    assert got == NeedRoom(victims=("young",), short={"full_kv": 1, "swa_kv": 1})
 
 
 def test_with_a_step_in_flight_no_victim_is_named_and_the_engine_is_told_to_wait_for_it():
@@ -116,7 +117,7 @@ def test_with_a_step_in_flight_no_victim_is_named_and_the_engine_is_told_to_wait
 
 def test_a_request_alone_that_can_never_grow_is_given_up():
     got = schedule(view(running=[req("alone", 8, 1, computed=8, pages=2, slot=0)], n_pages=0))
-    assert got == NeedRoom(hopeless=("alone",))
+    assert got == NeedRoom(hopeless=("alone",), short={"full_kv": 1, "swa_kv": 1})
 
 
 def test_admission_stops_at_max_running_while_retracted_requests_wait_and_under_the_reserve():

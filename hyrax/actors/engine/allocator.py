@@ -78,6 +78,14 @@ class IndexAllocator:
             del self._owner[i]
             self._free.append(i)
 
+    def give(self, old: str, new: str, indices: list[int]) -> None:
+        """Indices owned by `old` are owned by `new` from now on (never free in between)."""
+        for i in indices:
+            if self._owner.get(i) != old:
+                raise AllocationError(f"{self.name}: index {i} is owned by {self._owner.get(i)!r}, not {old!r}")
+        for i in indices:
+            self._owner[i] = new
+
     def owned_by(self, owner: str) -> list[int]:
         return sorted(i for i, o in self._owner.items() if o == owner)
 

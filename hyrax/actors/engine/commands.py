@@ -76,4 +76,18 @@ class Load:
     """Answer: how many requests the replica holds (the router's measure of how busy it is)."""
 
 
-Command = Union[Retract, Resume, SetForcedRetraction, MigrateOut, Abort, ListRequests, Pools, Stats, Load]
+@dataclass(frozen=True)
+class FlushCache:
+    """Evict every cached prefix no request uses. Answer: units freed per pool."""
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """How many leading tokens of `token_ids` a prefix-cache hit would cover here (the cache-aware
+    router's question; the cache's LRU order is left as it is). Answer: a token count."""
+
+    token_ids: tuple[int, ...]
+
+
+Command = Union[Retract, Resume, SetForcedRetraction, MigrateOut, Abort, ListRequests, Pools, Stats, Load, FlushCache,
+                CachedPrefix]

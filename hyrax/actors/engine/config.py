@@ -73,6 +73,22 @@ class EngineConfig:
     overlap: bool = False  # plan step N+1 while the ranks run step N
     attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
     offer_lease_s: float = 10.0  # an offered hand-off not acknowledged in time is reclaimed (freed)
+    # prefix cache (docs/prefix-cache.md): on for colocated and prefill replicas (a decode replica
+    # receives its requests' state and never matches a prompt)
+    prefix_cache: bool = True
+    mamba_track_interval: int = 64  # checkpoint the recurrent state every N tokens (a multiple of page_size)
+    mamba_checkpoint_slots: int = 0  # checkpoint pool per recurrent component; 0: 3 x mamba_slots
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_cache and self.role != "decode"
+
+    @property
+    def checkpoint_slots(self) -> int:
+        """Slots of each recurrent component's checkpoint pool (0 when the cache is off)."""
+        if not self.caches_prefixes:
+            return 0
+        return self.mamba_checkpoint_slots or 3 * self.mamba_slots
 
     def __post_init__(self):
         def positive(name):
@@ -96,5 +112,10 @@ class EngineConfig:
             raise HyraxInputError("role must be colocated, prefill or decode")
         if not self.offer_lease_s > 0:
             raise HyraxInputError("offer-lease-s must be > 0")
+        if self.mamba_track_interval < 1 or self.mamba_track_interval % self.page_size:
+            raise HyraxInputError(f"mamba-track-interval must be a positive multiple of the page size "
+                                  f"({self.page_size}), got {self.mamba_track_interval}")
+        if self.mamba_checkpoint_slots < 0:
+            raise HyraxInputError("mamba-checkpoint-slots must be >= 0 (0 = 3 x mamba-slots)")
         if self.prefill_chunk > self.max_batch_tokens:
             raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")

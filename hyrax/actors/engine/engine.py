@@ -18,6 +18,7 @@ import uuid
 
 from hyrax.actors.engine.admission import check_request, claim
 from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.caching import PrefixCaching
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.executor import Executor, StepError, StepResult
 from hyrax.actors.engine.inflight import InFlight
@@ -62,11 +63,14 @@ class Engine:
         self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
         # the pipeline: the step the ranks are running (depth 2 only) and the frees waiting for it
         self.inflight = InFlight(self.alloc)
+        # the prefix cache adds its checkpoint pools to self.alloc (caching.py)
+        self.caching = PrefixCaching(components, config, sizes, self.alloc, executor, self.inflight.release,
+                                     self.stats.prefix)
         self.moves = make_moves(components, config, executor, self.alloc, self.host_alloc, self.stats,
-                                release=self.inflight.release)
+                                release=self.inflight.release, cache=self.caching)
         self.retractions = Retractions(self.table, self.moves)
         self.results = Results(self.table, self.stats, StopRule(self.eos, self.max_model_len, decode), components,
-                               config.page_size, self.inflight.release)
+                               config.page_size, self.inflight.release, self.caching.owned)
         self.transfers = Transfers(self.table, self.moves, self.stats, config.offer_lease_s, settle=self._settle,
                                    leave=self._leave, load=self.retractions.restore)
         self.step_count = 0
@@ -177,17 +181,26 @@ class Engine:
     def _plan(self) -> StepPlan:
         """Ask the scheduler, make the room it needs (retract victims, give up on a request
         that can never grow) and ask again; then claim what the plan takes."""
+        admit_new = not any(not r.hold for r in self.retracted)
+        if admit_new:
+            self.caching.attach(self.waiting[:max(self.config.max_running - len(self.running), 0)])
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, self.config.max_running,
-                self.config.max_batch_tokens, not any(not r.hold for r in self.retracted), self.reserve_ratio))
+                self.config.max_batch_tokens, admit_new, self.reserve_ratio))
+            if got.short and self.caching.evict(got.short):
+                # cached prefixes go before any request is retracted or kept waiting; their units
+                # are free now, or once the step in flight is committed (then the next step syncs)
+                if self.inflight.step is None:
+                    continue
+                got = dataclasses.replace(got, pressure=True)
             if isinstance(got, Scheduled):
                 break
             self._make_room(got)
         self._pressure = got.pressure
         self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)
         claim(got, self.table, self.alloc, self.stats)
-        plan = got.plan
+        plan = self.caching.prepare(got.plan, self.table)
         if self._forget and plan.entries:
             plan = dataclasses.replace(plan, forget=tuple(self._forget))
             self._forget = []
@@ -231,6 +244,7 @@ class Engine:
         """Apply a step's results using the step's own plan snapshot (results.py); a prefill
         replica offers each request that got its first token to a decode replica."""
         done = self.results.apply(plan, result)
+        self.caching.commit(plan, result, self.table)
         finishing = {r.id for r, _ in done.stopped}
         for rid, toks in done.tokens.items():
             handoff = None
@@ -250,6 +264,9 @@ class Engine:
             self.moves.free_device(req)
         elif was == State.RETRACTED:
             self.moves.release_backup(req)
+        else:  # waiting: a prefix-cache hit it matched, nothing of its own
+            self.caching.detach(req)
+            req.indices = {}
 
     def _finish(self, req: Request, reason: str) -> None:
         """A request ends here: it leaves, and its stream ends with `reason`."""
@@ -286,22 +303,35 @@ class Engine:
 
     def _reset_pipeline(self) -> None:
         self._forget, self._pressure = [], False
+        self.caching.reset(self.table.requests.values())
 
     # ---- inspection (inspection.py) ------------------------------------------------------
     def describe_requests(self) -> list[dict]:
         return describe_requests(self.requests.values())
 
     def check_invariants(self) -> None:
-        """free + used == capacity for every pool, and every owner is a live request in the
-        state that may own it (running or offered: device indices; retracted: host rows)."""
+        """free + used == capacity for every pool, every owner is a live request in the state
+        that may own it (running or offered: device indices; retracted: host rows) or the prefix
+        cache, and the cache's tree agrees with the allocators."""
         check_invariants(self.components, self.alloc, self.host_alloc, self.table, self.inflight.deferred_owners(),
                          self.executor.num_backups())
+        self.caching.check()
 
     def is_idle_clean(self) -> bool:
-        return all_free(self.alloc, self.host_alloc)
+        """Nothing owned by a request (the prefix cache may hold units; nothing references them)."""
+        return all_free(self.alloc, self.host_alloc) and self.caching.tree.root.ref == 0
 
     def pool_usage(self) -> dict[str, dict[str, int]]:
-        return pool_usage(self.components, self.alloc, self.host_alloc)
+        return pool_usage(self.components, self.alloc, self.host_alloc, self.caching.cached())
+
+    # ---- the prefix cache (caching.py) -------------------------------------------------
+    def flush_cache(self) -> dict[str, int]:
+        """Evict every cached prefix no request uses; units freed per pool."""
+        return self.caching.flush()
+
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        """Tokens of a prompt a cache hit would cover now (0 with the cache off)."""
+        return self.caching.peek(token_ids)
 
     def counts(self) -> dict[str, int]:
         return self.table.counts()

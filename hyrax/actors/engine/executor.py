@@ -45,6 +45,9 @@ class Executor(Protocol):
 
     def discard(self, req_id: str) -> None: ...
 
+    def checkpoint_sums(self, slots: dict[str, int]) -> Sums:
+        """rank -> component -> crc32 of checkpoint slots as they are now."""
+
     def num_backups(self) -> dict[int, int]: ...
 
 
@@ -65,6 +68,9 @@ class RankCalls:
 
     def discard(self, req_id: str) -> None:
         self._each("discard", req_id)
+
+    def checkpoint_sums(self, slots: dict[str, int]) -> Sums:
+        return dict(enumerate(self._each("checkpoint_sums", slots)))
 
     def num_backups(self) -> dict[int, int]:
         return dict(enumerate(self._each("num_backups")))

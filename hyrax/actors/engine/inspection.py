@@ -8,6 +8,7 @@ from typing import Iterable
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.moves import Place
+from hyrax.actors.engine.prefix_nodes import CACHE_OWNER
 from hyrax.actors.engine.request import Request, State
 from hyrax.actors.model.state import ComponentSpec
 
@@ -30,14 +31,24 @@ def describe_requests(requests: Iterable[Request]) -> list[dict]:
     return out
 
 
-def pool_usage(components: tuple[ComponentSpec, ...], alloc: Allocators, host_alloc: Allocators) -> dict:
-    return {c.name: {"capacity": alloc[c.name].capacity, "used": alloc[c.name].num_used,
-                     "host_capacity": host_alloc[c.name].capacity, "host_used": host_alloc[c.name].num_used}
-            for c in components}
+def pool_usage(components: tuple[ComponentSpec, ...], alloc: Allocators, host_alloc: Allocators,
+               cached: dict[str, int]) -> dict:
+    """Per pool: capacity, units requests use, units the prefix cache holds (free to evict when
+    no request uses them), host rows; checkpoint pools (`<component>.checkpoint`) too."""
+    out = {c.name: {"capacity": alloc[c.name].capacity, "used": alloc[c.name].num_used - cached.get(c.name, 0),
+                    "cached": cached.get(c.name, 0),
+                    "host_capacity": host_alloc[c.name].capacity, "host_used": host_alloc[c.name].num_used}
+           for c in components}
+    for name, a in alloc.items():
+        if name not in out:
+            out[name] = {"capacity": a.capacity, "used": a.num_used - cached.get(name, 0), "cached": cached.get(name, 0),
+                         "host_capacity": 0, "host_used": 0}
+    return out
 
 
 def all_free(alloc: Allocators, host_alloc: Allocators) -> bool:
-    return all(a.num_used == 0 for a in list(alloc.values()) + list(host_alloc.values()))
+    """No unit is owned by a request (the prefix cache's units do not count)."""
+    return all(a.owners() <= {CACHE_OWNER} for a in list(alloc.values()) + list(host_alloc.values()))
 
 
 def check_invariants(components: tuple[ComponentSpec, ...], alloc: Allocators, host_alloc: Allocators,
@@ -46,11 +57,12 @@ def check_invariants(components: tuple[ComponentSpec, ...], alloc: Allocators, h
     `rank_backups`: rank -> how many cpu_tensor backups it holds."""
     for a in list(alloc.values()) + list(host_alloc.values()):
         a.check()
-    for c in components:
-        for owner in alloc[c.name].owners() - deferred:
+    for name, a in alloc.items():  # components and checkpoint pools
+        for owner in a.owners() - deferred - {CACHE_OWNER}:
             req = table.get(owner)
             if req is None or req.state not in (State.RUNNING, State.OFFERED):
-                raise AssertionError(f"{c.name}: index owned by {owner}, which is not running")
+                raise AssertionError(f"{name}: index owned by {owner}, which is not running")
+    for c in components:
         for owner in host_alloc[c.name].owners():
             req = table.get(owner)
             if req is None or req.state != State.RETRACTED:

@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Callable
 
-from hyrax.actors.engine.commands import (Abort, Command, ListRequests, Load, MigrateOut, Pools, Resume, Retract,
-                                          SetForcedRetraction, Stats)
+from hyrax.actors.engine.commands import (Abort, CachedPrefix, Command, FlushCache, ListRequests, Load, MigrateOut,
+                                          Pools, Resume, Retract, SetForcedRetraction, Stats)
 from hyrax.actors.engine.early_aborts import EarlyAborts
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.lifecycle import Outcome
@@ -245,6 +245,8 @@ class EngineLoop:
             case Pools(): return self.pools()
             case Stats(): return self.stats()
             case Load(): return self.load()
+            case FlushCache(): return self.flush_cache()
+            case CachedPrefix(token_ids): return self.cached_prefix(token_ids)
         raise TypeError(f"not a replica command: {cmd!r}")
 
     def migrate_out(self, request_id: str) -> bool:
@@ -335,6 +337,14 @@ class EngineLoop:
         s["early_aborts_refused"] = self.early_aborts.refused
         s["stream_batches"] = self.batches_posted
         return s
+
+    def flush_cache(self) -> dict[str, int]:
+        with self.lock:
+            return self.engine.flush_cache()
+
+    def cached_prefix(self, token_ids) -> int:
+        with self.lock:
+            return self.engine.cached_prefix(list(token_ids))
 
     def load(self) -> int:
         """Requests queued or running: the router's measure of how busy this replica is."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hyrax.actors.engine.allocator import AllocationError, IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
@@ -58,24 +58,25 @@ class Backup:
 
     manifest: Manifest
     location: Location
+    was: dict[str, set[int]] = field(default_factory=dict)  # the device units it was saved from, every component
 
 
 def make_moves(components: tuple[ComponentSpec, ...], config: EngineConfig, executor,
                allocators: dict[str, IndexAllocator], host_allocators: dict[str, IndexAllocator],
-               stats: EngineStats, release) -> StateMoves:
+               stats: EngineStats, release, cache) -> StateMoves:
     """The state mover for `config`: with test-only faults (refused unless allow_unsafe), the
     fault-injecting one; chosen here, once, so the production path has no fault branches."""
     cls = StateMoves
     if config.faults.any:
         from hyrax.testing.faults import UnsafeMoves
         cls = UnsafeMoves
-    return cls(components, config, executor, allocators, host_allocators, stats, release)
+    return cls(components, config, executor, allocators, host_allocators, stats, release, cache)
 
 
 class StateMoves:
     def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig, executor,
                  allocators: dict[str, IndexAllocator], host_allocators: dict[str, IndexAllocator],
-                 stats: EngineStats, release):
+                 stats: EngineStats, release, cache):
         self.components = components
         self.config = config
         self.executor = executor
@@ -83,11 +84,15 @@ class StateMoves:
         self.host_alloc = host_allocators
         self.stats = stats
         self.release = release  # the engine's one free point (deferred past the step in flight)
+        self.cache = cache  # the prefix cache (caching.py): units it owns are never freed here
 
     # ---- indices ---------------------------------------------------------------------
     def free_device(self, req: Request) -> None:
-        owned = {c.name: [i for i in req.indices.get(c.name, []) if i >= 0] for c in self.components}
+        """Give back every unit the request owns (units of the prefix cache in its tables stay
+        the cache's) and let go of what it holds of the cache."""
+        owned = {c.name: self.cache.owned(req, c.name, req.indices.get(c.name, [])) for c in self.components}
         self.release(req.id, {n: i for n, i in owned.items() if i})
+        self.cache.detach(req)
         req.indices = {}
 
     def rows(self, indices: dict[str, list[int]], num_tokens: int) -> Rows:
@@ -126,7 +131,8 @@ class StateMoves:
                 n = len(rows[c.name])
                 manifest.components[c.name] = ComponentRecord(
                     c.name, [i for i in req.indices[c.name] if i >= 0], n, n * c.row_bytes, per_rank)
-        return Backup(manifest, replace(location, payload=tuple(shards)) if shards is not None else location)
+        was = {c.name: {i for i in req.indices.get(c.name, []) if i >= 0} for c in self.components}
+        return Backup(manifest, replace(location, payload=tuple(shards)) if shards is not None else location, was)
 
     def retract(self, req: Request, trigger: str, mode: str | None = None) -> str:
         """Back up (or drop) a running request's state and free its device indices. Returns
@@ -187,7 +193,8 @@ class StateMoves:
         # still holding its bytes — a backup that left a component out would then look
         # lossless. Avoiding them whenever the pool has other room makes every restore
         # exercise the copy it claims to make.
-        avoid = {name: set(rec.indices) for name, rec in m.components.items()} if loc.here else {}
+        # (every component's, also one a faulty backup left out of its manifest)
+        avoid = backup.was if loc.here else {}
         new = self._allocate_live(req, m.num_tokens, avoid)
         if new is None:
             return Outcome.NO_CAPACITY

@@ -1,5 +1,5 @@
 """StepPlan: the one immutable message a coordinator sends to every rank per step, and
-StepResult: the one answer a step gives back.
+StepResult: the one answer a step gives back (rank 0's tokens, every rank's checkpoint checksums).
 
 Result processing reads the plan of the step it belongs to — never live request fields
 that a later step may already have advanced (the overlap-scheduling lesson).
@@ -68,12 +68,38 @@ class PlanEntry:
 
 
 @dataclass(frozen=True)
+class UnitCopy:
+    """Before the forward: copy units `src` of pool `src_pool` into units `dst` of pool `dst_pool`
+    (pages of a paged pool, slots otherwise) - a prefix-cache hit's window pages and checkpoint."""
+
+    src_pool: str
+    src: tuple[int, ...]
+    dst_pool: str
+    dst: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointWrite:
+    """After the forward: the recurrent state of `req_id` (its slot of each slot component, at
+    position `position`) is copied into checkpoint slots, and every rank reports their checksums.
+    Result processing reads this value (the step's snapshot), never the request's live fields."""
+
+    req_id: str
+    position: int
+    ring_index: int  # which of the request's checkpoint slots (its track's ring entry)
+    slots: tuple[tuple[str, int, int], ...]  # (slot component, request's slot, checkpoint slot)
+    in_prompt: bool  # the position is within the prompt's prefill (see prefix_nodes.Checkpoint)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step: int
     entries: tuple[PlanEntry, ...]
     zero_slots: dict[str, tuple[int, ...]]  # freshly allocated slots, zeroed before the forward
     deterministic: bool = False
     forget: tuple[str, ...] = ()  # requests that left the replica: ranks drop their last token
+    copies: tuple[UnitCopy, ...] = ()  # after zeroing, before the forward
+    checkpoints: tuple[CheckpointWrite, ...] = ()  # after the forward
 
     @property
     def num_tokens(self) -> int:
@@ -88,3 +114,16 @@ class StepResult:
 
     tokens: list[int]
     logprobs: dict[int, dict] = field(default_factory=dict)
+    # the plan's checkpoint writes: req id -> component -> rank -> crc32 of the written slot
+    # (each rank reports its own; the executor merges them)
+    checkpoints: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)
+
+    @staticmethod
+    def gathered(per_rank: list[StepResult]) -> StepResult:
+        """Rank 0's result with every rank's checkpoint checksums merged in."""
+        first = per_rank[0]
+        for other in per_rank[1:]:
+            for rid, comps in other.checkpoints.items():
+                for name, sums in comps.items():
+                    first.checkpoints.setdefault(rid, {}).setdefault(name, {}).update(sums)
+        return first

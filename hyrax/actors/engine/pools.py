@@ -1,7 +1,9 @@
 """Device pools: one tensor per state component, shape (layers, rows, *unit_shape).
 
-Paged components have rows = pages * page_size; slot components have one row per slot.
-Built from the component list, never by naming components.
+Paged components have rows = pages * page_size; slot components have one row per slot. With the
+prefix cache on, each slot component also has a checkpoint pool (`<name>.checkpoint`, the
+same unit shape) that holds recurrent state at track boundaries. Built from the component
+list, never by naming components.
 """
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hyrax.actors.model.state import TOKEN, WINDOW, ComponentSpec
+from hyrax.actors.engine.prefix_nodes import checkpoint_pool
+from hyrax.actors.model.state import SLOT, TOKEN, WINDOW, ComponentSpec
 
 
 @dataclass(frozen=True)
@@ -18,13 +21,14 @@ class PoolSizes:
 
     page_size: int
     units: dict[str, int]
+    checkpoints: int = 0  # slots of each slot component's checkpoint pool (0: no prefix cache)
 
     def rows(self, comp: ComponentSpec) -> int:
         return self.units[comp.name] * (self.page_size if comp.paged else 1)
 
 
 def pool_sizes(components: tuple[ComponentSpec, ...], page_size: int, kv_capacity_tokens: int,
-               mamba_slots: int, swa_capacity_tokens: int | None = None) -> PoolSizes:
+               mamba_slots: int, swa_capacity_tokens: int | None = None, checkpoints: int = 0) -> PoolSizes:
     """Units per component from user-facing capacities (tokens for K/V, slots for Mamba)."""
     if page_size < 1:
         raise ValueError("page_size must be >= 1")
@@ -36,22 +40,32 @@ def pool_sizes(components: tuple[ComponentSpec, ...], page_size: int, kv_capacit
             units[c.name] = -(-(swa_capacity_tokens or kv_capacity_tokens) // page_size)
         else:
             units[c.name] = mamba_slots
-    return PoolSizes(page_size, units)
+    return PoolSizes(page_size, units, checkpoints)
 
 
 def pool_sizes_for(components: tuple[ComponentSpec, ...], config) -> PoolSizes:
     """Units per component for an EngineConfig's capacities: the one place every replica,
     rank and in-process engine sizes its pools from."""
     return pool_sizes(components, config.page_size, config.kv_capacity_tokens, config.mamba_slots,
-                      config.swa_capacity_tokens)
+                      config.swa_capacity_tokens, config.checkpoint_slots)
+
+
+def checkpoint_pools(components: tuple[ComponentSpec, ...], sizes: PoolSizes) -> dict[str, ComponentSpec]:
+    """Checkpoint pool name -> the slot component it checkpoints (empty without a prefix cache)."""
+    if not sizes.checkpoints:
+        return {}
+    return {checkpoint_pool(c.name): c for c in components if c.kind == SLOT}
 
 
 def allocate_device_pools(components: tuple[ComponentSpec, ...], sizes: PoolSizes,
                           device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    return {
+    pools = {
         c.name: torch.zeros(len(c.layers), sizes.rows(c), *c.unit_shape, dtype=c.dtype, device=device)
         for c in components
     }
+    for name, c in checkpoint_pools(components, sizes).items():
+        pools[name] = torch.zeros(len(c.layers), sizes.checkpoints, *c.unit_shape, dtype=c.dtype, device=device)
+    return pools
 
 
 def host_pool_rows(components: tuple[ComponentSpec, ...], sizes: PoolSizes, host_pool_mb: float) -> dict[str, int]:

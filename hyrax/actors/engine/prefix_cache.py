@@ -19,7 +19,7 @@ request to `owner`), `evict` reports the units it let go (the caller frees them 
 from __future__ import annotations
 
 import itertools
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.prefix_checks import check_tree
@@ -74,9 +74,11 @@ class PrefixCache(Eviction):
             for name, slot in n.checkpoint.slots.items():
                 yield checkpoint_pool(name), [slot]
 
-    def match(self, token_ids: Sequence[int]) -> Match:
-        """The longest cached prefix of `token_ids` that ends on a checkpoint; touches it (LRU).
-        A request passes its prompt without the last token: the hit must leave one to compute."""
+    def match(self, token_ids: Sequence[int], accept: Callable[[Node], bool] | None = None,
+              touch: bool = True) -> Match:
+        """The longest cached prefix of `token_ids` that ends on a checkpoint (one `accept` takes,
+        when given); touches it (LRU). A request passes its prompt without the last token: the
+        hit must leave one to compute."""
         ps = self.page_size
         node, pos, path, best = self.root, 0, [], 0
         while pos + ps <= len(token_ids):
@@ -85,13 +87,14 @@ class PrefixCache(Eviction):
                 break  # a partial edge holds no checkpoint
             node, pos = child, pos + len(child.key)
             path.append(node)
-            if node.checkpoint is not None:
+            if node.checkpoint is not None and (accept is None or accept(node)):
                 best = len(path)
         if best == 0:
             return Match(0, None, {}, {}, None)
         path = path[:best]
         hit = path[-1]
-        self._touch(hit)
+        if touch:
+            self._touch(hit)
         full = {c.name: tuple(p for n in path for p in n.full[c.name]) for c in self.tokens}
         window = {c.name: {k: self._window_page(path, c.name, k) for k in self._window_needs(c, hit.end)}
                   for c in self.windows}

@@ -34,6 +34,15 @@ class Eviction:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return {p: u for p, u in freed.items() if u}
 
+    def drop(self, node: Node) -> Units | None:
+        """Remove leaf `node` (a corrupt checkpoint) with every component it holds; None (and
+        nothing removed) while it has children or references."""
+        if node.children or node.ref or node.parent is None:
+            return None
+        freed: Units = {p: [] for p in self.pools}
+        self._remove(node, freed)
+        return {p: u for p, u in freed.items() if u}
+
     def flush(self) -> Units:
         """Evict everything no request references."""
         return self.evict(None)

@@ -27,6 +27,9 @@ class Checkpoint:
 
     slots: Mapping[str, int]  # slot component -> slot in checkpoint_pool(component)
     checksums: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # component -> rank -> crc
+    # taken while prefilling a prompt (at or before its last whole page): the state then depends only
+    # on the tokens and the position-only chunk schedule, so deterministic mode may reuse it exactly
+    in_prompt: bool = True
 
 
 class Node:
@@ -86,8 +89,7 @@ def transfer(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Seque
     """Move the ownership of `units` (pool -> units) from `old` to `new`."""
     for pool, idx in units.items():
         if idx:
-            allocators[pool].free(old, list(idx))
-            allocators[pool].claim(new, tuple(idx))
+            allocators[pool].give(old, new, list(idx))
 
 
 def give_back(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Sequence[int]],

@@ -18,6 +18,7 @@ from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import checksum
 from hyrax.actors.engine.moves import Location, Place
 from hyrax.actors.engine.plan import StepPlan, StepResult
+from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
@@ -52,6 +53,7 @@ class RankRuntime:
         self.components = model.components
         self.sizes = sizes
         self.pools = allocate_device_pools(self.components, sizes, self.device)
+        self.paged = frozenset(c.name for c in self.components if c.paged)
         pin = self.device.type == "cuda"
         self.host = {
             c.name: torch.zeros(len(c.layers), host_rows.get(c.name, 0), *c.unit_shape, dtype=c.dtype, pin_memory=pin)
@@ -75,6 +77,8 @@ class RankRuntime:
         for name, slots in plan.zero_slots.items():
             if slots:
                 self.pools[name][:, list(slots)] = 0
+        for cp in plan.copies:
+            self._copy_units(cp)
         seqs = [SeqSlice(self._resolve(e), e.start, {k: list(v) for k, v in e.page_tables.items()}, e.slots)
                 for e in plan.entries]
         if plan.deterministic:
@@ -100,11 +104,41 @@ class RankRuntime:
             self.last_token.pop(rid, None)
             if self.grammars is not None:
                 self.grammars.forget(rid)
+        sums = {w.req_id: self._write_checkpoint(w) for w in plan.checkpoints}
         if self.rank != 0:
-            return StepResult([])
+            return StepResult([], checkpoints=sums)
         if any(sp.logprobs is not None for sp in specs):
-            return StepResult(tokens, logprobs_of(logits[rows], tokens, specs))
-        return StepResult(tokens)
+            return StepResult(tokens, logprobs_of(logits[rows], tokens, specs), sums)
+        return StepResult(tokens, checkpoints=sums)
+
+    # ---- prefix cache: a hit's copies in, checkpoints out -------------------------------------
+    def _unit_rows(self, pool: str, units: tuple[int, ...]) -> torch.Tensor:
+        """Pool rows of `units`: every row of each page of a paged pool, the slot itself otherwise."""
+        if pool in self.paged:
+            ps = self.sizes.page_size
+            return (self._idx(list(units)).unsqueeze(1) * ps + torch.arange(ps, device=self.device)).flatten()
+        return self._idx(list(units))
+
+    def _copy_units(self, cp) -> None:
+        src, dst = self.pools[cp.src_pool], self.pools[cp.dst_pool]
+        dst.index_copy_(1, self._unit_rows(cp.dst_pool, cp.dst), src.index_select(1, self._unit_rows(cp.src_pool, cp.src)))
+
+    def _write_checkpoint(self, w) -> dict[str, dict[int, int]]:
+        """Copy the request's slots into its checkpoint slots; their checksums, as this rank's."""
+        out = {}
+        for name, slot, ckpt in w.slots:
+            pool = self.pools[checkpoint_pool(name)]
+            pool[:, ckpt] = self.pools[name][:, slot]
+            out[name] = {self.rank: self._slot_checksum(pool, ckpt)}
+        return out
+
+    def _slot_checksum(self, pool: torch.Tensor, slot: int) -> int:
+        self._sync()
+        return checksum(pool.index_select(1, self._idx([slot])))
+
+    def checkpoint_sums(self, slots: dict[str, int]) -> dict[str, int]:
+        """crc32 of checkpoint slots as they are now (a hit verifies them before it copies them)."""
+        return {name: self._slot_checksum(self.pools[checkpoint_pool(name)], slot) for name, slot in slots.items()}
 
     def _history(self, e) -> np.ndarray | None:
         """Prompt + output ids (int64) of a sampling entry that processes logits, in-flight token filled in."""

@@ -104,6 +104,7 @@ class Request:
     finish_reason: str | None = None
     text: str = ""
     stop_scan: object | None = field(default=None, repr=False, compare=False)  # TextStream over output_ids
+    cache: object | None = field(default=None, repr=False, compare=False)  # caching.CacheHold: what it holds of the prefix cache
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     first_scheduled_at: float | None = None

@@ -72,11 +72,12 @@ class Results:
 
     def __init__(self, table: RequestTable, stats: EngineStats, stop: StopRule,
                  components: tuple[ComponentSpec, ...], page_size: int,
-                 release: Callable[[str, dict[str, list[int]]], None]):
+                 release: Callable[[str, dict[str, list[int]]], None], owned):
         self.table, self.stats, self.stop = table, stats, stop
         self.windows = tuple(c for c in components if c.kind == WINDOW)
         self.page_size = page_size
         self.release = release  # the engine's one free point
+        self.owned = owned  # (request, pool, units) -> the units the request owns (not the prefix cache's)
 
     def apply(self, plan: StepPlan, result: StepResult) -> Applied:
         """Advance every request of `plan` that is still running by what the step computed
@@ -115,6 +116,6 @@ class Results:
             table = req.indices[c.name]
             nums = releasable_pages(c, table, req.num_computed, self.page_size)
             if nums:
-                self.release(req.id, {c.name: [table[n] for n in nums]})
+                self.release(req.id, {c.name: self.owned(req, c.name, [table[n] for n in nums])})
                 for n in nums:
                     table[n] = -1

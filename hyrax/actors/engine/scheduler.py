@@ -10,14 +10,15 @@ depend on what else shares the step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
 from hyrax.actors.engine.view import FreePool, RequestView, SchedulerView
-from hyrax.actors.model.state import TOKEN, ComponentSpec
+from hyrax.actors.model.state import TOKEN, WINDOW, ComponentSpec
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,14 @@ class Scheduled:
     admitted: tuple[str, ...]  # from the queue, in queue order: the engine starts them
     grants: Mapping[str, Mapping[str, tuple[int, ...]]]  # req id -> component -> units taken, in order
     pressure: bool = False  # a request did not fit while frees wait for the step in flight
+    short: Mapping[str, int] = field(default_factory=dict)  # units a request that did not fit lacked
 
 
 @dataclass(frozen=True)
 class NeedRoom:
     victims: tuple[str, ...] = ()  # retract these (memory pressure), then schedule again
     hopeless: tuple[str, ...] = ()  # running alone and still no room: finish with "length"
+    short: Mapping[str, int] = field(default_factory=dict)  # what the request that did not fit lacked
 
 
 class _Pools:
@@ -44,6 +47,9 @@ class _Pools:
 
     def fits(self, need: Mapping[str, int]) -> bool:
         return all(n <= self.count[name] for name, n in need.items())
+
+    def short(self, need: Mapping[str, int]) -> dict[str, int]:
+        return {name: n - self.count[name] for name, n in need.items() if n > self.count[name]}
 
     def take(self, name: str, n: int) -> tuple[int, ...]:
         k = self.taken[name]
@@ -61,6 +67,10 @@ class Scheduler:
         self.paged = tuple(c for c in components if c.paged)
         self.slotted = tuple(c for c in components if not c.paged)
         self.config = config
+        # prefill chunks end on track boundaries where checkpoints are taken (prefix cache), and
+        # in deterministic mode always, so that a cache hit and a cold run cut the same chunks
+        self.cuts = (TrackPolicy(config.mamba_track_interval, config.page_size)
+                     if config.caches_prefixes or config.deterministic else None)
 
     def chunk_len(self, r: RequestView, budget: int) -> int:
         """Tokens `r` runs this step (0: none)."""
@@ -71,18 +81,23 @@ class Scheduler:
         if r.pending == 1:
             return 1 if budget >= 1 else 0
         c = self.config.prefill_chunk
+        n = min(r.pending, c - r.computed % c) if self.config.deterministic else min(r.pending, c)
+        if self.cuts is not None:
+            n = min(n, self.cuts.next_boundary(r.computed, r.num_prompt) - r.computed)
         if self.config.deterministic:
-            n = min(r.pending, c - r.computed % c)
             return n if n <= budget else 0
-        return min(r.pending, c, budget)
+        return min(n, budget)
 
     def _pages_to_add(self, r: RequestView, end: int) -> dict[str, list[int]]:
-        """Page numbers `r` must newly take to write positions < end, per paged component."""
+        """Page numbers `r` must newly take to write positions < end, per paged component (and,
+        for a window component, to hold the live rows before them: a prefix-cache hit copies
+        those in)."""
         ps = self.config.page_size
         out = {}
         for c in self.paged:
             table = r.indices.get(c.name, ())
-            out[c.name] = [n for n in range(r.computed // ps, -(-end // ps)) if n >= len(table) or table[n] < 0]
+            first = (r.computed - c.live_rows(r.computed)) // ps if c.kind == WINDOW else r.computed // ps
+            out[c.name] = [n for n in range(first, -(-end // ps)) if n >= len(table) or table[n] < 0]
         return out
 
     def _reserve_ok(self, growing: list[RequestView], need: dict[str, int], pools: _Pools, ratio: float) -> bool:
@@ -113,6 +128,7 @@ class Scheduler:
         grants: dict[str, dict[str, tuple[int, ...]]] = {}
         planned: set[str] = set()
         pressure = False
+        short: dict[str, int] = {}
         for r in sorted(view.running, key=lambda r: (r.pending > 1, r.arrival)):
             n = self.chunk_len(r, budget)
             if n == 0:
@@ -120,14 +136,17 @@ class Scheduler:
             add = self._pages_to_add(r, r.computed + n)
             need = {name: len(pages) for name, pages in add.items()}
             if not pools.fits(need):
+                lack = pools.short(need)
                 if view.in_flight:  # frees wait for the step in flight: plan again after it
                     pressure = True
+                    short = short or lack
                     continue
                 victims = self._victims(view, r, need, planned, pools)
                 if victims:
-                    return NeedRoom(victims=victims)
+                    return NeedRoom(victims=victims, short=lack)
                 if len(view.running) == 1 and not entries:
-                    return NeedRoom(hopeless=(r.id,))
+                    return NeedRoom(hopeless=(r.id,), short=lack)
+                short = short or lack
                 continue
             entries.append(self._entry(r, n, add, {}, pools, grants))
             planned.add(r.id)
@@ -141,8 +160,10 @@ class Scheduler:
                 break
             add = self._pages_to_add(r, r.computed + n)
             need = {name: len(pages) for name, pages in add.items()} | {c.name: 1 for c in self.slotted}
-            if not pools.fits(need) or not self._reserve_ok([*view.running, *admitted], need, pools,
-                                                             view.reserve_ratio):
+            if not pools.fits(need):
+                short = short or pools.short(need)
+                break
+            if not self._reserve_ok([*view.running, *admitted], need, pools, view.reserve_ratio):
                 break
             slots = {c.name: pools.take(c.name, 1) for c in self.slotted}
             entries.append(self._entry(r, n, add, slots, pools, grants))
@@ -150,7 +171,7 @@ class Scheduler:
             budget -= n
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic)
-        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure)
+        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short)
 
     def _entry(self, r: RequestView, n: int, add: dict[str, list[int]], slots: dict[str, tuple[int, ...]],
                pools: _Pools, grants: dict) -> PlanEntry:

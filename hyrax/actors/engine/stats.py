@@ -8,6 +8,23 @@ from hyrax.actors.engine.histogram import Histogram
 
 
 @dataclass
+class PrefixCacheStats:
+    query_tokens: int = 0  # tokens of the requests that asked the cache
+    hit_tokens: int = 0  # of those, tokens a hit covered (not prefilled)
+    hits: int = 0
+    checkpoints: int = 0  # checkpoints handed to the tree
+    checkpoints_skipped: int = 0  # boundaries passed without a free checkpoint slot
+    corrupt: int = 0  # hits refused: a checkpoint's checksum did not match on some rank
+    evicted: Counter = field(default_factory=Counter)  # pool -> units evicted (or flushed)
+    flushes: int = 0
+
+    def summary(self) -> dict:
+        return {"query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens, "hits": self.hits,
+                "checkpoints": self.checkpoints, "checkpoints_skipped": self.checkpoints_skipped,
+                "corrupt_checkpoints": self.corrupt, "evicted_units": dict(self.evicted), "flushes": self.flushes}
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
@@ -30,6 +47,7 @@ class EngineStats:
     recoveries: int = 0
     step_errors: int = 0  # steps that raised on live ranks: their requests failed, the ranks stayed
     offers_reclaimed: int = 0  # hand-offs whose lease ended without an acknowledgement
+    prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def summary(self) -> dict:
         return {
@@ -52,6 +70,7 @@ class EngineStats:
             "bytes_transferred": dict(self.bytes_transferred),
             "transfers_in": dict(self.transfers_in),
             "transfers_out": self.transfers_out,
+            "prefix_cache": self.prefix.summary(),
             "backup_seconds_total": round(self.backup_seconds.sum, 6),
             "restore_seconds_total": round(self.restore_seconds.sum, 6),
             "histograms": {

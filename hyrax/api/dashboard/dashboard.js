@@ -52,6 +52,7 @@ function update(d) {
     gen: sum(d.replicas, r => r.generation_tokens), prompt: sum(d.replicas, r => r.prompt_tokens),
     retr: sum(d.replicas, r => r.retractions), rest: sum(d.replicas, r => r.restores),
     fb: sum(d.replicas, r => r.restore_fallbacks), xfer: sum(d.replicas, r => r.bytes_transferred),
+    query: sum(d.replicas, r => r.prefix_query_tokens), hit: sum(d.replicas, r => r.prefix_hit_tokens),
   };
   if (last) {
     const dt = Math.max(now - last.t, 1e-3);
@@ -61,6 +62,8 @@ function update(d) {
     push("c-retract", "verified restores", (tot.rest - last.rest) / dt);
     push("c-retract", "fallbacks", (tot.fb - last.fb) / dt);
     push("c-transfer", "bytes/s", (tot.xfer - last.xfer) / dt);
+    const asked = tot.query - last.query;
+    push("c-prefix", "hit rate", asked > 0 ? (tot.hit - last.hit) / asked : 0);
   }
   last = Object.assign({ t: now }, tot);
   push("c-queue", "running", sum(d.replicas, r => r.running));
@@ -68,7 +71,7 @@ function update(d) {
   push("c-queue", "retracted", sum(d.replicas, r => r.retracted));
   Object.entries(d.pool_usage).forEach(([c, v]) => push("c-pools", c, v));
   push("c-ttft", "p50", d.ttft_p50 || 0);
-  ["c-throughput", "c-queue", "c-pools", "c-retract", "c-transfer", "c-ttft"].forEach(draw);
+  ["c-throughput", "c-queue", "c-pools", "c-retract", "c-transfer", "c-ttft", "c-prefix"].forEach(draw);
 }
 
 function token() { return document.getElementById("token").value.trim(); }

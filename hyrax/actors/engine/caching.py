@@ -1,0 +1,292 @@
+"""The prefix cache as the engine drives it (the tree: prefix_cache.py; track boundaries:
+mamba_track.py; the design: docs/prefix-cache.md).
+
+- `attach`: a waiting request matches the tree; a hit's checkpoint is verified on every rank,
+  its node locked, its full-attention pages put at the head of the request's page table (owned
+  by the cache, `CacheHold.shared`) and its computed length set to the hit's.
+- `prepare(plan)`: the plan's admitted hits copy the cached window pages and checkpoint into
+  the request's own units before the forward; every entry ending on a track boundary carries a
+  `CheckpointWrite` (the step's snapshot of where the recurrent state goes).
+- `commit(plan, result)`: from that snapshot only, the written checkpoint is committed and
+  handed to the tree with the request's pages (`insert`); what the tree adopts changes owner.
+- `detach`: a request that leaves (finish, retraction, hand-off) unlocks its node and frees
+  its ring of checkpoint slots through the engine's one free point; it never frees a unit the
+  cache owns.
+- `evict(short)`: least recently used unreferenced nodes go before any request is retracted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.lifecycle import RequestTable
+from hyrax.actors.engine.mamba_track import CheckpointSlots, MambaTrack, TrackPolicy, TrackState, TrackWrite
+from hyrax.actors.engine.plan import CheckpointWrite, StepPlan, StepResult, UnitCopy
+from hyrax.actors.engine.pools import PoolSizes, checkpoint_pools
+from hyrax.actors.engine.prefix_cache import (
+    CACHE_OWNER, Checkpoint, Match, Node, PrefixCache, checkpoint_pool, transfer,
+)
+from hyrax.actors.engine.request import Request, State
+from hyrax.actors.engine.stats import PrefixCacheStats
+from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
+
+RING = 2  # checkpoint slots a request holds: one committed, one being written (overlap depth 1)
+
+
+@dataclass
+class CacheHold:
+    """What a request holds of the cache: the node it locked (every unit of its tables the
+    cache owns lies at or above it), those units, a hit whose copies are still to be made, and
+    its track of checkpoint slots."""
+
+    node: Node | None = None
+    shared: dict[str, set[int]] = field(default_factory=dict)
+    hit: Match | None = None
+    track: TrackState | None = None
+
+    def owns(self, pool: str, unit: int) -> bool:
+        return unit not in self.shared.get(pool, ())
+
+
+class PrefixCaching:
+    def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig, sizes: PoolSizes,
+                 alloc: dict[str, IndexAllocator], executor, release: Callable[[str, dict[str, list[int]]], None],
+                 stats: PrefixCacheStats):
+        self.components = components
+        self.slots = tuple(c for c in components if c.kind == SLOT)
+        self.paged = frozenset(c.name for c in components if c.paged)
+        self.enabled = config.caches_prefixes
+        if self.enabled and self.slots and sizes.checkpoints < RING:
+            raise ValueError(f"the prefix cache needs checkpoint pools of >= {RING} slots; "
+                             f"the pool sizes give {sizes.checkpoints} (size them with pool_sizes_for)")
+        self.ckpt_pools = checkpoint_pools(components, sizes)
+        self.alloc = alloc  # the engine's allocators, the checkpoint pools among them
+        for name in self.ckpt_pools:
+            alloc[name] = IndexAllocator(name, sizes.checkpoints)
+        self.policy = TrackPolicy(config.mamba_track_interval, config.page_size)
+        self.track = MambaTrack(self.policy)
+        self.deterministic = config.deterministic
+        self.executor = executor
+        self.release = release  # the engine's one free point
+        self.stats = stats
+        self.tree = PrefixCache(components, config.page_size)
+
+    # ---- a waiting request asks the cache -------------------------------------------------
+    def attach(self, waiting: Iterable[Request]) -> None:
+        if not self.enabled:
+            return
+        for req in waiting:
+            if req.cache is None and req.num_computed == 0 and req.backup is None:
+                req.cache = CacheHold()
+                self._match(req)
+
+    def _match(self, req: Request) -> None:
+        ids = req.all_ids
+        self.stats.query_tokens += len(ids)
+        m = self.tree.match(ids[:-1], self._accept(req))
+        if not m.length:
+            return
+        if not self._verified(m.checkpoint):
+            self.stats.corrupt += 1
+            self._let_go(self.tree.drop(m.node) or {})
+            return
+        self.tree.lock(m.node)
+        hold = req.cache
+        hold.node, hold.hit = m.node, m
+        for name, pages in m.full.items():
+            req.indices[name] = list(pages)
+            hold.shared[name] = set(pages)
+        req.num_computed = m.length
+        self.stats.hits += 1
+        self.stats.hit_tokens += m.length
+
+    def peek(self, token_ids: list[int]) -> int:
+        """The hit length a request with this prompt would get (the LRU order is left alone)."""
+        if not self.enabled or len(token_ids) < 2:
+            return 0
+        return self.tree.match(token_ids[:-1], self._accept_for(len(token_ids)), touch=False).length
+
+    def _accept(self, req: Request) -> Callable[[Node], bool] | None:
+        return self._accept_for(req.num_prompt)
+
+    def _accept_for(self, num_prompt: int) -> Callable[[Node], bool] | None:
+        """Deterministic mode takes a checkpoint only where the request's own chunk schedule cuts
+        and only one taken while prefilling a prompt: the state is then bit-identical to the one
+        the request would compute itself."""
+        if not self.deterministic:
+            return None
+        n = num_prompt
+        return lambda node: node.checkpoint.in_prompt and self.policy.is_boundary(node.end, n)
+
+    def _verified(self, ck: Checkpoint) -> bool:
+        if not ck.slots:
+            return True
+        sums = self.executor.checkpoint_sums(dict(ck.slots))
+        return all(sums.get(rank, {}).get(name) == crc for name, per_rank in ck.checksums.items()
+                   for rank, crc in per_rank.items()) and all(set(ck.checksums.get(name, {})) == set(sums)
+                                                              for name in ck.slots)
+
+    # ---- a plan's copies and checkpoint writes ---------------------------------------------
+    def prepare(self, plan: StepPlan, table: RequestTable) -> StepPlan:
+        if not self.enabled or not plan.entries:
+            return plan
+        copies: list[UnitCopy] = []
+        writes: list[CheckpointWrite] = []
+        for e in plan.entries:
+            req = table.get(e.req_id)
+            hold = req.cache if req.cache is not None else CacheHold()
+            req.cache = hold
+            if hold.hit is not None:
+                copies.extend(self._hit_copies(req, hold.hit))
+                hold.hit = None
+            w = self._plan_track(req, hold, e.start, e.end)
+            if w is not None:
+                writes.append(CheckpointWrite(req.id, w.position, w.ring_index,
+                                              tuple((n, req.indices[n][0], s) for n, s in w.slots.units),
+                                              w.position <= self.policy.prompt_end(req.num_prompt)))
+        if not copies and not writes:
+            return plan
+        return replace(plan, copies=tuple(copies), checkpoints=tuple(writes))
+
+    def _hit_copies(self, req: Request, m: Match) -> list[UnitCopy]:
+        out = []
+        for name, pages in m.window.items():
+            if pages:
+                nums = sorted(pages)
+                out.append(UnitCopy(name, tuple(pages[k] for k in nums), name,
+                                    tuple(req.indices[name][k] for k in nums)))
+        for name, slot in (m.checkpoint.slots.items() if m.checkpoint else ()):
+            out.append(UnitCopy(checkpoint_pool(name), (slot,), name, (req.indices[name][0],)))
+        return out
+
+    def _plan_track(self, req: Request, hold: CacheHold, start: int, end: int) -> TrackWrite | None:
+        if hold.track is None:
+            if not self.policy.is_boundary(end, req.num_prompt):
+                return None  # the ring is taken at the first boundary a request reaches
+            ring = self._ring(req)
+            if ring is None:
+                self.stats.checkpoints_skipped += 1
+                return None
+            hold.track = self.track.start(ring, start)
+        skipped = hold.track.skipped
+        hold.track, w = self.track.plan(hold.track, req.id, start, end, req.num_prompt)
+        self.stats.checkpoints_skipped += hold.track.skipped - skipped
+        return w
+
+    def _ring(self, req: Request) -> tuple[CheckpointSlots, ...] | None:
+        got = self._take(req.id, RING)
+        return None if got is None else tuple(CheckpointSlots.of({n: got[n][k] for n in got}) for k in range(RING))
+
+    def _take(self, owner: str, n: int) -> dict[str, list[int]] | None:
+        """`n` slots of every checkpoint pool for `owner` (evicting cache if needed), or None."""
+        pools = [checkpoint_pool(c.name) for c in self.slots]
+        short = {p: n - self.alloc[p].num_free for p in pools if self.alloc[p].num_free < n}
+        if short:
+            self.evict(short)
+        if any(self.alloc[p].num_free < n for p in pools):
+            return None
+        return {c.name: self.alloc[checkpoint_pool(c.name)].allocate(owner, n) for c in self.slots}
+
+    # ---- results: commit checkpoints, hand them to the tree -------------------------------
+    def commit(self, plan: StepPlan, result: StepResult, table: RequestTable) -> None:
+        """Reads the plan's checkpoint writes (the step's snapshot), never live request fields."""
+        for cw in plan.checkpoints:
+            req = table.get(cw.req_id)
+            hold = req.cache if req is not None and req.state == State.RUNNING else None
+            if hold is None or hold.track is None:
+                continue  # it left while the step ran: its slots are freed with the rest
+            w = TrackWrite(cw.req_id, cw.position, cw.ring_index, CheckpointSlots.of({n: s for n, _, s in cw.slots}))
+            if w not in hold.track.pending:
+                continue
+            hold.track = self.track.process(hold.track, w)
+            self._donate(req, hold, cw, result.checkpoints.get(cw.req_id, {}))
+
+    def _donate(self, req: Request, hold: CacheHold, cw: CheckpointWrite, sums: dict) -> None:
+        kept = self.track.keep(hold.track)
+        fresh = self._take(req.id, 1)
+        if fresh is None:
+            self.stats.checkpoints_skipped += 1
+            return
+        ck = Checkpoint(kept.slots.as_dict(), {n: dict(sums.get(n, {})) for n in kept.slots.as_dict()}, cw.in_prompt)
+        tables = {c.name: req.indices[c.name] for c in self.components if c.kind in (TOKEN, WINDOW)}
+        ins = self.tree.insert(req.all_ids[:kept.position], tables, tables, {kept.position: ck})
+        if kept.position in ins.rejected:
+            for name, units in fresh.items():
+                self.alloc[checkpoint_pool(name)].free(req.id, units)
+        else:
+            hold.track, _ = self.track.donate(hold.track, CheckpointSlots.of({n: u[0] for n, u in fresh.items()}))
+            self.stats.checkpoints += 1
+        transfer(self.alloc, ins.adopted, req.id, CACHE_OWNER)
+        for pool, units in ins.adopted.items():
+            if pool in self.paged:
+                hold.shared.setdefault(pool, set()).update(units)
+        if ins.node.checkpoint is not None and ins.node.parent is not None and ins.node is not hold.node:
+            self.tree.lock(ins.node)
+            if hold.node is not None:
+                self.tree.unlock(hold.node)
+            hold.node = ins.node
+
+    # ---- a request leaves ------------------------------------------------------------------
+    def detach(self, req: Request) -> None:
+        """Unlock the request's node and free its checkpoint slots (through the one free point);
+        the cache's units in its tables stay the cache's."""
+        hold, req.cache = req.cache, None
+        if hold is None:
+            return
+        if hold.node is not None:
+            self.tree.unlock(hold.node)
+        if hold.track is not None:
+            slots: dict[str, list[int]] = {}
+            for ring_slot in self.track.release(hold.track):
+                for name, unit in ring_slot.units:
+                    slots.setdefault(checkpoint_pool(name), []).append(unit)
+            self.release(req.id, slots)
+
+    def owned(self, req: Request, name: str, units: Iterable[int]) -> list[int]:
+        """The units of `units` the request owns (not the cache's)."""
+        hold = req.cache
+        return [u for u in units if u >= 0 and (hold is None or hold.owns(name, u))]
+
+    # ---- memory ----------------------------------------------------------------------------
+    def evict(self, short: dict[str, int]) -> bool:
+        """Evict least recently used unreferenced nodes until `short` (pool -> units) is met or
+        nothing more can go. True if anything was let go (free now, or after the step in flight)."""
+        need = {p: n for p, n in short.items() if p in self.tree.pools and n > 0}
+        if not self.enabled or not need:
+            return False
+        return bool(self._let_go(self.tree.evict(need)))
+
+    def flush(self) -> dict[str, int]:
+        """Evict everything no request uses; returns units freed per pool."""
+        self.stats.flushes += 1
+        return {p: len(u) for p, u in self._let_go(self.tree.flush()).items()}
+
+    def _let_go(self, freed: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Units the tree let go return to their pools through the one free point: now, or once
+        the step in flight (which may still read them) is committed."""
+        self.release(CACHE_OWNER, freed)
+        for pool, units in freed.items():
+            self.stats.evicted[pool] += len(units)
+        return freed
+
+    def cached(self) -> dict[str, int]:
+        """Units the cache holds, per pool."""
+        return {p: len(u) for p, u in self.tree.held().items()}
+
+    def reset(self, requests: Iterable[Request]) -> None:
+        """The ranks were replaced with empty pools: the tree is gone (its allocators are rebuilt
+        by the engine), and no request holds anything of it."""
+        self.tree = PrefixCache(self.components, self.tree.page_size)
+        for req in requests:
+            req.cache = None
+
+    def check(self) -> None:
+        if not self.enabled:
+            if self.tree.root.children:
+                raise AssertionError("the prefix cache is off but its tree holds prefixes")
+            return
+        self.tree.check_invariants(self.alloc)
+        for name in self.ckpt_pools:
+            self.alloc[name].check()

@@ -1,0 +1,174 @@
+"""The prefix cache wired into the engine (issue 16): hits change nothing but the work done.
+
+Every scenario runs twice on the same tiny hybrid model (full attention, sliding window of 5,
+Mamba2; pages of 4 tokens, a track interval of 8), with the cache on and off, in deterministic
+mode: the outputs must be identical token for token, the cache-on run must actually hit, and
+every pool must come back to baseline (run_requests: invariants after every step, the tree's
+among them, then idle-clean, then a flush frees every unit)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_helpers import HYBRID, VOCAB, assert_idle_clean, greedy, make_engine, run_requests, tiny_model
+from hyrax.actors.engine.caching import PrefixCaching
+from hyrax.actors.engine.mamba_track import TrackWrite
+from hyrax.actors.engine.plan import CheckpointWrite
+from hyrax.actors.engine.request import SamplingParams, State
+
+INTERVAL = 8  # two pages; the sliding window (5) spans two pages as well
+
+
+def _family(prefix_len: int, n: int, seed: int) -> list[list[int]]:
+    """n prompts sharing a `prefix_len`-token prefix, with suffixes of 0..n-1 + 3 tokens, and one
+    exact repeat of the first."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(VOCAB) for _ in range(k + 3)] for k in range(n)]
+    return prompts + [list(prompts[0])]
+
+
+def _waves(engine, waves: list[list[list[int]]], params: SamplingParams) -> list[list[int]]:
+    """Run each wave to completion before the next arrives (so a later wave can hit what an
+    earlier one cached); the last wave through run_requests (invariants, idle-clean, flush)."""
+    outs = []
+    for wave in waves[:-1]:
+        ids = [engine.add_request(p, params) for p in wave]
+        while engine.has_unfinished() or engine.has_inflight():
+            engine.step()
+            engine.check_invariants()
+        assert engine.is_idle_clean(), engine.pool_usage()
+        outs += [engine.finished_requests[i].output_ids for i in ids]
+    return outs + run_requests(engine, waves[-1], params)
+
+
+SCENARIOS = {
+    # prefix shorter than the interval, equal to it, longer than interval and window, and long
+    "below_interval": (6, 3),
+    "at_interval": (8, 3),
+    "above_interval_and_window": (13, 3),
+    "three_intervals": (24, 4),
+}
+
+
+def _run(prefix_len: int, n: int, cache: bool, **kw) -> tuple[list[list[int]], dict]:
+    prompts = _family(prefix_len, n, seed=prefix_len)
+    params = kw.pop("params", greedy(12))
+    engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, mamba_track_interval=INTERVAL, **kw)
+    outs = _waves(engine, [prompts[:1], prompts[1:]], params)
+    return outs, engine.caching.stats.summary()
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cache_on_and_off_give_identical_tokens(name, overlap):
+    prefix_len, n = SCENARIOS[name]
+    off, _ = _run(prefix_len, n, False, overlap=overlap)
+    on, s = _run(prefix_len, n, True, overlap=overlap)
+    assert on == off
+    assert s["hits"] >= 1 and s["hit_tokens"] >= min(prefix_len, INTERVAL) // 4 * 4, s
+    assert s["corrupt_checkpoints"] == 0, s
+
+
+@pytest.mark.parametrize("backup", ["cpu_tensor", "recompute"])
+def test_identical_under_forced_retraction_every_three_steps_with_seeded_sampling(backup):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    kw = dict(overlap=True, forced_retraction_interval=3, retraction_backup=backup, params=params)
+    off, _ = _run(24, 4, False, **kw)
+    on, s = _run(24, 4, True, **kw)
+    assert on == off
+    assert s["hits"] >= 1, s
+
+
+def test_a_corrupt_checkpoint_is_detected_and_costs_only_a_prefill():
+    prompts = _family(24, 3, seed=3)
+    off = _waves(make_engine(tiny_model(HYBRID), prefix_cache=False), [prompts[:1], prompts[1:]], greedy(12))
+    engine = make_engine(tiny_model(HYBRID), mamba_track_interval=INTERVAL)
+    first = _waves_keep(engine, prompts[:1])
+    pool = engine.executor.rank.pools["mamba_ssm.checkpoint"]
+    pool += 1.0  # every cached recurrent state is now wrong
+    rest = run_requests(engine, prompts[1:], greedy(12))
+    s = engine.caching.stats.summary()
+    assert first + rest == off
+    assert s["corrupt_checkpoints"] >= 1 and s["hits"] == 0, s
+
+
+def _waves_keep(engine, wave: list[list[int]]) -> list[list[int]]:
+    """One wave run to completion, the cache left as it is."""
+    ids = [engine.add_request(p, greedy(12)) for p in wave]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.finished_requests[i].output_ids for i in ids]
+
+
+def test_the_cache_is_evicted_before_any_request_is_retracted():
+    """A pool too small to keep every prefix: later waves must evict cached prefixes (LRU) to
+    run, never retract a request for them, and still give the cache-off tokens."""
+    waves = [[p] for p in (_family(24, 1, seed=s)[0] for s in range(6))]
+    kw = dict(kv_capacity_tokens=96, swa_capacity_tokens=96, mamba_track_interval=INTERVAL)
+    off = _waves(make_engine(tiny_model(HYBRID), prefix_cache=False, **kw), waves, greedy(12))
+    engine = make_engine(tiny_model(HYBRID), **kw)
+    on = _waves(engine, waves, greedy(12))
+    s, e = engine.caching.stats.summary(), engine.stats.summary()
+    assert on == off
+    assert s["evicted_units"].get("full_kv", 0) > 0 and e["retractions"] == 0, (s, e)
+
+
+def test_abort_of_a_waiting_request_that_matched_unlocks_its_prefix():
+    prompts = _family(24, 2, seed=5)
+    engine = make_engine(tiny_model(HYBRID), mamba_track_interval=INTERVAL)
+    _waves_keep(engine, prompts[:1])
+    waiting = engine.add_request(prompts[2], greedy(4))
+    req = engine.requests[waiting]
+    engine.caching.attach([req])  # what planning does first for the requests it may admit
+    assert req.state == State.WAITING and req.cache.node is not None and req.num_computed == 24
+    assert engine.caching.tree.root.ref == 1
+    engine.check_invariants()
+    engine.abort(waiting)
+    assert engine.caching.tree.root.ref == 0 and req.cache is None
+    assert_idle_clean(engine)
+
+
+class LiveFieldsCaching(PrefixCaching):
+    """Mutant (the third seed's bug): result processing takes the checkpoint position from the
+    request's live track (the write planned last) instead of the step's own snapshot."""
+
+    def commit(self, plan, result, table):
+        live = []
+        for cw in plan.checkpoints:
+            req = table.get(cw.req_id)
+            hold = req.cache if req is not None else None
+            if hold is not None and hold.track is not None and hold.track.pending:
+                w: TrackWrite = hold.track.pending[-1]
+                live.append(CheckpointWrite(cw.req_id, w.position, w.ring_index,
+                                            tuple((n, s, w.slots.as_dict()[n]) for n, s, _ in cw.slots), cw.in_prompt))
+            else:
+                live.append(cw)
+        super().commit(_with_checkpoints(plan, live), result, table)
+
+
+def _with_checkpoints(plan, writes):
+    import dataclasses
+    return dataclasses.replace(plan, checkpoints=tuple(writes))
+
+
+def test_mutation_processing_from_live_fields_under_overlap_changes_tokens(monkeypatch):
+    """The identity test above, with result processing reading live fields: under overlap a
+    step's results are processed after the next step was planned, so the mutant files a
+    checkpoint under the wrong prefix and later hits replay the wrong state."""
+    import hyrax.actors.engine.engine as engine_module
+    prefix_len, n = SCENARIOS["three_intervals"]
+    kw = dict(overlap=True, prefill_chunk=INTERVAL)  # every chunk ends on a boundary: writes in a row
+    off, _ = _run(prefix_len, n, False, **kw)
+    on, s = _run(prefix_len, n, True, **kw)
+    assert on == off and s["hits"] >= 1 and s["corrupt_checkpoints"] == 0, s
+    monkeypatch.setattr(engine_module, "PrefixCaching", LiveFieldsCaching)
+    try:
+        on, s = _run(prefix_len, n, True, **kw)
+    except AssertionError:
+        return  # the tree's invariants caught it
+    # the wrong slot is filed under a prefix: its checksum (of the step's own write) exposes it at
+    # the hit, or, where it happens to match, the tokens change
+    assert on != off or s["corrupt_checkpoints"] > 0, s
+
