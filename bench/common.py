@@ -49,6 +49,7 @@ class Profile:
     prefix_len: int = 1024
     prefix_requests: int = 8
     prefix_unique_requests: int = 16
+    prefix_rounds: int = 4  # routing: rounds of one request per prefix group (the first fills the caches)
     # soak: requests in the chaos run, share of vanishing clients, clients at once, chaos pace
     soak_requests: int = 10_000
     soak_vanish_share: float = 0.25
@@ -105,6 +106,7 @@ TINY = Profile(  # the smoke test: plumbing only, seconds
     prefix_len=64,
     prefix_requests=2,
     prefix_unique_requests=2,
+    prefix_rounds=2,
     soak_requests=60,
     soak_concurrency=8,
     soak_operator_period_s=0.3,

@@ -6,10 +6,15 @@ on and off, same weights, same run:
 - TTFT of requests that share a `prefix_len`-token prefix (a system prompt) after one request
   has cached it: cache off / cache on (target >= 5x faster);
 - output tok/s of requests with unique prompts (0 % hit rate): cache on / off (target: costs at
-  most 3 %, ratio >= 0.97).
+  most 3 %, ratio >= 0.97);
+- routing over two prefill replicas (and one decode replica, in-process loops behind the
+  gateway's engine client) of 8 prefix groups, rounds of one request per group at once:
+  cache-aware routing vs least-loaded routing, hit rate and TTFT p50.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
 import time
 
@@ -49,6 +54,43 @@ def _throughput(engine, prompts: list[list[int]]) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _route_workload(prefixes: list[list[int]], rounds: int, margin: int | None) -> tuple[float, float]:
+    """(hit rate of the prompt tokens, TTFT p50 s) of `rounds` rounds, each one request per prefix group at once."""
+    from hyrax.actors.engine.loop import EngineLoop
+    from hyrax.api.client import EngineClient, LocalBackend
+    from hyrax.cluster.ray_client import model_info
+
+    info = model_info(demo_model_dir(), "bench")
+    config = EngineConfig(kv_capacity_tokens=16384)
+    loops = [EngineLoop(load_engine(demo_model_dir(), dataclasses.replace(config, role=role)), f"bench-{role}-{k}")
+             for k, role in enumerate(("prefill", "prefill", "decode"))]
+    client = EngineClient(info, [LocalBackend(loops[0], "prefill", 0), LocalBackend(loops[1], "prefill", 1),
+                                 LocalBackend(loops[2], "decode", 0)], cache_route_margin=margin)
+    rng = random.Random(BENCH_SEED + 1)
+    ttfts: list[float] = []
+
+    async def one(rid: str, prompt: list[int]) -> None:
+        t0 = time.perf_counter()
+        first = True
+        async for item in client.generate(rid, prompt, {"max_tokens": 4}):
+            if first and item.get("token_ids"):
+                ttfts.append(time.perf_counter() - t0)
+                first = False
+
+    async def workload() -> None:
+        for r in range(rounds):
+            await asyncio.gather(*(one(f"r{r}-g{g}", p + [rng.randrange(3, 200) for _ in range(8)])
+                                   for g, p in enumerate(prefixes)))
+    try:
+        asyncio.run(workload())
+        stats = [lp.engine.stats.prefix for lp in loops[:2]]
+        rate = sum(s.hit_tokens for s in stats) / max(sum(s.query_tokens for s in stats), 1)
+    finally:
+        for lp in loops:
+            lp.shutdown()
+    return rate, median(ttfts[len(prefixes):])  # the first round only fills the caches
+
+
 def run(profile: Profile) -> list[Row]:
     rng = random.Random(BENCH_SEED)
     vocab = 200
@@ -67,7 +109,16 @@ def run(profile: Profile) -> list[Row]:
         engine = _engine(cache)
         _throughput(engine, unique[:2])  # warm-up
         tps[cache] = _throughput(engine, unique)
+    groups = [[rng.randrange(3, vocab) for _ in range(profile.prefix_len // 2)] for _ in range(8)]
+    progress(f"prefix: routing 8 prefix groups over 2 prefill replicas, cache-aware vs least-loaded")
+    route = {name: _route_workload(groups, profile.prefix_rounds, margin) for name, margin in
+             (("aware", 4), ("load", None))}
     return [
+        Row("prefix cache routing, 2 prefill replicas, 8 prefix groups: hit rate, cache-aware (baseline: "
+            "least-loaded)", route["aware"][0], route["load"][0],
+            route["aware"][0] / route["load"][0] if route["load"][0] else None),
+        Row("prefix cache routing: TTFT p50 ms, cache-aware (baseline: least-loaded); ratio: x faster",
+            route["aware"][1] * 1e3, route["load"][1] * 1e3, route["load"][1] / route["aware"][1]),
         Row(f"prefix cache: TTFT ms with a shared {profile.prefix_len}-token prefix, on (baseline: off); ratio: x faster",
             ttft[True] * 1e3, ttft[False] * 1e3, ttft[False] / ttft[True], profile.target(">= 5")),
         Row("prefix cache: tokens a hit covered per request sharing the prefix", hits[True] / profile.prefix_requests,

@@ -18,6 +18,7 @@ from hyrax.actors.engine.commands import (Abort, Command, FlushCache, ListReques
                                           Retract, SetForcedRetraction, Stats)
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
+from hyrax.api.cache_routing import RouteStats, pick_by_prefix
 
 
 class LocalBackend:
@@ -93,6 +94,10 @@ class EngineClient:
     migrate_to: dict[str, object] = field(default_factory=dict)  # request id -> chosen target
     admitted: int = 0
     _background: set = field(default_factory=set)  # fire-and-forget aborts, kept referenced
+    # cache-aware first hop (cache_routing.py): requests in flight a replica with the longest cached
+    # prefix may have beyond the least-loaded one; None routes by load alone
+    cache_route_margin: int | None = 4
+    route_stats: RouteStats = field(default_factory=RouteStats)
 
     def queue_full(self, n: int = 1) -> bool:
         return self.admitted + n > self.max_inflight
@@ -118,10 +123,25 @@ class EngineClient:
             return "no decode replica accepts requests (all draining or out of service)"
         return None
 
+    def _candidates(self, roles: tuple[str, ...], exclude: object = None) -> list:
+        return [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining
+                and id(b) not in self.out_of_service]
+
     def _pick(self, roles: tuple[str, ...], exclude: object = None):
-        cands = [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining
-                 and id(b) not in self.out_of_service]
+        cands = self._candidates(roles, exclude)
         return self.router(cands, self.inflight) if cands else None
+
+    async def _first_hop(self, prompt_ids: list[int]):
+        """Where a new request runs its prompt: a prefill replica if there is one, else a
+        colocated (or decode) one; among several, the one with the longest cached prefix unless it
+        is too busy (cache_routing.py)."""
+        cands = self._candidates(("prefill",)) or self._candidates(("colocated", "decode"))
+        if not cands:
+            return None
+        if self.cache_route_margin is None or len(cands) < 2:
+            return self.router(cands, self.inflight)
+        return await pick_by_prefix(cands, self.inflight, self.router, prompt_ids, self.cache_route_margin,
+                                    self.route_stats)
 
     def _own(self, request_id: str, backend) -> None:
         old = self.owner.get(request_id)
@@ -144,7 +164,7 @@ class EngineClient:
         decode replicas. The importer acknowledges to the source, coordinator to coordinator;
         this gateway only carries the offer. The consumer sees one uninterrupted stream of
         token items. If the consumer goes away, the request is aborted wherever it is."""
-        backend = self._pick(("prefill",)) or self._pick(("colocated", "decode"))
+        backend = await self._first_hop(prompt_ids)
         if backend is None:
             yield _error_item("no replica accepts requests (all draining)", 503)
             return

@@ -156,8 +156,22 @@ class _Snapshot:
         return self.families
 
 
+def route_families(route) -> list:
+    """The gateway's cache-aware routing (cache_routing.RouteStats)."""
+    d = CounterMetricFamily("hyrax_router_decisions", "First-hop routing decisions among several replicas: cache "
+                            "(longest cached prefix), load (no replica had a hit), margin (the hit was too busy).",
+                            labels=["decision"])
+    for decision in ("cache", "load", "margin"):
+        d.add_metric([decision], route.decisions.get(decision, 0))
+    hit = CounterMetricFamily("hyrax_router_cached_prefix_tokens", "Cached prompt tokens on the replicas chosen "
+                              "(routed) and the longest on any candidate (best).", labels=["which"])
+    hit.add_metric(["routed"], route.routed_hit_tokens)
+    hit.add_metric(["best"], route.best_hit_tokens)
+    return [d, hit]
+
+
 async def render(client, gateway: GatewayMetrics) -> bytes:
     stats, pools, health = await client.stats(), await client.pools(), await client.health()
     reg = CollectorRegistry()
-    reg.register(_Snapshot(engine_families(stats, pools, health)))
+    reg.register(_Snapshot(engine_families(stats, pools, health) + route_families(client.route_stats)))
     return generate_latest(gateway.registry) + generate_latest(reg)

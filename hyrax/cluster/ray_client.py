@@ -208,9 +208,11 @@ def model_info(model_dir: str, name: str) -> ModelInfo:
                      vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_id)
 
 
-def client_for(deployment, model_name: str, max_inflight: int = 1024, lease: GatewayLease | None = None) -> EngineClient:
+def client_for(deployment, model_name: str, max_inflight: int = 1024, lease: GatewayLease | None = None,
+               cache_route_margin: int | None = 4) -> EngineClient:
     """An engine client over `deployment`'s replicas (anything with `.replicas` and `.model_dir`);
     with `lease`, every stream it opens is held by that gateway lease."""
     gateway = lease.id if lease is not None else None
     backends = [RayBackend(r.coordinator, r.role, r.index, gateway=gateway) for r in deployment.replicas]
-    return EngineClient(model_info(deployment.model_dir, model_name), backends, max_inflight=max_inflight)
+    return EngineClient(model_info(deployment.model_dir, model_name), backends, max_inflight=max_inflight,
+                        cache_route_margin=cache_route_margin)

@@ -73,6 +73,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE})")
     gw.add_argument("--api-key", action="append", default=[], help="require this API key on /v1 (repeatable)")
     gw.add_argument("--max-inflight", type=int, default=1024, help="queued + running requests before 503")
+    gw.add_argument("--cache-route-margin", type=int, default=4, metavar="N",
+                    help="route a new request to the prefill (or colocated) replica with the longest cached "
+                         "prefix unless it has more than N requests in flight beyond the least-loaded one "
+                         "(default 4; -1 routes by load alone)")
     gw.add_argument("--max-body-mb", type=float, default=4.0)
     gw.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain streams on shutdown")
     gw.add_argument("--rank-timeout", type=float, default=60.0, help="seconds before a silent rank counts as failed")
@@ -235,6 +239,8 @@ def validate(a) -> tuple:
         raise HyraxInputError("--port must be in 1..65535")
     if a.max_inflight < 1:
         raise HyraxInputError("--max-inflight must be >= 1")
+    if a.cache_route_margin < -1:
+        raise HyraxInputError("--cache-route-margin must be >= 0, or -1 to route by load alone")
     if a.placement_wait < 0:
         raise HyraxInputError("--placement-wait must be >= 0")
     if a.attach and not a.address:
@@ -298,7 +304,8 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         dep = controller.ensure(ctl, wait_for_room_s=a.placement_wait)
         name = dep.served_name
         lease = GatewayLease([r.coordinator for r in dep.replicas], a.gateway_lease).start()
-        client = client_for(dep, name, a.max_inflight, lease=lease)
+        client = client_for(dep, name, a.max_inflight, lease=lease,
+                            cache_route_margin=None if a.cache_route_margin < 0 else a.cache_route_margin)
         app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
                                                  max_body_bytes=int(a.max_body_mb * 2**20)))
         app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)
