@@ -172,3 +172,21 @@ def test_mutation_processing_from_live_fields_under_overlap_changes_tokens(monke
     # the hit, or, where it happens to match, the tokens change
     assert on != off or s["corrupt_checkpoints"] > 0, s
 
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_of_a_running_hit_mid_decode_leaves_the_tree_unreferenced(overlap):
+    prompts = _family(24, 2, seed=9)
+    engine = make_engine(tiny_model(HYBRID), mamba_track_interval=INTERVAL, overlap=overlap)
+    _waves_keep(engine, prompts[:1])
+    rid = engine.add_request(prompts[1], greedy(40))
+    for _ in range(6):
+        engine.step()
+    req = engine.requests[rid]
+    assert req.state == State.RUNNING and req.cache.node is not None and req.output_ids
+    assert engine.stats.prefix.hits == 1
+    engine.abort(rid)
+    while engine.has_unfinished() or engine.has_inflight():
+        engine.step()
+    assert engine.caching.tree.root.ref == 0
+    assert_idle_clean(engine)

@@ -39,9 +39,11 @@ def _two_waves(engine, ps):
     return [engine.finished_requests[rid].output_ids] + hff.run_to_end(engine, rest)
 
 
-def test_tp2_hits_copy_checkpoints_written_on_both_ranks(family):
+@pytest.mark.parametrize("stress", [{}, {"overlap": True, "forced_retraction_interval": 3}],
+                         ids=["plain", "overlap_forced_retraction"])
+def test_tp2_hits_copy_checkpoints_written_on_both_ranks(family, stress):
     path, ps, ref = family
-    engine = hff.make_engine(path, 2, mamba_track_interval=INTERVAL)
+    engine = hff.make_engine(path, 2, mamba_track_interval=INTERVAL, **stress)
     seen = []
     real = engine.caching.tree.insert
 

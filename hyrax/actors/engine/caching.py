@@ -136,8 +136,9 @@ class PrefixCaching:
         writes: list[CheckpointWrite] = []
         for e in plan.entries:
             req = table.get(e.req_id)
-            hold = req.cache if req.cache is not None else CacheHold()
-            req.cache = hold
+            hold = req.cache
+            if hold is None:
+                hold = req.cache = CacheHold()
             if hold.hit is not None:
                 copies.extend(self._hit_copies(req, hold.hit))
                 hold.hit = None
@@ -162,16 +163,19 @@ class PrefixCaching:
         return out
 
     def _plan_track(self, req: Request, hold: CacheHold, start: int, end: int) -> TrackWrite | None:
-        if hold.track is None:
-            if not self.policy.is_boundary(end, req.num_prompt):
-                return None  # the ring is taken at the first boundary a request reaches
+        """The write of a step running start..end-1, if it ends on a boundary. Steps between
+        boundaries leave the track alone (no per-request work on most decode steps): the next
+        boundary's plan covers every position since the last one."""
+        if not self.policy.is_boundary(end, req.num_prompt):
+            return None
+        if hold.track is None:  # the ring is taken at the first boundary a request reaches
             ring = self._ring(req)
             if ring is None:
                 self.stats.checkpoints_skipped += 1
                 return None
             hold.track = self.track.start(ring, start)
         skipped = hold.track.skipped
-        hold.track, w = self.track.plan(hold.track, req.id, start, end, req.num_prompt)
+        hold.track, w = self.track.plan(hold.track, req.id, hold.track.planned, end, req.num_prompt)
         self.stats.checkpoints_skipped += hold.track.skipped - skipped
         return w
 
