@@ -185,7 +185,9 @@ class EngineClient:
                     done = bool(item.get("finished"))
                     yield item
                 if handoff is None:
-                    done = True
+                    if not done:  # the replica's stream stopped short: an error, never a silently cut answer
+                        yield _error_item("the replica serving this request stopped before the request finished", 503)
+                        return  # (not done: it is aborted wherever it may still be)
                     return
                 offered_by = backend
                 target = self.migrate_to.pop(request_id, None) or self._pick(("decode", "colocated"), exclude=backend)
