@@ -83,8 +83,12 @@ async def forced(body: ForcedBody, request: Request):
     return {"interval": body.interval}
 
 
+class FlushBody(Body):
+    """No fields: the body may be left out, or be {} (an unknown field is an error)."""
+
+
 @router.post("/flush-cache")
-async def flush_cache(request: Request):
+async def flush_cache(request: Request, body: FlushBody | None = None):
     """Evict every cached prefix that no request is using, on every replica."""
     return {"replicas": await request.app.state.client.flush_cache()}
 

@@ -40,7 +40,8 @@ def test_a_repeated_prompt_hits_and_a_flush_gives_everything_back(local):
     assert prompt_tokens // 2 <= hit < prompt_tokens, (hit, prompt_tokens)
     assert _metric(url, "hyrax_prefix_cache_query_tokens_total") >= 2 * prompt_tokens
     assert_error(httpx.post(f"{url}/admin/flush-cache", timeout=30), 401, code="invalid_admin_token")
-    assert _cached(url) > 0  # the refused flush changed nothing
+    assert_error(httpx.post(f"{url}/admin/flush-cache", headers=ADMIN, json={"everything": True}, timeout=30), 400)
+    assert _cached(url) > 0  # the refused flushes changed nothing
     r = httpx.post(f"{url}/admin/flush-cache", headers=ADMIN, timeout=30)
     assert r.status_code == 200 and sum(sum(rep["freed"].values()) for rep in r.json()["replicas"]) > 0
     assert _cached(url) == 0
