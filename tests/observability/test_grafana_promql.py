@@ -76,3 +76,27 @@ def test_shipped_grafana_json_is_what_build_grafana_generates():
     spec.loader.exec_module(mod)
     assert GRAFANA_JSON.read_text() == json.dumps(mod.build(), indent=2) + "\n", (
         "dashboards/hyrax-grafana.json is stale: run python dashboards/build_grafana.py")
+
+
+GATEWAY_LOCAL = ("hyrax_time_to_first_token_seconds", "hyrax_inter_token_latency_seconds",
+                 "hyrax_e2e_request_latency_seconds", "hyrax_router_")
+
+
+def replica_queries_unaggregated(dashboard) -> list[str]:
+    """Queries over replica series (exported by every gateway, so scraped once per gateway pod)
+    that do not first take one series per replica (`max/min by (role, replica ...)`)."""
+    bad = []
+    for title, expr in grafana_exprs(dashboard):
+        names = promql_metric_names(expr)
+        if any(not n.startswith(GATEWAY_LOCAL) for n in names) and "by (role, replica" not in expr:
+            bad.append(f"{title}: {expr}")
+    return bad
+
+
+def test_replica_series_are_counted_once_with_several_gateways():
+    """Two gateways each re-export every replica's counters: a dashboard sum over both pods
+    would double every total unless it keeps one series per replica first."""
+    assert replica_queries_unaggregated(load_grafana()) == []
+    d = load_grafana()
+    d["panels"][0]["targets"].append({"expr": "sum by (role) (rate(hyrax_generation_tokens_total[1m]))", "refId": "Z"})
+    assert len(replica_queries_unaggregated(d)) == 1  # the check notices a plain sum

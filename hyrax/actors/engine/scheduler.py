@@ -93,6 +93,8 @@ class Scheduler:
         for a window component, to hold the live rows before them: a prefix-cache hit copies
         those in)."""
         ps = self.config.page_size
+        if end == r.computed + 1 and r.computed % ps:  # a decode token inside a page it already has
+            return {c.name: [] for c in self.paged}
         out = {}
         for c in self.paged:
             table = r.indices.get(c.name, ())
@@ -180,6 +182,9 @@ class Scheduler:
         got = dict(slots)
         tables = {}
         for c in self.paged:
+            if not add[c.name]:  # no new page: the view's table (a tuple) is the entry's as it is
+                tables[c.name] = r.indices.get(c.name, ())
+                continue
             table = list(r.indices.get(c.name, ()))
             got[c.name] = pools.take(c.name, len(add[c.name]))
             for number, unit in zip(add[c.name], got[c.name]):
