@@ -223,3 +223,32 @@ def test_a_request_leaving_while_its_step_runs_abandons_the_write_and_keeps_its_
     s = track.abandon(s, b)
     assert track.keep(s) == Kept(4, ring[a.ring_index]) and s.pending == ()
     assert set(track.release(s)) == set(ring)  # every slot it holds goes back at the one free point
+
+
+def test_a_chunk_crossing_boundaries_stops_at_the_last_one_and_keeps_its_size():
+    p = TrackPolicy(interval=64, page_size=16)
+    assert p.chunk_end(0, 256, 1000) == 256  # crosses 64, 128, 192, 256: one chunk, checkpoint at 256
+    assert p.chunk_end(768, 1000, 1000) == 992  # the prompt's last whole page
+    assert p.chunk_end(992, 1000, 1000) == 1000
+    assert p.chunk_end(10, 60, 1000) == 60  # crosses none
+    assert p.deterministic_cuts(1000, 1000, 256) == {256, 512, 768, 992, 1000}
+    assert p.deterministic_cuts(100, 100, 32) == {32, 64, 96, 100}
+
+
+def test_prefill_with_the_cache_on_takes_no_more_steps_than_with_it_off():
+    """Checkpoints ride on the chunks a prompt runs anyway (plus the last whole page): a
+    500-token prompt with 128-token chunks prefills in 5 steps (4 without the cache), not 8."""
+    from engine_helpers import HYBRID, make_engine, tiny_model
+    from hyrax.actors.engine.request import SamplingParams
+
+    steps = {}
+    for cache in (False, True):
+        e = make_engine(tiny_model(HYBRID), prefix_cache=cache, deterministic=False, prefill_chunk=128,
+                        max_batch_tokens=512, page_size=16, mamba_track_interval=64, kv_capacity_tokens=2048)
+        e.add_request(list(range(3, 83)) * 6 + list(range(3, 23)), SamplingParams(max_tokens=1))
+        n = 0
+        while e.has_unfinished():
+            e.step()
+            n += 1
+        steps[cache] = n
+    assert steps[False] == 4 and steps[True] == 5, steps

@@ -68,6 +68,7 @@ class PrefixCaching:
         self.policy = TrackPolicy(config.mamba_track_interval, config.page_size)
         self.track = MambaTrack(self.policy)
         self.deterministic = config.deterministic
+        self.prefill_chunk = config.prefill_chunk
         self.executor = executor
         self.release = release  # the engine's one free point
         self.stats = stats
@@ -117,8 +118,8 @@ class PrefixCaching:
         the request would compute itself."""
         if not self.deterministic:
             return None
-        n = num_prompt
-        return lambda node: node.checkpoint.in_prompt and self.policy.is_boundary(node.end, n)
+        cuts = self.policy.deterministic_cuts(num_prompt, num_prompt, self.prefill_chunk)
+        return lambda node: node.checkpoint.in_prompt and node.end in cuts
 
     def _verified(self, ck: Checkpoint) -> bool:
         if not ck.slots:

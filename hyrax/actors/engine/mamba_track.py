@@ -46,6 +46,27 @@ class TrackPolicy:
     def is_boundary(self, position: int, prompt_len: int) -> bool:
         return position > 0 and (position % self.interval == 0 or position == self.prompt_end(prompt_len))
 
+    def chunk_end(self, start: int, end: int, prompt_len: int) -> int:
+        """Where a prefill chunk meant to run start..end-1 stops: at the last boundary it
+        crosses (so its state is checkpointed there), or at `end` when it crosses none. A chunk
+        keeps its size up to that boundary: checkpoints cost no extra steps."""
+        best = end // self.interval * self.interval
+        best = best if best > start else 0
+        p = self.prompt_end(prompt_len)
+        if start < p <= end:
+            best = max(best, p)
+        return best if best > start else end
+
+    def deterministic_cuts(self, prompt_len: int, total: int, chunk: int) -> set[int]:
+        """Where deterministic prefill of `total` tokens stops each chunk (fixed multiples of
+        `chunk`, then `chunk_end`): the positions a request's own computation passes through a
+        chunk boundary, so the only places a cached state is bit-identical to its own."""
+        cuts, pos = set(), 0
+        while pos < total:
+            pos = self.chunk_end(pos, min(total, (pos // chunk + 1) * chunk), prompt_len)
+            cuts.add(pos)
+        return cuts
+
     def next_boundary(self, position: int, prompt_len: int) -> int:
         """The first boundary after `position` (a scheduler ends prefill chunks there)."""
         b = (position // self.interval + 1) * self.interval

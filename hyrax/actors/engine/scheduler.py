@@ -67,8 +67,9 @@ class Scheduler:
         self.paged = tuple(c for c in components if c.paged)
         self.slotted = tuple(c for c in components if not c.paged)
         self.config = config
-        # prefill chunks end on track boundaries where checkpoints are taken (prefix cache), and
-        # in deterministic mode always, so that a cache hit and a cold run cut the same chunks
+        # a prefill chunk that crosses track boundaries ends on the last one (a checkpoint is taken
+        # there: prefix cache), and in deterministic mode always, so that a cache hit and a cold
+        # run cut the same chunks
         self.cuts = (TrackPolicy(config.mamba_track_interval, config.page_size)
                      if config.caches_prefixes or config.deterministic else None)
 
@@ -81,12 +82,15 @@ class Scheduler:
         if r.pending == 1:
             return 1 if budget >= 1 else 0
         c = self.config.prefill_chunk
-        n = min(r.pending, c - r.computed % c) if self.config.deterministic else min(r.pending, c)
+        if self.config.deterministic:
+            n = min(r.pending, c - r.computed % c)
+        else:
+            n = min(r.pending, c, budget)
         if self.cuts is not None:
-            n = min(n, self.cuts.next_boundary(r.computed, r.num_prompt) - r.computed)
+            n = self.cuts.chunk_end(r.computed, r.computed + n, r.num_prompt) - r.computed
         if self.config.deterministic:
             return n if n <= budget else 0
-        return min(n, budget)
+        return n
 
     def _pages_to_add(self, r: RequestView, end: int) -> dict[str, list[int]]:
         """Page numbers `r` must newly take to write positions < end, per paged component (and,
