@@ -89,7 +89,8 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
     )}
     pg = {n: GaugeMetricFamily(f"hyrax_{n}", d, labels=RL + ["rank", "component"]) for n, d in (
         ("pool_usage_ratio", "Used / capacity of a device pool shard."),
-        ("pool_free_units", "Free units (pages or slots) of a device pool shard."),
+        ("pool_free_units", "Units (pages or slots) of a device pool shard no request owns (the prefix cache's count: "
+                            "evicted on demand)."),
         ("host_pool_usage_ratio", "Used / capacity of a host backup pool shard."),
         ("pool_cached_units", "Units of a device pool the prefix cache holds (evictable when unreferenced)."),
     )}
@@ -132,7 +133,7 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
             for comp, u in p["components"].items():
                 l2 = lab + [str(rank), comp]
                 pg["pool_usage_ratio"].add_metric(l2, u["used"] / u["capacity"] if u["capacity"] else 0.0)
-                pg["pool_free_units"].add_metric(l2, u["capacity"] - u["used"] - u.get("cached", 0))
+                pg["pool_free_units"].add_metric(l2, u["capacity"] - u["used"])
                 pg["pool_cached_units"].add_metric(l2, u.get("cached", 0))
                 hc = u.get("host_capacity", 0)
                 pg["host_pool_usage_ratio"].add_metric(l2, u.get("host_used", 0) / hc if hc else 0.0)

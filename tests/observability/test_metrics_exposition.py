@@ -216,4 +216,6 @@ def test_gauges_after_the_run_show_idle_healthy_replicas(pd_run, fams):
             assert value(fams, "hyrax_pool_free_units", **lab) == u["capacity"], (role, comp)
             assert value(fams, "hyrax_pool_usage_ratio", **lab) == 0.0, (role, comp)
             assert value(fams, "hyrax_host_pool_usage_ratio", **lab) == 0.0, (role, comp)
-    assert len(fams["hyrax_pool_usage_ratio"].samples) == 2 * 4  # 2 replicas x 1 rank x 4 components
+    # 2 replicas x 1 rank x (4 components + the prefix cache's 2 checkpoint pools)
+    assert {p["role"]: len(p["components"]) for p in pd_run.pools.values()} == {"prefill": 6, "decode": 6}
+    assert len(fams["hyrax_pool_usage_ratio"].samples) == 2 * 6

@@ -73,6 +73,8 @@ class PrefixCaching:
         self.release = release  # the engine's one free point
         self.stats = stats
         self.tree = PrefixCache(components, config.page_size)
+        for pool in self.tree.pools if self.enabled else ():
+            stats.evicted[pool] += 0  # every pool has a sample from the start
 
     # ---- a waiting request asks the cache -------------------------------------------------
     def attach(self, waiting: Iterable[Request]) -> None:
