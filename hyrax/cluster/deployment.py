@@ -148,7 +148,8 @@ class Deployment:
             remove_placement_group(pg)  # something else took the room after the check
             raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
                                  f"(the cluster's free resources were taken meanwhile)") from None
-        role_config = replace(self.config, role="prefill" if spec.name == "prefill" else "colocated")
+        # a decode replica gets its requests' state handed over: it prefills no prompt, so keeps no prefix cache
+        role_config = replace(self.config, role=spec.name if spec.name in ("prefill", "decode") else "colocated")
         coord = RoleCoordinator.options(
             name=coordinator_name(spec.name, i), namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),

@@ -216,6 +216,7 @@ def test_gauges_after_the_run_show_idle_healthy_replicas(pd_run, fams):
             assert value(fams, "hyrax_pool_free_units", **lab) == u["capacity"], (role, comp)
             assert value(fams, "hyrax_pool_usage_ratio", **lab) == 0.0, (role, comp)
             assert value(fams, "hyrax_host_pool_usage_ratio", **lab) == 0.0, (role, comp)
-    # 2 replicas x 1 rank x (4 components + the prefix cache's 2 checkpoint pools)
-    assert {p["role"]: len(p["components"]) for p in pd_run.pools.values()} == {"prefill": 6, "decode": 6}
-    assert len(fams["hyrax_pool_usage_ratio"].samples) == 2 * 6
+    # 2 replicas x 1 rank x 4 components, and the prefill replica's 2 prefix-cache checkpoint pools
+    # (a decode replica prefills no prompt: it keeps no prefix cache)
+    assert {p["role"]: len(p["components"]) for p in pd_run.pools.values()} == {"prefill": 6, "decode": 4}
+    assert len(fams["hyrax_pool_usage_ratio"].samples) == 6 + 4
