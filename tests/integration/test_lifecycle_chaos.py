@@ -48,7 +48,7 @@ async def _vanish(client, rid: str, p: list[int], after: int) -> None:
 
 
 async def _abort_midway(client, rid: str, p: list[int]) -> None:
-    run = Run(rid, p, 200)
+    run = Run(rid, p, 1500)  # still running when the abort arrives on a loaded machine
     task = asyncio.ensure_future(run.consume(client))
     await wait_for(lambda: len(run.tokens) >= 3, 60, what="tokens before the abort")
     assert await client.abort(rid) or run.finish_reason is not None

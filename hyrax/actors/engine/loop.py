@@ -30,6 +30,38 @@ def _ack_in_process(source, request_id: str) -> None:
     source.release(request_id)
 
 
+class TurnLock:
+    """The loop's re-entrant lock, with turns: the loop thread holds it for a whole step and
+    takes it again at once, and a plain lock does not hand itself to a thread already waiting
+    (admin calls, stream opens and aborts starved for seconds under load). Callers that wait
+    are counted; between steps the loop lets them in first."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._waiting = 0
+        self._count = threading.Lock()
+
+    def __enter__(self):
+        with self._count:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+    def let_waiters_in(self, limit_s: float = 0.05) -> None:
+        """Called by the loop between steps (not holding the lock): wait, at most `limit_s`,
+        until every thread that was waiting for the lock has had it."""
+        deadline = time.monotonic() + limit_s
+        while self._waiting and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
+
 class EngineLoop:
     """`source`: what a hand-off names as its origin, for the importer's acknowledgement
     (this loop in-process; the coordinator's actor handle over Ray); `ack(source, id)`
@@ -46,7 +78,7 @@ class EngineLoop:
         self._blocked_since: float | None = None
         self.invariant_error: str | None = None
         self._checked_idle = False
-        self.lock = threading.RLock()
+        self.lock = TurnLock()
         self.wake = threading.Event()
         self.streams: dict[str, Sink] = {}  # request id -> the consumer its items go to
         self._local: dict[asyncio.AbstractEventLoop, tuple[Sink, Fanout]] = {}  # in-process callers
@@ -71,6 +103,7 @@ class EngineLoop:
                 continue
             with self.lock:
                 self._deliver(self._step())
+            self.lock.let_waiters_in()
 
     def _step(self) -> list:
         """One engine step (under the lock); a failed one answers its requests instead."""
