@@ -22,6 +22,10 @@ class ScalePolicy:
     down_load_per_replica: float = 2.0  # all requests would fit one replica fewer at this load
     up_after: int = 3
     down_after: int = 10
+    # requests held per replica above which it is overloaded (None: not a signal). A prefill
+    # replica admits prompts at once and hands each off after its first token, so its queue is
+    # the prompts it is prefilling, not requests waiting for admission
+    up_held_per_replica: float | None = None
 
     def __post_init__(self):
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -50,9 +54,11 @@ class Autoscaler:
         if n > p.max_replicas:
             return self._changed(-1)
         waiting = sum(x.waiting for x in loads)
-        overloaded = waiting > p.up_waiting_per_replica * n or any(x.pool_usage >= p.up_pool_usage for x in loads)
+        held = sum(x.held for x in loads)
+        overloaded = (waiting > p.up_waiting_per_replica * n or any(x.pool_usage >= p.up_pool_usage for x in loads)
+                      or (p.up_held_per_replica is not None and held > p.up_held_per_replica * n))
         quiet = (not waiting and n > 1
-                 and sum(x.held for x in loads) <= p.down_load_per_replica * (n - 1)
+                 and held <= p.down_load_per_replica * (n - 1)
                  and all(x.pool_usage < p.up_pool_usage / 2 for x in loads))
         self.up_streak = self.up_streak + 1 if overloaded else 0
         self.down_streak = self.down_streak + 1 if quiet else 0

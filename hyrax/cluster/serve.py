@@ -198,6 +198,9 @@ def resolve_admin_token(a) -> AdminToken:
     return AdminToken(tok, f"written to {path} (mode 600)", fd)
 
 
+PREFILL_HELD_PER_REPLICA = 8.0  # prompts in prefill per replica above which the prefill role adds one
+
+
 def scale_policies(a, roles: list[RoleSpec]) -> dict:
     """Role -> its autoscaling policy, for every role whose bounds are given."""
     from hyrax.cluster.autoscale import ScalePolicy
@@ -217,7 +220,9 @@ def scale_policies(a, roles: list[RoleSpec]) -> dict:
         if not lo <= role.replicas <= hi:
             raise HyraxInputError(f"{role.name} starts with {role.replicas} replica(s), outside {lo_flag} "
                                   f"{lo} .. {hi_flag} {hi}")
-        out[role.name] = ScalePolicy(lo, hi)
+        # a prefill replica's load is the prompts it holds (it admits them at once)
+        out[role.name] = ScalePolicy(lo, hi, up_held_per_replica=PREFILL_HELD_PER_REPLICA if role.name == "prefill"
+                                     else None)
     return out
 
 

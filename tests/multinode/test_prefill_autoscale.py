@@ -2,9 +2,8 @@
 on its own local Ray cluster, through the same controller loop and policy as the decode role's
 (`Autoscaler` per role). A lull retires the second prefill replica while a request decodes; the
 request, and the requests prefilled on the one replica left, end with the single-process text.
-(Scale-up goes through the same `Autoscaler.decide` and `add_replica` as the decode role's,
-tests/multinode/test_autoscale.py; a prefill queue long enough to trigger it on the tiny demo
-model was not found: its prompts prefill in milliseconds.)"""
+A burst of long prompts adds the second prefill replica: a prefill replica admits prompts at
+once, so its load is the prompts it holds, not a queue waiting for admission."""
 from __future__ import annotations
 
 import pytest
@@ -37,5 +36,34 @@ def test_a_lull_retires_the_newest_prefill_replica_and_requests_across_it_are_un
         assert crossing.text == long_reference
         assert [s.text for s in burst] == [reference[p] for p in BURST]
         assert srv.admin("requests")["requests"] == []
+    finally:
+        srv.stop()
+
+
+def test_a_burst_of_long_prompts_adds_a_prefill_replica_and_outputs_are_unchanged(tmp_path):
+    """The prefill role's load is the prompts it holds (`up_held_per_replica`): a burst of long,
+    unrelated prompts (no prefix-cache hits) keeps more than 8 in prefill for seconds, and a
+    second prefill replica is added; every request, before and after it, gives the single-process text."""
+    import random
+
+    rng = random.Random(5)
+    prompts = ["".join(rng.choice("abcdefghij0123456789;?") for _ in range(900)) for _ in range(48)]
+    reference = reference_texts(prompts, 2)
+    srv = Gateway(None, tmp_path, "serve", "--min-prefill-replicas", "1", "--max-prefill-replicas", "2",
+                  "--deterministic", "--num-cpus", "3")
+    try:
+        srv.wait_serving()
+        assert srv.replicas() == ["decode/0", "prefill/0"]
+        burst = [Stream(srv, p, 2, f"burst-{i}") for i, p in enumerate(prompts)]
+        wait_until(lambda: "prefill/1" in srv.replicas(), 120, interval=0.5, what="a second prefill replica")
+        for s in burst:
+            s.join(300)
+            assert s.done and s.error is None, (s.request_id, s.error)
+        assert [s.text for s in burst] == [reference[p] for p in prompts]
+        after = [Stream(srv, p, 2, f"after-{i}") for i, p in enumerate(prompts[:4])]
+        for s in after:
+            s.join(300)
+            assert s.done and s.error is None
+        assert [s.text for s in after] == [reference[p] for p in prompts[:4]]
     finally:
         srv.stop()

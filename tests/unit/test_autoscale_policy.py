@@ -39,3 +39,27 @@ def test_the_bounds_are_restored_first_and_checked_once():
     assert Autoscaler(ScalePolicy(1, 1)).decide([BUSY, IDLE]) == -1
     with pytest.raises(HyraxInputError):
         ScalePolicy(3, 2)
+
+
+def test_a_prefill_replica_is_overloaded_by_the_prompts_it_holds():
+    """A prefill replica admits every prompt at once (nothing waits for admission): its load is
+    the prompts in prefill. The decode-style policy would never scale it up."""
+    prefilling = ReplicaLoad(waiting=0, held=20, pool_usage=0.2)
+    decode_style = Autoscaler(ScalePolicy(1, 2, up_after=2))
+    assert [decode_style.decide([prefilling]) for _ in range(5)] == [0] * 5
+    prefill = Autoscaler(ScalePolicy(1, 2, up_after=2, up_held_per_replica=8.0))
+    assert [prefill.decide([prefilling]), prefill.decide([prefilling])] == [0, 1]
+    assert Autoscaler(ScalePolicy(1, 2, up_after=1, up_held_per_replica=8.0)).decide(
+        [ReplicaLoad(waiting=0, held=6, pool_usage=0.2)]) == 0
+
+
+def test_serve_gives_the_prefill_role_the_held_signal():
+    import argparse
+
+    from hyrax.cluster.serve import PREFILL_HELD_PER_REPLICA, scale_policies
+    from hyrax.cluster.placement import RoleSpec
+
+    a = argparse.Namespace(min_replicas=1, max_replicas=2, min_prefill_replicas=1, max_prefill_replicas=2)
+    got = scale_policies(a, [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1)])
+    assert got["prefill"].up_held_per_replica == PREFILL_HELD_PER_REPLICA
+    assert got["decode"].up_held_per_replica is None
