@@ -47,20 +47,17 @@ class TrackPolicy:
         return position > 0 and (position % self.interval == 0 or position == self.prompt_end(prompt_len))
 
     def chunk_end(self, start: int, end: int, prompt_len: int) -> int:
-        """Where a prefill chunk meant to run start..end-1 stops: at the last boundary it
-        crosses (so its state is checkpointed there), or at `end` when it crosses none. A chunk
-        keeps its size up to that boundary: checkpoints cost no extra steps."""
-        best = end // self.interval * self.interval
-        best = best if best > start else 0
+        """Where a prefill chunk meant to run start..end-1 stops: at the prompt's last whole page
+        if it crosses it (a checkpoint there lets a repeated or extended prompt hit), else at `end`.
+        Checkpoints are otherwise taken where chunks end on a multiple of the interval: cutting
+        chunks at every boundary made prompts take more, smaller steps."""
         p = self.prompt_end(prompt_len)
-        if start < p <= end:
-            best = max(best, p)
-        return best if best > start else end
+        return p if start < p < end else end
 
     def deterministic_cuts(self, prompt_len: int, total: int, chunk: int) -> set[int]:
         """Where deterministic prefill of `total` tokens stops each chunk (fixed multiples of
-        `chunk`, then `chunk_end`): the positions a request's own computation passes through a
-        chunk boundary, so the only places a cached state is bit-identical to its own."""
+        `chunk`): the positions a request's own computation passes through a chunk boundary, so
+        the only places a cached state is bit-identical to its own."""
         cuts, pos = set(), 0
         while pos < total:
             pos = self.chunk_end(pos, min(total, (pos // chunk + 1) * chunk), prompt_len)
