@@ -1,27 +1,32 @@
 """Manifests: what a backup or transfer of one request holds, per component and per rank.
 
 A manifest that lacks a component the model declares is an error, never a silent skip.
+
+Checksums are `state_hash` values (hyrax/actors/engine/state_hash.py): a 64-bit position-mixed
+hash of a component shard's bytes, computed with torch operations on the device that holds the
+bytes. Every check in the state paths uses it, on whichever side the bytes are:
+
+- backup: the saving rank hashes the gathered rows on its device; restore hashes the rows it
+  wrote, on its device, and compares. On a GPU the rows never come back to the host to be checked.
+- prefix-cache checkpoints: hashed on the device when written and again before a hit uses them.
+- transfer (PD hand-off, migration; objects that crossed the network): the exporting rank hashes
+  its shard on its device before it leaves; the importing rank hashes the bytes as they arrived
+  (host memory, so on the CPU: the same definition gives the same value there) and again the rows
+  it wrote, on its device. No zlib CRC32 is used: a host-side check has the same function on CPU,
+  so one definition covers both ends of every move.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
-import torch
-
+from hyrax.actors.engine.state_hash import state_hash
 from hyrax.actors.model.state import ComponentSpec
+
+checksum = state_hash  # the one checksum of state bytes (state_hash.py), under its manifest name
 
 
 class ManifestError(RuntimeError):
     pass
-
-
-def checksum(t: torch.Tensor) -> int:
-    """CRC32 of a tensor's bytes (any dtype; copied to host if needed)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return zlib.crc32(memoryview(t.contiguous().view(torch.uint8).numpy()) if t.numel() else b"")
 
 
 @dataclass
@@ -30,7 +35,7 @@ class ComponentRecord:
     indices: list[int]  # device indices (pages or slot) at the time of backup
     rows: int
     bytes: int  # per rank
-    checksums: dict[int, int] = field(default_factory=dict)  # rank -> crc32
+    checksums: dict[int, int] = field(default_factory=dict)  # rank -> state_hash of its shard (64 bits)
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Manifest:
             "num_tokens": self.num_tokens, "mode": self.mode, "num_ranks": self.num_ranks,
             "components": {
                 n: {"indices": r.indices, "rows": r.rows, "bytes": r.bytes,
-                    "checksums": {str(k): f"{v:08x}" for k, v in r.checksums.items()}}
+                    "checksums": {str(k): f"{v:016x}" for k, v in r.checksums.items()}}
                 for n, r in self.components.items()
             },
         }

@@ -15,12 +15,12 @@ import torch
 from hyrax.actors.engine.config import UnsafeFaults
 from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.host_buffers import HostBuffers
-from hyrax.actors.engine.manifest import checksum
 from hyrax.actors.engine.moves import Location, Place
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
+from hyrax.actors.engine.state_hash import hasher
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.state import ComponentSpec
@@ -61,6 +61,9 @@ class RankRuntime:
         }
         self.backups: dict[str, dict[str, torch.Tensor]] = {}
         self.buffers = HostBuffers(pin)  # the host tensors of backups, reused
+        self.hash = hasher(self.device)  # state hashes of rows where they are (state_hash.py)
+        self.host_hash = hasher("cpu")  # ... of host tensors (shards another replica exported)
+        self._gather = self._gather_cuda if self.device.type == "cuda" else self._gather_cpu
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
         self.last_token: dict[str, int] = {}
@@ -124,21 +127,21 @@ class RankRuntime:
         dst.index_copy_(1, self._unit_rows(cp.dst_pool, cp.dst), src.index_select(1, self._unit_rows(cp.src_pool, cp.src)))
 
     def _write_checkpoint(self, w) -> dict[str, dict[int, int]]:
-        """Copy the request's slots into its checkpoint slots; their checksums, as this rank's."""
-        out = {}
+        """Copy the request's slots into its checkpoint slots; their state hashes, as this rank's."""
         for name, slot, ckpt in w.slots:
-            pool = self.pools[checkpoint_pool(name)]
-            pool[:, ckpt] = self.pools[name][:, slot]
-            out[name] = {self.rank: self._slot_checksum(pool, ckpt)}
-        return out
+            self.pools[checkpoint_pool(name)][:, ckpt] = self.pools[name][:, slot]
+        sums = self._slot_checksum({name: ckpt for name, _, ckpt in w.slots})
+        return {name: {self.rank: h} for name, h in sums.items()}
 
-    def _slot_checksum(self, pool: torch.Tensor, slot: int) -> int:
-        self._sync()
-        return checksum(pool.index_select(1, self._idx([slot])))
+    def _slot_checksum(self, slots: dict[str, int]) -> dict[str, int]:
+        """component -> the state hash of its checkpoint slot `slots[component]`, (layers, *unit)
+        hashed on the device, one host read for all."""
+        names = list(slots)
+        return dict(zip(names, self.hash.many([self.pools[checkpoint_pool(n)][:, slots[n]] for n in names])))
 
     def checkpoint_sums(self, slots: dict[str, int]) -> dict[str, int]:
-        """crc32 of checkpoint slots as they are now (a hit verifies them before it copies them)."""
-        return {name: self._slot_checksum(self.pools[checkpoint_pool(name)], slot) for name, slot in slots.items()}
+        """State hashes of checkpoint slots as they are now (a hit verifies them before it copies them)."""
+        return self._slot_checksum(slots)
 
     def _history(self, e) -> np.ndarray | None:
         """Prompt + output ids (int64) of a sampling entry that processes logits, in-flight token filled in."""
@@ -208,40 +211,50 @@ class RankRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _gather_cpu(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """src: (layers, pool rows, *unit); idx: (n,) -> out (layers, n, *unit) filled; returns out."""
+        return torch.index_select(src, 1, idx, out=out)
+
+    def _gather_cuda(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rows gathered on the device (returned, to hash there) and copied asynchronously into
+        the pinned `out`; the caller's host read of the hashes waits for the copy."""
+        rows = src.index_select(1, idx)
+        out.copy_(rows, non_blocking=True)
+        return rows
+
     def _backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
-        """Copy the request's rows of every component to host memory; returns checksums.
+        """Copy the request's rows of every component to host memory; returns their state hashes,
+        computed where the rows are (on a CUDA rank on the GPU, one host read for all components).
 
         host_rows given: into the pre-allocated host pool; else into host tensors from
         `self.buffers`, which `discard` gives back.
         """
         self._sync()
-        sums: dict[str, int] = {}
+        saving = self._saving()
         kept: dict[str, torch.Tensor] = {}
-        for c in self._saving():
+        hashed = []
+        for c in saving:
             src, idx = self.pools[c.name], self._idx(rows[c.name])
-            data = self.buffers.take((src.shape[0], len(idx), *src.shape[2:]), src.dtype)
-            if self.device.type == "cuda":
-                data.copy_(src.index_select(1, idx), non_blocking=True)
-                torch.cuda.current_stream(self.device).synchronize()
-            else:
-                torch.index_select(src, 1, idx, out=data)
-            sums[c.name] = checksum(data)
-            self._checksummed(c.name, data)
-            if host_rows is not None:
-                self.host[c.name].index_copy_(1, self._idx(host_rows[c.name], "cpu"), data)
+            kept[c.name] = self.buffers.take((src.shape[0], len(idx), *src.shape[2:]), src.dtype)
+            hashed.append(self._gather(src, idx, kept[c.name]))
+        sums = dict(zip(kept, self.hash.many(hashed)))
+        for name, data in kept.items():
+            self._checksummed(name, data)
+        if host_rows is not None:
+            for name, data in kept.items():
+                self.host[name].index_copy_(1, self._idx(host_rows[name], "cpu"), data)
                 self.buffers.give(data)
-            else:
-                kept[c.name] = data
-        if host_rows is None:
+        else:
             self.discard(req_id)  # an older backup of the request: its buffers go back
             self.backups[req_id] = kept
         return sums
 
     def _restore(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
-        """Write the backup into `rows` (newly allocated by the coordinator); return the
-        checksum of what is now on the device, read back, per component restored."""
+        """Write the backup into `rows` (newly allocated by the coordinator); return the state
+        hash of what is now in those rows, per component restored, hashed on the device (the rows
+        are never read back to the host)."""
         kept = self.backups.get(req_id, {})
-        sums: dict[str, int] = {}
+        written: dict[str, torch.Tensor] = {}
         for c in self.components:
             if host_rows is not None:
                 if c.name not in host_rows:
@@ -253,42 +266,43 @@ class RankRuntime:
                 continue
             target, idx = self.pools[c.name], self._idx(rows[c.name])
             target.index_copy_(1, idx, data.to(self.device, non_blocking=True))
-            self._sync()
-            sums[c.name] = checksum(target.index_select(1, idx))
-        return sums
+            written[c.name] = target.index_select(1, idx)
+        return dict(zip(written, self.hash.many(list(written.values()))))
 
     # ---- transfer (PD hand-off, migration) -------------------------------------------------
     def _export(self, rows: Rows) -> tuple[dict[str, int], dict]:
         """This rank's shard of every component of a request, for another replica to import.
 
-        Returns (checksums, payload); the payload names the global indices it holds along each
-        component's sharded dimension, so the importer can re-shard to its own TP layout.
+        Returns (state hashes, computed on the device, payload); the payload names the global
+        indices it holds along each component's sharded dimension, so the importer can re-shard
+        to its own TP layout.
         """
         self._sync()
-        sums, data = {}, {}
-        for c in self._saving():
-            t = self.pools[c.name].index_select(1, self._idx(rows[c.name])).cpu()
-            sums[c.name] = checksum(t)
-            self._checksummed(c.name, t)
-            data[c.name] = t
+        saving = self._saving()
+        rows_on_device = [self.pools[c.name].index_select(1, self._idx(rows[c.name])) for c in saving]
+        sums = {c.name: h for c, h in zip(saving, self.hash.many(rows_on_device))}
+        data = {c.name: t.cpu() for c, t in zip(saving, rows_on_device)}
+        for name, t in data.items():
+            self._checksummed(name, t)
         layout = {c.name: list(c.shard_index) for c in self.components}
         return sums, {"data": data, "layout": layout}
 
     def _import(self, rows: Rows, expect: dict[int, dict[str, int]], shards: tuple[dict, ...]) -> dict:
-        """Assemble each component from the exporter's shards (verifying each shard's
-        checksum), keep this rank's slice, write it into `rows`, and read it back.
+        """Assemble each component from the exporter's shards (verifying each shard's state
+        hash, on the host where the shards arrived), keep this rank's slice, write it into
+        `rows`, and hash the written rows on the device.
 
-        Returns {component: [read-back checksum, checksum of the slice meant to be written]},
+        Returns {component: [hash of the written rows, hash of the slice meant to be written]},
         or {component: "error ..."}; a component some shard lacks is left out.
         """
         out: dict = {}
         for c in self.components:
             if not all(c.name in s["data"] for s in shards):
                 continue
-            bad = [k for k, s in enumerate(shards)
-                   if checksum(s["data"][c.name]) != expect.get(k, {}).get(c.name)]
+            got = self.host_hash.many([s["data"][c.name] for s in shards])
+            bad = [k for k, h in enumerate(got) if h != expect.get(k, {}).get(c.name)]
             if bad:
-                out[c.name] = f"error: checksum mismatch in shard(s) {bad}"
+                out[c.name] = f"error: state hash mismatch in shard(s) {bad}"
                 continue
             dim = 2 + c.shard_dim  # (layers, rows, *unit)
             first = shards[0]["data"][c.name]
@@ -300,8 +314,7 @@ class RankRuntime:
             mine = full.index_select(dim, torch.tensor(c.shard_index)).contiguous()
             target, idx = self.pools[c.name], self._idx(rows[c.name])
             target.index_copy_(1, idx, mine.to(self.device))
-            self._sync()
-            out[c.name] = [checksum(target.index_select(1, idx)), checksum(mine)]
+            out[c.name] = [self.hash.many([target.index_select(1, idx)])[0], self.host_hash.many([mine])[0]]
         return out
 
     def discard(self, req_id: str) -> None:
