@@ -57,6 +57,9 @@ class RankWorker:
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
         self.runtime = make_rank_runtime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast,
                                    tokenizer_dir=model_dir)
+        if config.faults.out_of_memory:  # test-only (allow_unsafe), chosen once here
+            from hyrax.testing.oom import with_oom_fault
+            self.runtime = with_oom_fault(self.runtime, config.faults, self.tp.rank)
         return {"rank": self.tp.rank, "device": str(self.device), "attention_backend": model.attention_backend_name,
                 "dtype": str(dtype).removeprefix("torch."),
                 "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
@@ -85,7 +88,15 @@ class RankWorker:
         return self.tp.rank
 
     def execute(self, plan):
-        return self.runtime.execute(plan)
+        try:
+            return self.runtime.execute(plan)
+        except torch.OutOfMemoryError as e:
+            message = str(e)  # the failed forward's tensors live in the frames of e's traceback
+        # raised anew once they are gone, so the coordinator's retry finds the memory free (the
+        # type tells it to shrink the batch: executor.step_error)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise torch.OutOfMemoryError(message)
 
     def save(self, req_id, rows, location):
         return self.runtime.save(req_id, rows, location)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import ray
 
-from hyrax.actors.engine.executor import RankCalls, RankFailure, StepError, Sums
+from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
 
@@ -50,7 +50,7 @@ class RayExecutor(RankCalls):
         except ray.exceptions.RayTaskError as e:
             answered, _ = ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 10.0))
             if len(answered) == len(refs) and not isinstance(e, ray.exceptions.RayActorError):
-                raise StepError(f"the step raised on a rank: {e.cause!r}") from e
+                raise step_error(e.cause, "a rank") from e  # an out-of-memory is its own type
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
         except Exception as e:  # RayActorError, GetTimeoutError
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e

@@ -81,6 +81,8 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
         ("transfers_in", "Requests imported from another replica, by result.", ["result"]),
         ("transfers_out", "Requests handed to another replica (PD hand-off or migration).", []),
         ("replica_recoveries", "Times a replica replaced failed ranks.", []),
+        ("step_out_of_memory", "Steps that ran out of device memory: the batch cap was lowered and their requests "
+                               "rebuilt.", []),
         ("prefix_cache_query_tokens", "Prompt tokens of requests that asked the prefix cache.", []),
         ("prefix_cache_hit_tokens", "Prompt tokens a prefix-cache hit covered (not prefilled).", []),
         ("prefix_cache_checkpoints", "Recurrent-state checkpoints handed to the prefix cache.", []),
@@ -106,6 +108,7 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
         c["checksum_failures"].add_metric(lab, s["checksum_failures"])
         c["transfers_out"].add_metric(lab, s.get("transfers_out", 0))
         c["replica_recoveries"].add_metric(lab, s.get("recoveries", 0))
+        c["step_out_of_memory"].add_metric(lab, s.get("batch_cap", {}).get("out_of_memory_steps", 0))
         for reason, n in s["finished"].items():
             c["requests_finished"].add_metric(lab + [reason], n)
         for key, n in s["retractions_by"].items():

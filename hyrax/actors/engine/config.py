@@ -22,6 +22,9 @@ class UnsafeFaults:
     only_rank: apply the faults on this TP rank only (None: every rank).
     step_error_at_context: a rank's step raises (as an out-of-memory would) when a request in
         it reaches this many tokens of context (0: off). The rank stays alive.
+    oom_above_tokens / oom_above_requests: a rank runs a step that has more than this many
+        tokens / requests (writing their state), then raises `torch.OutOfMemoryError`, as a
+        forward that ran out of memory part-way would (0: off; hyrax.testing.oom).
     """
 
     skip_backup_component: str | None = None
@@ -30,11 +33,23 @@ class UnsafeFaults:
     disable_verification: bool = False
     only_rank: int | None = None
     step_error_at_context: int = 0
+    oom_above_tokens: int = 0
+    oom_above_requests: int = 0
+
+    def __post_init__(self):
+        for name in ("oom_above_tokens", "oom_above_requests"):
+            if getattr(self, name) < 0:
+                raise HyraxInputError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
 
     @property
     def any(self) -> bool:
         return bool(self.skip_backup_component or self.restore_into_old_indices
-                    or self.corrupt_backup_component or self.disable_verification or self.step_error_at_context)
+                    or self.corrupt_backup_component or self.disable_verification or self.step_error_at_context
+                    or self.out_of_memory)
+
+    @property
+    def out_of_memory(self) -> bool:
+        return bool(self.oom_above_tokens or self.oom_above_requests)
 
     @property
     def skipped(self) -> frozenset[str]:

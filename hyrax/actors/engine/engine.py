@@ -18,9 +18,10 @@ import uuid
 
 from hyrax.actors.engine.admission import check_request, claim
 from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.batch_cap import BatchCap
 from hyrax.actors.engine.caching import PrefixCaching
 from hyrax.actors.engine.config import EngineConfig
-from hyrax.actors.engine.executor import Executor, StepError, StepResult
+from hyrax.actors.engine.executor import Executor, StepError, StepOutOfMemory, StepResult
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.inspection import all_free, check_invariants, describe_requests, pool_usage
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
@@ -59,6 +60,8 @@ class Engine:
                            for c in components}
         self.stats = EngineStats()
         self.table = RequestTable()
+        # how big a step may be: the config's numbers, lowered after an out-of-memory step
+        self.cap = BatchCap(config, self.stats.batch_cap)
         self.scheduler = Scheduler(components, config)
         self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
         # the pipeline: the step the ranks are running (depth 2 only) and the frees waiting for it
@@ -81,7 +84,8 @@ class Engine:
         self._forget: list[str] = []  # requests whose last token the ranks may forget
         self._pressure = False
         self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
-                                 finish=self._finish, reset=self._reset_pipeline)
+                                 finish=self._finish, reset=self._reset_pipeline, free_device=self.moves.free_device,
+                                 cap=self.cap)
 
     # ---- the request table, as the rest of the code reads it -----------------------------
     @property
@@ -182,11 +186,12 @@ class Engine:
         """Ask the scheduler, make the room it needs (retract victims, give up on a request
         that can never grow) and ask again; then claim what the plan takes."""
         admit_new = not any(not r.hold for r in self.retracted)
+        max_running = self.scheduler.config.max_running  # the batch cap's
         if admit_new:
-            self.caching.attach(self.waiting[:max(self.config.max_running - len(self.running), 0)])
+            self.caching.attach(self.waiting[:max(max_running - len(self.running), 0)])
         while True:
             got = self.scheduler.schedule(build_view(
-                self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, self.config.max_running,
+                self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
                 self.config.max_batch_tokens, admit_new, self.reserve_ratio))
             if got.short and self.caching.evict(got.short):
                 # cached prefixes go before any request is retracted or kept waiting; their units
@@ -236,9 +241,13 @@ class Engine:
             result = self.executor.collect(handle)
         except StepError as e:
             self.recovery.step_failed(plan, e)
+            if isinstance(e, StepOutOfMemory):
+                self.scheduler = Scheduler(self.components, self.cap.config)  # the lowered cap
             return
         self.commit(plan, result)
         self.inflight.committed(plan.step)
+        if self.cap.step_ok():
+            self.scheduler = Scheduler(self.components, self.cap.config)
 
     def commit(self, plan: StepPlan, result: StepResult) -> None:
         """Apply a step's results using the step's own plan snapshot (results.py); a prefill

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.rank_runtime import RankRuntime
@@ -22,6 +24,19 @@ class StepError(RuntimeError):
     """Every rank is alive and answered, but running a step raised on one of them (out of
     memory, a kernel refusing its input): a deterministic error of that step's requests, not
     a rank death. The engine fails those requests and keeps its ranks."""
+
+
+class StepOutOfMemory(StepError):
+    """A rank ran out of device memory in a step (`torch.OutOfMemoryError`, which
+    `torch.cuda.OutOfMemoryError` is): the batch was too big, not the requests wrong. The
+    engine rebuilds the step's requests from their tokens and lowers its batch cap."""
+
+
+def step_error(cause: BaseException | None, where: str) -> StepError:
+    """The typed error of a step that raised `cause` on live ranks: by the exception's type,
+    never by its message."""
+    kind = StepOutOfMemory if isinstance(cause, torch.OutOfMemoryError) else StepError
+    return kind(f"the step raised on {where}: {type(cause).__name__}: {cause}")
 
 
 Sums = dict[int, dict[str, int]]  # rank -> component -> checksum
@@ -93,8 +108,7 @@ class LocalExecutor(RankCalls):
 
     def collect(self, handle: StepResult) -> StepResult:
         if isinstance(handle, _Raised):
-            raise StepError(f"the step raised on rank 0: {type(handle.error).__name__}: {handle.error}") \
-                from handle.error
+            raise step_error(handle.error, "rank 0") from handle.error
         return handle
 
 

@@ -20,6 +20,9 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
     rank = make_rank_runtime(model, sizes, host, rank=0, faults=config.faults, device=device,
                              tokenizer_dir=tokenizer_dir)
+    if config.faults.out_of_memory:  # test-only (allow_unsafe), chosen once here
+        from hyrax.testing.oom import with_oom_fault
+        rank = with_oom_fault(rank, config.faults, 0)
     cfg = model.cfg
     return Engine(comps, sizes, host, LocalExecutor(rank), config, cfg.vocab_size,
                   cfg.max_position_embeddings, cfg.eos_token_id, decode)

@@ -3,6 +3,11 @@
 - A step that raised on live ranks (`StepError`): the requests of that step, and of the step
   submitted after it (it read their rows), end with `error`; the ranks and every other
   request carry on.
+- A step that ran out of device memory (`StepOutOfMemory`): the batch cap is lowered
+  (batch_cap.py) and the requests of that step and of the step after it go back to the front
+  of the queue, rebuilt by prefill from their tokens: the failed forward may have written part
+  of their state (a recurrent state advanced in some layers, not in others), so none of it is
+  kept. Only a step already as small as a step can be fails its request with `error`.
 - Ranks lost and restarted with empty pools: every request keeps its tokens and is rebuilt
   by prefill (recompute); or, when the ranks are gone for good, every request ends.
 """
@@ -11,43 +16,78 @@ from __future__ import annotations
 from typing import Callable
 
 from hyrax.actors.engine.allocator import IndexAllocator
-from hyrax.actors.engine.executor import Executor, StepError
+from hyrax.actors.engine.batch_cap import BatchCap
+from hyrax.actors.engine.executor import Executor, StepError, StepOutOfMemory
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.plan import StepPlan
-from hyrax.actors.engine.request import Request
+from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.stats import EngineStats
 
 
 class Recovery:
     def __init__(self, table: RequestTable, inflight: InFlight, executor: Executor, stats: EngineStats,
                  alloc: dict[str, IndexAllocator], host_alloc: dict[str, IndexAllocator],
-                 finish: Callable[[Request, str], None], reset: Callable[[], None]):
+                 finish: Callable[[Request, str], None], reset: Callable[[], None],
+                 free_device: Callable[[Request], None], cap: BatchCap):
         self.table, self.inflight, self.executor, self.stats = table, inflight, executor, stats
         self.alloc, self.host_alloc = alloc, host_alloc
         self.finish = finish  # the engine's end of a request (frees through the one free point)
         self.reset = reset  # the engine forgets what its pipeline carried between steps
+        self.free_device = free_device  # gives back a request's device units (the one free point)
+        self.cap = cap
         self.last_step_error: str | None = None
 
     def step_failed(self, plan: StepPlan, error: StepError) -> None:
-        """`plan` raised on live ranks: end its requests, and those of the step in flight."""
-        self.stats.step_errors += 1
+        """`plan` raised on live ranks: end its requests, and those of the step in flight;
+        out of memory: lower the batch cap and rebuild them instead."""
         self.last_step_error = str(error)
-        failed = {e.req_id for e in plan.entries}
-        done = plan.step
+        later = self._collect_later(plan)
+        if not isinstance(error, StepOutOfMemory):
+            self.stats.step_errors += 1
+            self._fail(plan, *later)
+            return
+        self.stats.batch_cap.out_of_memory_steps += 1
+        if self.cap.smallest(plan):  # alone and as small as a step can be: retrying cannot help
+            self.stats.batch_cap.failed += len(plan.entries)
+            self._fail(plan)
+            self._rebuild(*later)
+            return
+        self.cap.shrink(plan)
+        self._rebuild(plan, *later)
+
+    def _collect_later(self, plan: StepPlan) -> tuple[StepPlan, ...]:
+        """The step submitted after the failed `plan` (it read their rows) is collected and its
+        result dropped; the frees waiting for either step happen now. Returns its plan, if any."""
         later = self.inflight.swap(None)
         if later is not None:
             try:
                 self.executor.collect(later[1])
             except StepError:
                 pass
-            failed |= {e.req_id for e in later[0].entries}
-            done = max(done, later[0].step)
-        self.inflight.committed(done)
-        for rid in failed:
-            req = self.table.get(rid)
-            if req is not None:
-                self.finish(req, "error")
+        self.inflight.committed(max(plan.step, later[0].step) if later is not None else plan.step)
+        return (later[0],) if later is not None else ()
+
+    def _fail(self, *plans: StepPlan) -> None:
+        for plan in plans:
+            for e in plan.entries:
+                req = self.table.get(e.req_id)
+                if req is not None:
+                    self.finish(req, "error")
+
+    def _rebuild(self, *plans: StepPlan) -> None:
+        """The plans' running requests give back their device state (which the failed step
+        may have half written) and wait first in line, to be rebuilt by prefill from their
+        tokens; nothing they committed is lost."""
+        for plan in plans:
+            for e in plan.entries:
+                req = self.table.get(e.req_id)
+                if req is None or req.state != State.RUNNING:
+                    continue  # finished or aborted (its rows went then), or rebuilt already
+                self.free_device(req)
+                req.num_computed = 0
+                self.table.requeue(req)
+                self.stats.batch_cap.rebuilt += 1
 
     def reset_for_recovery(self) -> list[str]:
         """After the ranks were lost and restarted with empty pools: every request keeps its

@@ -25,6 +25,22 @@ class PrefixCacheStats:
 
 
 @dataclass
+class BatchCapStats:
+    """Out-of-memory steps and the batch cap they lowered (batch_cap.py)."""
+
+    out_of_memory_steps: int = 0  # steps that ran out of device memory on live ranks
+    rebuilt: int = 0  # requests of those steps put back and rebuilt from their tokens
+    failed: int = 0  # requests ended with error: they ran out of memory alone in the smallest step
+    shrinks: int = 0
+    grows: int = 0
+    max_running: int = 0  # the cap now
+    max_batch_tokens: int = 0
+
+    def summary(self) -> dict:
+        return dict(vars(self))
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
@@ -48,6 +64,7 @@ class EngineStats:
     step_errors: int = 0  # steps that raised on live ranks: their requests failed, the ranks stayed
     offers_reclaimed: int = 0  # hand-offs whose lease ended without an acknowledgement
     prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    batch_cap: BatchCapStats = field(default_factory=BatchCapStats)
 
     def summary(self) -> dict:
         return {
@@ -71,6 +88,7 @@ class EngineStats:
             "transfers_in": dict(self.transfers_in),
             "transfers_out": self.transfers_out,
             "prefix_cache": self.prefix.summary(),
+            "batch_cap": self.batch_cap.summary(),
             "backup_seconds_total": round(self.backup_seconds.sum, 6),
             "restore_seconds_total": round(self.restore_seconds.sum, 6),
             "histograms": {
