@@ -7,12 +7,14 @@ batch, nor on retraction, transfer or migration.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from hyrax.actors.engine.plan import SamplingSpec
+from hyrax.actors.model.batch import upload
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
@@ -34,39 +36,51 @@ def uniform(seed: int, draw: int) -> float:
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (draw & _MASK64)) >> 11) * 2.0**-53
 
 
-def filter_logits(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
-    """logits: (R, V) float; per row top_k (0: off) and top_p (1: off). Returns the logits with
-    the tokens outside each row's top-k (every token tied with the k-th value kept) and then
-    outside its nucleus set to -inf. Top-k needs no sort (a threshold from one `topk`); only
-    rows' nucleus needs one, over the batch at once, after top-k emptied most of each row."""
-    R, V = logits.shape
-    dev, x = logits.device, logits
-    ks = [k if 0 < k < V else 0 for k in top_k]
-    if any(ks):
-        top = torch.topk(x, max(ks), dim=-1).values  # (R, kmax), descending
-        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev).unsqueeze(1))
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev).unsqueeze(1), float("-inf"))
+@dataclass(frozen=True)
+class RowFilters:
+    """Each sampled row's top-k and top-p on the device, with what the host knows of them."""
+
+    top_k: torch.Tensor  # (R,) long, 0: off (also where k >= vocab)
+    top_p: torch.Tensor  # (R,) float, 1: off
+    k_max: int  # the largest top_k, 0 when no row keeps a top-k
+    p_any: bool  # some row's top_p < 1
+
+    @property
+    def active(self) -> bool:
+        return bool(self.k_max) or self.p_any
+
+
+def filter_logits(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
+    """logits: (R, V) float. Returns the logits with the tokens outside each row's top-k
+    (every token tied with the k-th value kept) and then outside its nucleus set to -inf.
+    Top-k needs no sort (a threshold from one `topk`); only rows' nucleus needs one, over the
+    batch at once, after top-k emptied most of each row. No host sync."""
+    x = logits
+    if f.k_max:
+        top = torch.topk(x, f.k_max, dim=-1).values  # (R, kmax), descending
+        kth = top.gather(1, (f.top_k - 1).clamp(min=0).unsqueeze(1))
+        kth = kth.masked_fill((f.top_k == 0).unsqueeze(1), float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
-    if all(p >= 1.0 for p in top_p):
+    if not f.p_any:
         return x
     ordered, order = torch.sort(x, dim=-1, descending=True)
     probs = torch.softmax(ordered, dim=-1)
     # drop a token when the mass before it already reaches top_p (always keep the first)
-    drop = (torch.cumsum(probs, dim=-1) - probs) >= torch.tensor(top_p, dtype=x.dtype, device=dev).unsqueeze(1)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= f.top_p.to(x.dtype).unsqueeze(1)
     drop[:, 0] = False
     return torch.empty_like(x).scatter_(1, order, ordered.masked_fill(drop, float("-inf")))
 
 
 def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                top_k: Sequence[int] = (), top_p: Sequence[float] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                filters: RowFilters | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, V) logits -> (R,) tokens drawn by inverting each row's CDF (in token-id order) at
-    its `u` (R,) after temperature, top-k and top-p (empty: no row filters), and (R,)
+    its `u` (R,) after temperature, top-k and top-p (None: no row filters), and (R,)
     whether the row's distribution was usable (finite and not empty; the caller takes the
     most likely token for the others). No host sync."""
     V = logits.shape[-1]
     x = logits / temperature.unsqueeze(1)
-    if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
-        x = filter_logits(x, top_k, top_p)
+    if filters is not None and filters.active:
+        x = filter_logits(x, filters)
     probs = torch.softmax(x, dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
@@ -95,35 +109,42 @@ def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: l
     rows = [i for i, s in enumerate(specs) if s.process is not None]
     if not rows:
         return x
-    V, dev = x.shape[1], x.device
+    R, V, dev = len(rows), x.shape[1], x.device
     procs = [specs[i].process for i in rows]
     hs = [np.asarray(histories[i], dtype=np.int64) for i in rows]
     outs = [h[len(h) - specs[i].draw:] for h, i in zip(hs, rows)]
-
-    def counts(per_row: list[np.ndarray]) -> torch.Tensor:
-        """(R, V) occurrences of each token in each row's ids: one bincount over row * V + id."""
-        flat = np.concatenate([k * V + ids for k, ids in enumerate(per_row)])
-        return torch.bincount(torch.from_numpy(flat).to(dev), minlength=len(rows) * V).view(len(rows), V)
-
-    def tensor(v: list, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(v, dtype=dtype, device=dev)
-
-    def col(v: list[float]) -> torch.Tensor:  # (R, 1) per-row scalars
-        return tensor(v, x.dtype).unsqueeze(1)
-
     banned = [sorted(set(p.suppress) | (set() if p.ignore_eos else set(eos))) if specs[i].draw < p.min_tokens else []
               for p, i in zip(procs, rows)]
-    sub = x[tensor(rows)]  # (R, V)
-    sub.index_put_((tensor([k for k, p in enumerate(procs) for _ in p.bias]), tensor([t for p in procs for t, _ in p.bias])),
-                   tensor([b for p in procs for _, b in p.bias], x.dtype), accumulate=True)
-    sub.index_put_((tensor([k for k, ts in enumerate(banned) for _ in ts]), tensor([t for ts in banned for t in ts])),
-                   tensor(float("-inf"), x.dtype))
-    rep = col([p.repetition for p in procs])
-    sub = torch.where(counts(hs) > 0, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    out = counts(outs).to(x.dtype)
-    sub = sub - col([p.frequency for p in procs]) * out - col([p.presence for p in procs]) * (out > 0).to(x.dtype)
-    x[tensor(rows)] = sub
-    return x
+    # every number the processing needs, in one float64 host array (ids and counts are exact
+    # there), moved in one copy; positions in the (R, V) rows are flattened to k * V + token
+    host = {
+        "rows": rows, "repetition": [p.repetition for p in procs], "frequency": [p.frequency for p in procs],
+        "presence": [p.presence for p in procs],
+        "bias_at": [k * V + t for k, p in enumerate(procs) for t, _ in p.bias], "bias": [b for p in procs for _, b in p.bias],
+        "banned_at": [k * V + t for k, ts in enumerate(banned) for t in ts],
+        "seen_at": np.concatenate([k * V + ids for k, ids in enumerate(hs)]),
+        "out_at": np.concatenate([k * V + ids for k, ids in enumerate(outs)]),
+    }
+    parts = [np.asarray(v, dtype=np.float64) for v in host.values()]
+    moved = upload(torch.from_numpy(np.concatenate(parts)), dev)
+    d = dict(zip(host, moved.split([len(v) for v in parts])))
+
+    def counts(at: torch.Tensor) -> torch.Tensor:
+        """(R, V) occurrences of each token in each row: one index_add over row * V + id (a
+        bincount would read its largest value back to size its output)."""
+        return torch.zeros(R * V, dtype=x.dtype, device=dev).index_add_(
+            0, at.long(), torch.ones(at.shape[0], dtype=x.dtype, device=dev)).view(R, V)
+
+    idx = d["rows"].long()
+    flat = x.index_select(0, idx).view(-1)  # (R * V,)
+    flat.index_add_(0, d["bias_at"].long(), d["bias"])
+    flat.index_fill_(0, d["banned_at"].long(), float("-inf"))
+    sub = flat.view(R, V)
+    rep = d["repetition"].unsqueeze(1)
+    sub = torch.where(counts(d["seen_at"]) > 0, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    out = counts(d["out_at"])
+    sub = sub - d["frequency"].unsqueeze(1) * out - d["presence"].unsqueeze(1) * (out > 0).to(x.dtype)
+    return x.index_copy_(0, idx, sub)
 
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None] | None = None,
@@ -136,19 +157,21 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequ
         return []
     logits = process_logits(logits, specs, histories or [None] * len(specs), eos)
     if allowed is not None:
-        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        logits = logits.masked_fill(~upload(allowed, logits.device), float("-inf"))
     out = torch.argmax(logits, dim=-1)
     # greedy rows (also temperatures so small the division would overflow) keep the argmax
     rows = [i for i, s in enumerate(specs) if s.temperature >= GREEDY_BELOW]
     if rows:
-        dev = logits.device
+        V = logits.shape[-1]
         chosen = [specs[i] for i in rows]
-        idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        tok, ok = draw_tokens(
-            logits[idx],
-            torch.tensor([s.temperature for s in chosen], dtype=logits.dtype, device=dev),
-            torch.tensor([uniform(s.seed, s.draw) for s in chosen], dtype=torch.float64, device=dev),
-            [s.top_k for s in chosen], [s.top_p for s in chosen])
+        ks = [s.top_k if 0 < s.top_k < V else 0 for s in chosen]
+        # one copy for every sampled row's parameters: row, temperature, uniform number, top-k
+        # and top-p (float64 holds each exactly), split into columns on the device
+        cols = upload(torch.tensor([[i, s.temperature, uniform(s.seed, s.draw), k, s.top_p]
+                                    for i, s, k in zip(rows, chosen, ks)], dtype=torch.float64), logits.device)
+        idx = cols[:, 0].long()
+        filters = RowFilters(cols[:, 3].long(), cols[:, 4], max(ks), any(s.top_p < 1.0 for s in chosen))
+        tok, ok = draw_tokens(logits[idx], cols[:, 1].to(logits.dtype), cols[:, 2], filters)
         out[idx] = torch.where(ok, tok, out[idx])  # a degenerate distribution: the most likely token
     return out.tolist()
 

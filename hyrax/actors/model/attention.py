@@ -120,10 +120,10 @@ class Attention(nn.Module):
             q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         idx = batch.attn[self.component]
         pool = pools[self.component][self.local_layer]
-        valid = idx.write_rows >= 0
-        rows = idx.write_rows[valid]
-        pool[rows, 0] = k[valid].to(pool.dtype)
-        pool[rows, 1] = v[valid].to(pool.dtype)
+        # the real tokens' K/V, (N, 2, kv_heads, head_dim), into their rows: index tensors made
+        # once per step on the host (no boolean mask here, whose size only the device knows)
+        kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd).index_select(0, batch.token_index)
+        pool[idx.write_rows] = kv.to(pool.dtype)
         out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
         if self.output_gate:
             out = out * torch.sigmoid(gate)

@@ -99,16 +99,14 @@ class FlashPaged:
         paged = pool.view(rows // page, page, 2, kvh, D)
         k_cache, v_cache = paged[:, :, 0], paged[:, :, 1]  # strided views; last dim contiguous
         cu_q, cu_k = batch.cu_seqlens
-        packed = q[batch.q_valid]  # (total, H, D), request by request, in token order
+        packed = q.reshape(B * T, H, D).index_select(0, batch.token_index)  # (N, H, D), request by request
         out = self.kernel(
             packed, k_cache, v_cache, cu_q, cu_k, T, batch.max_context,
             softmax_scale=scale, causal=True,
             window_size=(window - 1, 0) if window is not None else (-1, -1),
             block_table=idx.block_table,
         )
-        full = q.new_zeros(B, T, H, D)
-        full[batch.q_valid] = out
-        return full
+        return q.new_zeros(B * T, H, D).index_copy_(0, batch.token_index, out).view(B, T, H, D)
 
     def check_page_size(self, page_size: int) -> None:
         if page_size % FLASH_PAGE_MULTIPLE:

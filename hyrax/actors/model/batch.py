@@ -4,6 +4,10 @@ A step mixes prefill chunks and decode tokens of many requests. Requests are pad
 longest slice `T` of the step (decode-only steps have T == 1); every per-token tensor is
 (B, T) and carries `q_valid` for the padding. Paged components read and write rows of
 their pool through row indices computed here, in torch, from each request's page table.
+
+Everything is computed on the host (where the request data is; reading a size or checking a
+page costs nothing there) and goes to the device in one copy (`to_device`): on a GPU the
+step's forward then never waits for the host, nor the host for it, until the tokens are read.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ KV_TILE_ROWS = 256
 
 @dataclass
 class AttnIndex:
-    write_rows: torch.Tensor  # (B, T) pool row of each new token, -1 for padding
+    write_rows: torch.Tensor  # (N,) pool row of each of the step's N tokens, in `ForwardBatch.token_index` order
     read_rows: torch.Tensor  # (B, K) pool row of each visible key, 0 where invalid
     key_pos: torch.Tensor  # (B, K) token position of each key
     key_valid: torch.Tensor  # (B, K) bool
@@ -59,6 +63,7 @@ class ForwardBatch:
     positions: torch.Tensor  # (B, T) long
     q_valid: torch.Tensor  # (B, T) bool
     q_lens: torch.Tensor  # (B,) long
+    token_index: torch.Tensor  # (N,) long: position in the flattened (B * T) of each real token, in order
     attn: dict[str, AttnIndex]
     slots: dict[str, torch.Tensor]  # slot component -> (B,) long
     page_size: int
@@ -92,26 +97,56 @@ def _ragged(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, by a copy the host does not wait for: `non_blocking` from
+    pinned memory on CUDA (a copy from pageable memory waits for the stream first)."""
+    device = torch.device(device)
+    if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def to_device(host: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The same tensors (long or bool, any shapes) on `device`, moved in ONE copy: packed into
+    one int64 host buffer (pinned on CUDA), `upload`ed, and split there into views (bool
+    fields converted on the device)."""
+    device = torch.device(device)
+    flat = [t.reshape(-1) for t in host.values()]
+    buf = torch.empty(sum(t.numel() for t in flat), dtype=torch.long, pin_memory=device.type == "cuda")
+    torch.cat(flat, out=buf)
+    moved = upload(buf, device)
+    out, at = {}, 0
+    for (name, t), f in zip(host.items(), flat):
+        view = moved[at:at + f.numel()].view(t.shape)
+        out[name] = view.bool() if t.dtype == torch.bool else view
+        at += f.numel()
+    return out
+
+
 def build_forward_batch(
     seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
+    """The step's batch on `device`, computed on the host and moved in one copy (`to_device`)."""
     if not seqs:
         raise ValueError("empty batch")
-    B = len(seqs)
-    q_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.long)
+    lens = [len(s.token_ids) for s in seqs]
+    contexts = [s.start + n for s, n in zip(seqs, lens)]  # tokens in context after this step
+    q_lens = torch.tensor(lens, dtype=torch.long)
     starts = torch.tensor([s.start for s in seqs], dtype=torch.long)
-    T = int(q_lens.max())
+    T, max_context = max(lens), max(contexts)
     ar_t = torch.arange(T)
     q_valid = ar_t[None, :] < q_lens[:, None]
     positions = torch.where(q_valid, starts[:, None] + ar_t[None, :], torch.zeros((), dtype=torch.long))
-    ids = _ragged([s.token_ids for s in seqs], T, 0)
-    ctx = starts + q_lens  # tokens in context after this step
-    max_tiles = -(-int(ctx.max()) // KV_TILE_ROWS)
-    attn: dict[str, AttnIndex] = {}
-    slots: dict[str, torch.Tensor] = {}
+    token_index = q_valid.reshape(-1).nonzero().reshape(-1)  # on the host: no device sync
+    ctx = torch.tensor(contexts, dtype=torch.long)
+    host = {"input_ids": _ragged([s.token_ids for s in seqs], T, 0), "positions": positions, "q_valid": q_valid,
+            "q_lens": q_lens, "token_index": token_index, "context_lens": ctx}
+    max_tiles = -(-max_context // KV_TILE_ROWS)
+    slot_names, paged = [], []
     for comp in components:
         if not comp.paged:
-            slots[comp.name] = torch.tensor([s.slots[comp.name] for s in seqs], dtype=torch.long, device=device)
+            host[comp.name] = torch.tensor([s.slots[comp.name] for s in seqs], dtype=torch.long)
+            slot_names.append(comp.name)
             continue
         tables = [s.page_tables[comp.name] for s in seqs]
         n_pages = max(1, max(map(len, tables)))
@@ -132,17 +167,20 @@ def build_forward_batch(
         K = int(n_keys.max())
         key_pos = read_start[:, None] + torch.arange(K)[None, :]
         key_valid = torch.arange(K)[None, :] < n_keys[:, None]
-        read_rows = rows_at(key_pos, key_valid).clamp(min=0)
-        attn[comp.name] = AttnIndex(
-            write_rows=rows_at(positions, q_valid).to(device),
-            read_rows=read_rows.to(device),
-            key_pos=key_pos.to(device),
-            key_valid=key_valid.to(device),
-            page_table=pt.to(device),
-            block_cols=-(-max_tiles * KV_TILE_ROWS // page_size),
-        )
+        paged.append(comp.name)
+        host.update({
+            f"{comp.name}.write_rows": rows_at(positions, q_valid).reshape(-1)[token_index],
+            f"{comp.name}.read_rows": rows_at(key_pos, key_valid).clamp(min=0),
+            f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
+        })
+    dev = to_device(host, device)
+    attn = {name: AttnIndex(
+        write_rows=dev[f"{name}.write_rows"], read_rows=dev[f"{name}.read_rows"], key_pos=dev[f"{name}.key_pos"],
+        key_valid=dev[f"{name}.key_valid"], page_table=dev[f"{name}.page_table"],
+        block_cols=-(-max_tiles * KV_TILE_ROWS // page_size),
+    ) for name in paged}
     return ForwardBatch(
-        input_ids=ids.to(device), positions=positions.to(device), q_valid=q_valid.to(device),
-        q_lens=q_lens.to(device), attn=attn, slots=slots,
-        page_size=page_size, context_lens=ctx.to(device), max_context=int(ctx.max()),
+        input_ids=dev["input_ids"], positions=dev["positions"], q_valid=dev["q_valid"], q_lens=dev["q_lens"],
+        token_index=dev["token_index"], attn=attn, slots={name: dev[name] for name in slot_names},
+        page_size=page_size, context_lens=dev["context_lens"], max_context=max_context,
     )

@@ -140,6 +140,7 @@ class HybridModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = Rope(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, dtype, device)  # runs where the model runs
+        self.rope_freqs = self.rope.freqs  # a submodule: its buffer moves with the weights
         self.requires_grad_(False)
 
     @property
