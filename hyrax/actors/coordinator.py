@@ -23,6 +23,7 @@ from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.gateway_leases import GatewayLeases
+from hyrax.actors.engine.memory_budget import agree, with_capacities
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.loop import EngineLoop
 from hyrax.actors.engine.step_feed import Sink
@@ -53,7 +54,9 @@ class RoleCoordinator:
         self.healthy = False
         self.restarts = 0
         self.last_error: str | None = None
+        self.memory: list[str] = []  # what each rank measured (--gpu-memory-fraction), for health
         self._start_ranks()
+        config = self.config  # with --gpu-memory-fraction: the capacities the ranks agreed on
         # the ranks resolved `auto` for the device they run on: the pools hold that dtype
         comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[self.dtype])
         sizes = pool_sizes_for(comps, config)
@@ -85,6 +88,12 @@ class RoleCoordinator:
         addr = ray.get(ranks[0].dist_address.remote(), timeout=self.rank_timeout_s) if self.tp_size > 1 else None
         infos = ray.get([r.setup.remote(self.model_dir, self.config, addr) for r in ranks],
                         timeout=max(self.rank_timeout_s, 300))
+        if self.config.gpu_memory_fraction is not None:
+            # every rank measured its device: all take the smallest capacities, so every rank's
+            # pools have the same shapes; replacement ranks are then built with these sizes
+            self.memory = [i["memory"] for i in infos]
+            self.config = with_capacities(self.config, agree([i["capacities"] for i in infos]))
+            ray.get([r.allocate.remote(self.config) for r in ranks], timeout=max(self.rank_timeout_s, 300))
         self.ranks[:] = ranks
         self.device = infos[0]["device"]
         self.attention_backend = infos[0]["attention_backend"]
@@ -213,7 +222,7 @@ class RoleCoordinator:
                 "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
                 "gateway_leases": self.gateways.summary(),
-                "device": self.device, "attention_backend": self.attention_backend}
+                "device": self.device, "attention_backend": self.attention_backend, "memory": self.memory}
 
     def stats(self) -> dict:
         return self.loop.stats()

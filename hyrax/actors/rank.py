@@ -18,6 +18,7 @@ import ray
 import torch
 
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.memory_budget import measured_capacities
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
 from hyrax.actors.model.hybrid import resolve_dtype
@@ -45,24 +46,40 @@ class RankWorker:
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     def setup(self, model_dir: str, config: EngineConfig, dist_address: str | None) -> dict:
-        allreduce, broadcast = _identity, None
+        """Load this rank's shard and join the group. With `config.gpu_memory_fraction` the
+        pools wait: the rank measures its device and answers the capacities it could hold
+        ("capacities", "memory"); the coordinator agrees on the smallest over its ranks and calls
+        `allocate`. Otherwise the pools are allocated now, as `config` sizes them."""
+        allreduce, self._broadcast = _identity, None
         if self.tp.size > 1:
             self._join_group(dist_address)
             group = ReplicaGroup(self.device)
-            allreduce, broadcast = group.all_reduce, group.broadcast_tokens
+            allreduce, self._broadcast = group.all_reduce, group.broadcast_tokens
         dtype = resolve_dtype(config.dtype, self.device)
-        model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend)
-        comps = model.components
+        self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend)
+        self._model_dir = model_dir
+        info = {"rank": self.tp.rank, "device": str(self.device),
+                "attention_backend": self._model.attention_backend_name, "dtype": str(dtype).removeprefix("torch.")}
+        if config.gpu_memory_fraction is None:
+            return info | self.allocate(config)
+        query = None
+        if config.faults.stand_in_memory:  # test-only (allow_unsafe): a stand-in device
+            from hyrax.testing.memory import stand_in_memory
+            query = stand_in_memory(config.faults, self.tp.rank)
+        caps, m = measured_capacities(self._model, config, query, self.tp.rank, self.device, self._broadcast)
+        return info | {"capacities": caps, "memory": m.describe()}
+
+    def allocate(self, config: EngineConfig) -> dict:
+        """This rank's shard of every pool, as `config`'s capacities size them."""
+        comps = self._model.components
         sizes = pool_sizes_for(comps, config)
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
-        self.runtime = make_rank_runtime(model, sizes, host, self.tp.rank, config.faults, self.device, broadcast,
-                                   tokenizer_dir=model_dir)
+        self.runtime = make_rank_runtime(self._model, sizes, host, self.tp.rank, config.faults, self.device,
+                                         self._broadcast, tokenizer_dir=self._model_dir)
         if config.faults.out_of_memory:  # test-only (allow_unsafe), chosen once here
             from hyrax.testing.oom import with_oom_fault
             self.runtime = with_oom_fault(self.runtime, config.faults, self.tp.rank)
-        return {"rank": self.tp.rank, "device": str(self.device), "attention_backend": model.attention_backend_name,
-                "dtype": str(dtype).removeprefix("torch."),
-                "pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
+        return {"pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
 
     def _join_group(self, dist_address: str) -> None:
         """Join the replica's torch.distributed group. Every socket it listens on is bound to

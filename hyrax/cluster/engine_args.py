@@ -6,6 +6,9 @@ import argparse
 
 from hyrax.actors.engine.config import ATTENTION_BACKENDS, BACKUP_MODES, EngineConfig, UnsafeFaults
 
+KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
+SLOTS_DEFAULT = EngineConfig.mamba_slots
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -13,11 +16,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="model dtype; auto = float32 on the CPU, bfloat16 on CUDA (float16 on GPUs before "
                         "compute capability 8.0)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (default 16)")
-    g.add_argument("--kv-capacity-tokens", type=int, default=8192,
-                   help="K/V pool capacity per attention component, in tokens (default 8192)")
+    # default None: whether a capacity was given explicitly matters with --gpu-memory-fraction
+    g.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help=f"K/V pool capacity per attention component, in tokens (default {KV_DEFAULT})")
     g.add_argument("--swa-capacity-tokens", type=int, default=None,
                    help="sliding-window K/V capacity in tokens (default: --kv-capacity-tokens)")
-    g.add_argument("--mamba-slots", type=int, default=64, help="Mamba state slots (default 64)")
+    g.add_argument("--mamba-slots", type=int, default=None, help=f"Mamba state slots (default {SLOTS_DEFAULT})")
+    g.add_argument("--gpu-memory-fraction", type=float, default=None, metavar="F",
+                   help="size the pools from the GPU's memory: after the weights load and a profiling forward at "
+                        "--max-batch-tokens / --max-running measures the activation peak, the pools get F x total "
+                        "memory - what is in use - that peak, shared in the ratio of the three capacities above; "
+                        "a capacity given explicitly keeps its value (as vLLM's --gpu-memory-utilization; "
+                        "CUDA only, 0 < F <= 1)")
     g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens per request per step")
@@ -63,9 +73,13 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         corrupt_backup_component=a.unsafe_corrupt_backup_component,
         disable_verification=a.unsafe_disable_verification,
     )
+    given = {"kv_capacity_tokens": a.kv_capacity_tokens, "swa_capacity_tokens": a.swa_capacity_tokens,
+             "mamba_slots": a.mamba_slots}
     return EngineConfig(
-        page_size=a.page_size, kv_capacity_tokens=a.kv_capacity_tokens, swa_capacity_tokens=a.swa_capacity_tokens,
-        mamba_slots=a.mamba_slots, max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
+        page_size=a.page_size, kv_capacity_tokens=KV_DEFAULT if a.kv_capacity_tokens is None else a.kv_capacity_tokens,
+        swa_capacity_tokens=a.swa_capacity_tokens,
+        mamba_slots=SLOTS_DEFAULT if a.mamba_slots is None else a.mamba_slots,
+        gpu_memory_fraction=a.gpu_memory_fraction, fixed_capacities=tuple(k for k, v in given.items() if v is not None), max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
         prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,

@@ -7,6 +7,7 @@ from hyrax.actors.model.attn_backends import BACKENDS as ATTENTION_BACKENDS
 from hyrax.actors.model.errors import HyraxInputError
 
 BACKUP_MODES = ("cpu_tensor", "host_pool", "recompute")
+CAPACITY_FIELDS = ("kv_capacity_tokens", "swa_capacity_tokens", "mamba_slots")  # what --gpu-memory-fraction sizes
 
 
 
@@ -25,6 +26,8 @@ class UnsafeFaults:
     oom_above_tokens / oom_above_requests: a rank runs a step that has more than this many
         tokens / requests (writing their state), then raises `torch.OutOfMemoryError`, as a
         forward that ran out of memory part-way would (0: off; hyrax.testing.oom).
+    stand_in_memory: per TP rank, (total, used, activation peak) bytes of a stand-in device that
+        `--gpu-memory-fraction` sizes the pools from instead of the real one (hyrax.testing.memory).
     """
 
     skip_backup_component: str | None = None
@@ -35,6 +38,7 @@ class UnsafeFaults:
     step_error_at_context: int = 0
     oom_above_tokens: int = 0
     oom_above_requests: int = 0
+    stand_in_memory: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         for name in ("oom_above_tokens", "oom_above_requests"):
@@ -45,7 +49,7 @@ class UnsafeFaults:
     def any(self) -> bool:
         return bool(self.skip_backup_component or self.restore_into_old_indices
                     or self.corrupt_backup_component or self.disable_verification or self.step_error_at_context
-                    or self.out_of_memory)
+                    or self.out_of_memory or self.stand_in_memory)
 
     @property
     def out_of_memory(self) -> bool:
@@ -93,6 +97,11 @@ class EngineConfig:
     prefix_cache: bool = True
     mamba_track_interval: int = 64  # checkpoint the recurrent state every N tokens (a multiple of page_size)
     mamba_checkpoint_slots: int = 0  # checkpoint pool per recurrent component; 0: 3 x mamba_slots
+    # pools sized from free device memory (memory_budget.py): F * total - used - activation peak,
+    # shared in the proportions of the capacities above; those named in fixed_capacities keep
+    # their values (the CLI names the flags given explicitly)
+    gpu_memory_fraction: float | None = None
+    fixed_capacities: tuple[str, ...] = ()
 
     @property
     def caches_prefixes(self) -> bool:
@@ -132,5 +141,11 @@ class EngineConfig:
                                   f"({self.page_size}), got {self.mamba_track_interval}")
         if self.mamba_checkpoint_slots < 0:
             raise HyraxInputError("mamba-checkpoint-slots must be >= 0 (0 = 3 x mamba-slots)")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise HyraxInputError(f"gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        unknown = sorted(set(self.fixed_capacities) - set(CAPACITY_FIELDS))
+        if unknown:
+            raise HyraxInputError(f"fixed_capacities names {', '.join(unknown)}; the capacities are "
+                                  f"{', '.join(CAPACITY_FIELDS)}")
         if self.prefill_chunk > self.max_batch_tokens:
             raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")

@@ -6,6 +6,7 @@ import torch
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import LocalExecutor
+from hyrax.actors.engine.memory_budget import MemoryQuery, sized_config
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.rank_runtime import make_rank_runtime
 from hyrax.actors.model.hybrid import HybridModel, resolve_dtype
@@ -13,8 +14,13 @@ from hyrax.actors.model.loader import load_model
 
 
 def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
-                     device: str | torch.device = "cpu", tokenizer_dir: str | None = None) -> Engine:
-    """`tokenizer_dir`: where tokenizer.json is, for structured output (None: byte tokens)."""
+                     device: str | torch.device = "cpu", tokenizer_dir: str | None = None,
+                     memory: MemoryQuery | None = None) -> Engine:
+    """`tokenizer_dir`: where tokenizer.json is, for structured output (None: byte tokens).
+    With `config.gpu_memory_fraction`, the pools are sized from `device`'s memory (`memory`:
+    its query; None: the device's own, CUDA only)."""
+    if config.gpu_memory_fraction is not None:
+        config, _ = sized_config(model, config, memory, 0, device)
     comps = model.components
     sizes = pool_sizes_for(comps, config)
     host = host_pool_rows(comps, sizes, config.host_pool_mb)
