@@ -27,8 +27,9 @@ class StandInDevice(StandInMemory):
     """The test-only stand-in device (`total` bytes, `used` taken, a profile peaking at `peak`),
     which also records the model's forwards between start_peak and peak_since_start."""
 
-    def __init__(self, total: int, used: int, peak: int, model=None):
+    def __init__(self, total: int, used: int, peak: int, model=None, oom_above_tokens: int = 0):
         super().__init__(total, used, peak)
+        self.oom_above_tokens = oom_above_tokens  # a profiling forward this big runs out of memory
         self.profiled: list[tuple[int, int]] = []  # (sequences, tokens) of each forward while measuring
         self._measuring = False
         self._hook = model.register_forward_pre_hook(self._forward) if model is not None else None
@@ -44,6 +45,8 @@ class StandInDevice(StandInMemory):
         if self._measuring:
             batch = args[0]
             self.profiled.append((batch.num_seqs, int(batch.q_lens.sum())))
+            if self.oom_above_tokens and self.profiled[-1][1] > self.oom_above_tokens:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     def start_peak(self):
         super().start_peak()
@@ -127,6 +130,13 @@ def test_impossible_budgets_are_errors_naming_the_numbers():
     device = StandInDevice(1000 * MiB, 900 * MiB, 5 * MiB)
     with pytest.raises(HyraxInputError, match=r"gpu-memory-fraction 0.5 of 0.98 GiB.*0.88 GiB in use"):
         engine_for_model(model, _config(gpu_memory_fraction=0.5), memory=device)
+
+
+def test_a_profile_that_runs_out_of_memory_names_the_flags_that_set_it():
+    model = tiny_model(HYBRID, torch.float64)
+    with StandInDevice(1000 * MiB, 0, 0, model, oom_above_tokens=16) as device:
+        with pytest.raises(HyraxInputError, match=r"profiling forward .*--max-batch-tokens 32.*ran out of device memory"):
+            engine_for_model(model, _config(gpu_memory_fraction=0.5, deterministic=False), memory=device)
 
 
 def test_without_cuda_or_a_query_the_fraction_is_an_error_never_ignored():

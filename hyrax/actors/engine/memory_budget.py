@@ -141,8 +141,14 @@ def measure(model, config: EngineConfig, query: MemoryQuery, rank: int = 0, devi
     sizes, plans = profile_plans(model.components, config)
     runtime = make_rank_runtime(model, sizes, {}, rank, UnsafeFaults(), device, broadcast)
     query.start_peak()
-    for plan in plans:
-        runtime.execute(plan)
+    try:
+        for plan in plans:
+            runtime.execute(plan)
+    except torch.OutOfMemoryError as e:
+        raise HyraxInputError(f"the profiling forward at the biggest step (--max-batch-tokens "
+                              f"{config.max_batch_tokens}, --prefill-chunk {config.prefill_chunk}, --max-running "
+                              f"{config.max_running}) ran out of device memory before any pool was allocated; "
+                              f"lower them: {str(e).splitlines()[0] if str(e) else 'out of memory'}") from None
     peak = query.peak_since_start()
     del runtime  # its pools go before the device is read
     free, total = query.free_total()
