@@ -17,7 +17,12 @@ bytes. Every check in the state paths uses it, on whichever side the bytes are:
 """
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from hyrax.actors.engine.state_hash import state_hash
 from hyrax.actors.model.state import ComponentSpec
@@ -74,3 +79,52 @@ class Manifest:
                 for n, r in self.components.items()
             },
         }
+
+
+# ---- what one rank exports: its rows of every component in one byte buffer ---------------------
+
+PART_ALIGN = 64  # each part starts on a 64-byte boundary: its int64 words are aligned views
+
+
+@dataclass(frozen=True)
+class ShardPart:
+    """Where one component lies in a `StateShard`'s buffer."""
+
+    offset: int  # bytes from the buffer's start
+    shape: tuple[int, ...]  # (layers, rows, *unit)
+    dtype: str  # a torch dtype's name ("bfloat16")
+    shard_index: tuple[int, ...]  # global indices this rank holds along the component's sharded dim
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """One rank's exported state (PD hand-off, migration): every component's rows back to back
+    in one contiguous uint8 buffer, and a small typed header. A numpy buffer is what Ray's object
+    store serialises out of band and hands to the reader without a copy (a read-only view of
+    shared memory): nothing of the state is pickled."""
+
+    buffer: np.ndarray  # (nbytes,) uint8
+    parts: dict[str, ShardPart]
+
+    @staticmethod
+    def layout(parts: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, ShardPart], int]:
+        """component -> (shape, dtype, shard_index) -> (the parts at aligned offsets, buffer bytes)."""
+        out, end = {}, 0
+        for name, (shape, dtype, index) in parts.items():
+            start = -(-end // PART_ALIGN) * PART_ALIGN
+            out[name] = ShardPart(start, tuple(shape), str(dtype).removeprefix("torch."), tuple(index))
+            end = start + out[name].nbytes
+        return out, end
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The component's rows (layers, rows, *unit): a view of the buffer, not a copy. The
+        buffer Ray hands over is read-only: the view must only be read."""
+        p = self.parts[name]
+        with warnings.catch_warnings():  # torch warns about views of read-only numpy memory
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.buffer[p.offset:p.offset + p.nbytes])
+        return raw.view(getattr(torch, p.dtype)).view(p.shape)

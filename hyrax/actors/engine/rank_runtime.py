@@ -15,6 +15,7 @@ import torch
 from hyrax.actors.engine.config import UnsafeFaults
 from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.host_buffers import HostBuffers
+from hyrax.actors.engine.manifest import StateShard
 from hyrax.actors.engine.moves import Location, Place
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
@@ -177,7 +178,7 @@ class RankRuntime:
         return self.model(batch, self.pools)
 
     # ---- state moves: save and load over a location ----------------------------------------
-    def save(self, req_id: str, rows: Rows, location: Location) -> tuple[dict[str, int], dict | None]:
+    def save(self, req_id: str, rows: Rows, location: Location) -> tuple[dict[str, int], StateShard | None]:
         """Copy the request's `rows` of every component to `location`. Returns (checksum per
         component, this rank's shard for OBJECT_STORE, else None)."""
         if location.place == Place.OBJECT_STORE:
@@ -203,8 +204,10 @@ class RankRuntime:
         """data: a component's saved rows (layers, rows, *unit), just checksummed."""
 
     def _idx(self, rows: list[int], device: torch.device | str | None = None) -> torch.Tensor:
-        """Row indices as a tensor: indexing with one is ~15x faster than with a Python list."""
-        return torch.as_tensor(rows, dtype=torch.long, device=self.device if device is None else device)
+        """Row indices as a tensor: indexing with one is ~15x faster than with a Python list;
+        numpy reads a list of ints ~2.5x faster than torch.as_tensor (1,024 rows, one core)."""
+        t = torch.from_numpy(np.fromiter(rows, dtype=np.int64, count=len(rows)))
+        return t.to(self.device if device is None else device)
 
     def _sync(self) -> None:
         # the stream that produced the state must finish before bytes are read or freed
@@ -270,52 +273,75 @@ class RankRuntime:
         return dict(zip(written, self.hash.many(list(written.values()))))
 
     # ---- transfer (PD hand-off, migration) -------------------------------------------------
-    def _export(self, rows: Rows) -> tuple[dict[str, int], dict]:
-        """This rank's shard of every component of a request, for another replica to import.
-
-        Returns (state hashes, computed on the device, payload); the payload names the global
-        indices it holds along each component's sharded dimension, so the importer can re-shard
-        to its own TP layout.
+    def _export(self, rows: Rows) -> tuple[dict[str, int], StateShard]:
+        """This rank's shard of every component of a request, for another replica to import:
+        the rows gathered straight into one host byte buffer (`StateShard`), hashed where they
+        are (on the device). Returns (state hash per component, the shard); the shard's header
+        names the global indices it holds along each component's sharded dimension, so the
+        importer can re-shard to its own TP layout.
         """
         self._sync()
         saving = self._saving()
-        rows_on_device = [self.pools[c.name].index_select(1, self._idx(rows[c.name])) for c in saving]
-        sums = {c.name: h for c, h in zip(saving, self.hash.many(rows_on_device))}
-        data = {c.name: t.cpu() for c, t in zip(saving, rows_on_device)}
-        for name, t in data.items():
+        idx = {c.name: self._idx(rows[c.name]) for c in saving}
+        parts, nbytes = StateShard.layout({
+            c.name: ((self.pools[c.name].shape[0], len(idx[c.name]), *self.pools[c.name].shape[2:]),
+                     self.pools[c.name].dtype, c.shard_index) for c in saving})
+        shard = StateShard(np.empty(nbytes, dtype=np.uint8), parts)
+        views = {c.name: shard.tensor(c.name) for c in saving}
+        hashed = [self._gather(self.pools[c.name], idx[c.name], views[c.name]) for c in saving]
+        sums = dict(zip(views, self.hash.many(hashed)))
+        for name, t in views.items():
             self._checksummed(name, t)
-        layout = {c.name: list(c.shard_index) for c in self.components}
-        return sums, {"data": data, "layout": layout}
+        return sums, shard
 
-    def _import(self, rows: Rows, expect: dict[int, dict[str, int]], shards: tuple[dict, ...]) -> dict:
-        """Assemble each component from the exporter's shards (verifying each shard's state
-        hash, on the host where the shards arrived), keep this rank's slice, write it into
-        `rows`, and hash the written rows on the device.
+    def _import(self, rows: Rows, expect: dict[int, dict[str, int]], shards: tuple[StateShard, ...]) -> dict:
+        """Write each component's slice for this rank into `rows` and hash the written rows on
+        the device: {component: [hash of the written rows, hash of the slice meant to be
+        written]}, or {component: "error ..."}; a component some shard lacks is left out.
 
-        Returns {component: [hash of the written rows, hash of the slice meant to be written]},
-        or {component: "error ..."}; a component some shard lacks is left out.
+        Where one exporting rank held exactly this rank's slice (the same TP layout on both
+        sides), its rows are written as they arrived and compared with the hash the exporter
+        computed: one hash on each side. Re-sharding (another TP layout) first verifies every
+        shard on the host where it arrived, assembles the component and keeps this rank's slice.
         """
         out: dict = {}
+        written: dict[str, tuple[torch.Tensor, int | None]] = {}
         for c in self.components:
-            if not all(c.name in s["data"] for s in shards):
+            if not all(c.name in s.parts for s in shards):
                 continue
-            got = self.host_hash.many([s["data"][c.name] for s in shards])
-            bad = [k for k, h in enumerate(got) if h != expect.get(k, {}).get(c.name)]
-            if bad:
-                out[c.name] = f"error: state hash mismatch in shard(s) {bad}"
-                continue
-            dim = 2 + c.shard_dim  # (layers, rows, *unit)
-            first = shards[0]["data"][c.name]
-            shape = list(first.shape)
-            shape[dim] = c.global_size
-            full = torch.zeros(shape, dtype=first.dtype)
-            for s in shards:
-                full.index_copy_(dim, torch.tensor(s["layout"][c.name]), s["data"][c.name])
-            mine = full.index_select(dim, torch.tensor(c.shard_index)).contiguous()
             target, idx = self.pools[c.name], self._idx(rows[c.name])
+            same = [k for k, s in enumerate(shards) if s.parts[c.name].shard_index == tuple(c.shard_index)]
+            if same:
+                k = same[0]
+                target.index_copy_(1, idx, shards[k].tensor(c.name).to(self.device, non_blocking=True))
+                written[c.name] = (target.index_select(1, idx), expect.get(k, {}).get(c.name))
+                continue
+            mine = self._reshard(c, shards, expect)
+            if isinstance(mine, str):
+                out[c.name] = mine
+                continue
             target.index_copy_(1, idx, mine.to(self.device))
-            out[c.name] = [self.hash.many([target.index_select(1, idx)])[0], self.host_hash.many([mine])[0]]
+            written[c.name] = (target.index_select(1, idx), self.host_hash.many([mine])[0])
+        hashes = self.hash.many([t for t, _ in written.values()])
+        for (name, (_, want)), h in zip(written.items(), hashes):
+            out[name] = [h, want]
         return out
+
+    def _reshard(self, c: ComponentSpec, shards: tuple[StateShard, ...], expect: dict[int, dict[str, int]]):
+        """This rank's slice of component `c` (layers, rows, *unit), assembled from every shard
+        after verifying each one's hash on the host; or an error string."""
+        got = self.host_hash.many([s.tensor(c.name) for s in shards])
+        bad = [k for k, h in enumerate(got) if h != expect.get(k, {}).get(c.name)]
+        if bad:
+            return f"error: state hash mismatch in shard(s) {bad}"
+        dim = 2 + c.shard_dim  # (layers, rows, *unit)
+        first = shards[0].tensor(c.name)
+        shape = list(first.shape)
+        shape[dim] = c.global_size
+        full = torch.zeros(shape, dtype=first.dtype)
+        for s in shards:
+            full.index_copy_(dim, torch.tensor(s.parts[c.name].shard_index), s.tensor(c.name))
+        return full.index_select(dim, torch.tensor(c.shard_index)).contiguous()
 
     def discard(self, req_id: str) -> None:
         for t in self.backups.pop(req_id, {}).values():
