@@ -60,7 +60,7 @@ class RoleCoordinator:
         # the ranks resolved `auto` for the device they run on: the pools hold that dtype
         comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[self.dtype])
         sizes = pool_sizes_for(comps, config)
-        self.executor = RayExecutor(self.ranks, rank_timeout_s)
+        self.executor = RayExecutor(self.ranks, rank_timeout_s, compiled=config.compiled_graph)
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)
@@ -222,7 +222,8 @@ class RoleCoordinator:
                 "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
                 "gateway_leases": self.gateways.summary(),
-                "device": self.device, "attention_backend": self.attention_backend, "memory": self.memory}
+                "device": self.device, "attention_backend": self.attention_backend, "memory": self.memory,
+                "step_path": self.executor.step_path}
 
     def stats(self) -> dict:
         return self.loop.stats()
@@ -234,6 +235,7 @@ class RoleCoordinator:
         self.loop.shutdown()
         for r in self.ranks:
             ray.kill(r, no_restart=True)
+        self.executor.close()
 
 
 def _ack_remote(source, request_id: str) -> None:

@@ -10,6 +10,7 @@ import fcntl
 import os
 import socket
 import struct
+import threading
 from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
@@ -27,13 +28,18 @@ from hyrax.actors.model.sharding import TP
 from hyrax.env import apply_torch_threads
 
 
-@ray.remote(num_cpus=1, max_restarts=0)  # one call at a time: steps run in submission order
+@ray.remote(num_cpus=1, max_restarts=0)
 class RankWorker:
+    """Steps arrive through the replica's compiled graph, on a thread of their own (Ray runs
+    compiled tasks there), or as plain calls; every other call is a plain call on the main
+    thread. `_turn` lets one of them touch the runtime at a time."""
+
     def __init__(self, role: str, replica: int, tp_rank: int, tp_size: int):
         apply_torch_threads()
         self.role, self.replica = role, replica
         self.tp = TP(tp_rank, tp_size)
         self.runtime: RankRuntime | None = None
+        self._turn = threading.Lock()
         self.device = place_rank(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
 
     def dist_address(self) -> str:
@@ -105,32 +111,40 @@ class RankWorker:
         return self.tp.rank
 
     def execute(self, plan):
-        try:
-            return self.runtime.execute(plan)
-        except torch.OutOfMemoryError as e:
-            message = str(e)  # the failed forward's tensors live in the frames of e's traceback
-        # raised anew once they are gone, so the coordinator's retry finds the memory free (the
-        # type tells it to shrink the batch: executor.step_error)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        raise torch.OutOfMemoryError(message)
+        with self._turn:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # per thread: the graph's thread starts on GPU 0
+            try:
+                return self.runtime.execute(plan)
+            except torch.OutOfMemoryError as e:
+                message = str(e)  # the failed forward's tensors live in the frames of e's traceback
+            # raised anew once they are gone, so the coordinator's retry finds the memory free (the
+            # type tells it to shrink the batch: executor.step_error)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise torch.OutOfMemoryError(message)
 
     def save(self, req_id, rows, location):
-        return self.runtime.save(req_id, rows, location)
+        with self._turn:
+            return self.runtime.save(req_id, rows, location)
 
     def load(self, req_id, rows, location, expect, *shards):
         """An OBJECT_STORE load's shards come as arguments of their own, so that Ray fetches
         them (it resolves object refs only at the top level of a call)."""
-        return self.runtime.load(req_id, rows, replace(location, payload=shards) if shards else location, expect)
+        with self._turn:
+            return self.runtime.load(req_id, rows, replace(location, payload=shards) if shards else location, expect)
 
     def discard(self, req_id):
-        self.runtime.discard(req_id)
+        with self._turn:
+            self.runtime.discard(req_id)
 
     def num_backups(self) -> int:
-        return self.runtime.num_backups()
+        with self._turn:
+            return self.runtime.num_backups()
 
     def checkpoint_sums(self, slots):
-        return self.runtime.checkpoint_sums(slots)
+        with self._turn:
+            return self.runtime.checkpoint_sums(slots)
 
 
 def place_rank(gpu_ids: list, visible: str | None, cuda_available: bool,

@@ -1,7 +1,10 @@
 """Executor over a replica's TP rank actors (Ray): every call fans out concurrently, one wait
-per call, with a timeout, so a dead or hung rank surfaces as `RankFailure` instead of a hang."""
+per call, with a timeout, so a dead or hung rank surfaces as `RankFailure` instead of a hang.
+Steps go through a compiled graph over the ranks (step_graph.py) unless it cannot be built;
+state moves are plain actor calls."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import ray
@@ -9,13 +12,22 @@ import ray
 from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
+from hyrax.actors.step_graph import CompiledSteps, compile_steps
+
+# after one rank raised in a step, how long the others get to answer before the step counts
+# as a rank failure (a rank left waiting in a collective never answers)
+OTHERS_GRACE_S = 10.0
 
 
 class RayExecutor(RankCalls):
-    def __init__(self, ranks: list, timeout_s: float):
+    def __init__(self, ranks: list, timeout_s: float, compiled: bool = True):
         self.ranks = ranks  # the coordinator replaces them in place after a rank failure
         self.timeout_s = timeout_s
         self.num_ranks = len(ranks)
+        self.compiled = compiled
+        self._graph: CompiledSteps | None = None
+        self._graph_tried: tuple | None = None  # the ranks a failed compile was tried over
+        self.step_path = "compiled graph (built at the first step)" if compiled else "actor calls (--no-compiled-graph)"
 
     def _wait(self, what: str, refs: list) -> list:
         try:
@@ -38,20 +50,78 @@ class RayExecutor(RankCalls):
         shards = location.payload if location.place == Place.OBJECT_STORE else ()
         return dict(enumerate(self._each("load", req_id, rows, replace(location, payload=None), expect, *shards)))
 
-    def submit(self, plan: StepPlan) -> list:
-        """Send a step to every rank without waiting (ranks run calls in submission order)."""
-        return [r.execute.remote(plan) for r in self.ranks]
+    def submit(self, plan: StepPlan):
+        """Send a step to every rank without waiting; steps run in submission order."""
+        graph = self._graph_over_ranks()
+        if graph is None:
+            return [r.execute.remote(plan) for r in self.ranks]
+        try:
+            return _GraphStep(graph.submit(plan))
+        except Exception as e:  # a rank died (its channel is closed) or stopped reading plans
+            self.close()
+            raise RankFailure(f"execute could not be sent: {type(e).__name__}: {e}") from e
 
-    def collect(self, refs: list) -> StepResult:
+    def _graph_over_ranks(self) -> CompiledSteps | None:
+        """The compiled graph over the current ranks: built at the first step and again after
+        the ranks were replaced; None where it cannot be built (then plain actor calls)."""
+        if not self.compiled:
+            return None
+        if self._graph is not None and self._graph.serves(self.ranks):
+            return self._graph
+        self.close()
+        ids = tuple(r._actor_id for r in self.ranks)
+        if self._graph_tried != ids:
+            self._graph_tried = ids
+            self._graph, self.step_path = compile_steps(self.ranks)
+        return self._graph
+
+    def close(self, wait: bool = False) -> None:
+        """Tear down the compiled graph (a rank failed, the ranks were replaced, shutdown);
+        `wait`: until the ranks are free to join another graph."""
+        if self._graph is not None:
+            self._graph.close(wait)
+            self._graph = None
+
+    def collect(self, handle) -> StepResult:
         """Rank 0's result, with every rank's checkpoint checksums. A rank that raised while every rank answered is a StepError (the
         ranks live on); a rank that died, hung or left the others waiting is a RankFailure."""
+        if isinstance(handle, _GraphStep):
+            return StepResult.gathered(self._collect_graph(handle.refs))
+        refs = handle
         try:
             results = ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:
-            answered, _ = ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, 10.0))
+            answered, _ = ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout_s, OTHERS_GRACE_S))
             if len(answered) == len(refs) and not isinstance(e, ray.exceptions.RayActorError):
                 raise step_error(e.cause, "a rank") from e  # an out-of-memory is its own type
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
         except Exception as e:  # RayActorError, GetTimeoutError
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
         return StepResult.gathered(results)
+
+    def _collect_graph(self, refs: list) -> list:
+        """Every rank's answer from the graph, one ref each (each must be read, once)."""
+        deadline = time.monotonic() + self.timeout_s
+        results, raised = [], None
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01)))
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e, ray.exceptions.RayActorError):
+                    self.close()
+                    raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
+                raised = raised or e
+                deadline = min(deadline, time.monotonic() + OTHERS_GRACE_S)
+            except Exception as e:  # ActorDiedError, RayChannelTimeoutError, RayChannelError
+                self.close()
+                raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
+        if raised is not None:
+            raise step_error(raised.cause, "a rank") from raised  # an out-of-memory is its own type
+        return results
+
+
+class _GraphStep:
+    """A step sent through the compiled graph: one ref per rank."""
+
+    def __init__(self, refs: list):
+        self.refs = refs

@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="testing hook: retract one request every N steps (0 = off)")
     g.add_argument("--no-overlap", action="store_true",
                    help="do not plan step N+1 while step N runs (overlap scheduling is on by default)")
+    g.add_argument("--compiled-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="send each step to a replica's ranks through a Ray Compiled Graph (default on; "
+                        "plain actor calls where one cannot be built, or with --no-compiled-graph)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto = vllm_flash_attn on CUDA with float16/bfloat16 when the "
                         "gpu extra imports, else torch SDPA (default auto)")
@@ -83,7 +86,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
-        overlap=not a.no_overlap, attention_backend=a.attention_backend, prefix_cache=a.prefix_cache,
+        overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend, prefix_cache=a.prefix_cache,
         mamba_track_interval=a.mamba_track_interval or -(-64 // max(a.page_size, 1)) * max(a.page_size, 1),
         mamba_checkpoint_slots=a.mamba_checkpoint_slots,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_harness import DEMO_CONFIG, DEMO_MODEL, SWA_CONFIG, assert_clean, deployed, prompt, reference, replica, run_all
+from ray_harness import DEMO_CONFIG, DEMO_MODEL, SWA_CONFIG, assert_clean, call, deployed, prompt, reference, replica, run_all
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,6 +33,7 @@ def test_swa_mamba_replica_greedy_output_equals_single_process_engine(swa_deploy
     assert [s.finish_reason for s in streams] == ["length"] * len(prompts)
     assert [s.tokens for s in streams] == want
     assert_clean(coord)
+    assert call(coord.health)["step_path"] == "compiled graph"  # the replica steps through it
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,0 +1,66 @@
+"""The per-step fan-out to a replica's rank actors as a Ray Compiled Graph.
+
+Every step sends one plan to every rank and waits for every answer. As plain actor calls
+that costs ~1.3 ms a step on an idle 2-core machine and ~3.4 ms while the rank's core is busy
+(a task submission, a scheduling round trip through the raylet, an object for the result);
+a compiled graph (`ray.dag`, `experimental_compile`) reuses shared-memory channels set up
+once: ~0.3 ms idle, ~1.0 ms busy, same machine, same payload (a 32-entry plan).
+
+What the graph changes for the ranks: Ray runs compiled tasks on a thread of their own in
+each rank actor, while plain calls (save, load, discard, ...) still run on the actor's main
+thread, so `RankWorker` serialises its calls with a lock. The engine never issues a state
+move that depends on a step still in flight (it commits that step first, and rows a step
+may write are freed only after it commits), so the lock's order is enough.
+
+When the graph cannot be built (a Ray without `ray.dag`, an actor already in another
+graph), the executor keeps plain actor calls and says why (`RayExecutor.step_path`). When a
+rank fails, the graph goes with it: the coordinator kills and replaces the ranks, and the
+next step compiles a graph over the new ones.
+"""
+from __future__ import annotations
+
+import threading
+
+
+def _actor_ids(ranks: list) -> tuple:
+    return tuple(r._actor_id for r in ranks)
+
+
+class CompiledSteps:
+    """One compiled graph: the plan in, every rank's `execute` result out, in rank order."""
+
+    def __init__(self, ranks: list):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as plan:
+            dag = MultiOutputNode([r.execute.bind(plan) for r in ranks])
+        self.graph = dag.experimental_compile()
+        self.over = _actor_ids(ranks)
+
+    def serves(self, ranks: list) -> bool:
+        """Whether the graph was built over these very actors (not replaced ones)."""
+        return _actor_ids(ranks) == self.over
+
+    def submit(self, plan) -> list:
+        """Start a step on every rank; one ref per rank, for `ray.get` each."""
+        return self.graph.execute(plan)
+
+    def close(self, wait: bool = False) -> None:
+        """Tear the graph down. Without `wait` the caller does not block: with a rank hung
+        inside a step, Ray waits up to its teardown timeout (30 s) for the task to end. With
+        it, the ranks can join another graph as soon as this returns."""
+        graph, self.graph = self.graph, None
+        if graph is None:
+            return
+        t = threading.Thread(target=graph.teardown, name="hyrax-graph-teardown", daemon=True)
+        t.start()
+        if wait:
+            t.join()
+
+
+def compile_steps(ranks: list) -> tuple[CompiledSteps | None, str]:
+    """(the graph, "compiled graph"), or (None, why plain actor calls are used instead)."""
+    try:
+        return CompiledSteps(ranks), "compiled graph"
+    except Exception as e:  # noqa: BLE001 - any reason the graph cannot be built means the fallback
+        return None, f"actor calls ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

@@ -1,0 +1,107 @@
+"""Steps through a Ray Compiled Graph over the rank actors (hyrax/actors/step_graph.py), the
+fallback to plain actor calls, and what a failure inside the graph becomes.
+
+Built like a replica: TP=2 `RankWorker` actors and an `Engine` over a `RayExecutor`, driven
+from the test process (the coordinator actor does the same in its engine loop).
+"""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.executor import RankFailure
+from hyrax.actors.engine.local import run_to_completion
+from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
+from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.hybrid import resolve_dtype
+from hyrax.actors.model.sharding import TP
+from hyrax.actors.model.state import derive_components
+from hyrax.actors.rank import RankWorker
+from hyrax.actors.ray_executor import RayExecutor
+from hyrax.actors.step_graph import compile_steps
+from ray_harness import DEMO_MODEL, prompt, reference
+
+CONFIG = EngineConfig(deterministic=True, overlap=True, kv_capacity_tokens=4096, mamba_slots=16)
+PROMPTS = [prompt(n, seed=300 + n) for n in (5, 33, 70)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tp2_ranks(ray_session):
+    ranks = [RankWorker.options(num_cpus=0).remote("graph-test", 0, k, 2) for k in range(2)]
+    addr = ray.get(ranks[0].dist_address.remote())
+    ray.get([r.setup.remote(DEMO_MODEL, CONFIG, addr) for r in ranks], timeout=300)
+    yield ranks
+    for r in ranks:
+        ray.kill(r, no_restart=True)
+
+
+def _engine(executor: RayExecutor) -> Engine:
+    cfg = ModelConfig.from_dir(DEMO_MODEL)
+    comps = derive_components(cfg, TP(0, 2), resolve_dtype(CONFIG.dtype, "cpu"))
+    sizes = pool_sizes_for(comps, CONFIG)
+    return Engine(comps, sizes, host_pool_rows(comps, sizes, CONFIG.host_pool_mb), executor, CONFIG,
+                  cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
+
+
+def _run(engine: Engine) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    run_to_completion(engine)
+    out = [engine.finished_requests.pop(i).output_ids for i in ids]
+    engine.check_invariants()
+    return out
+
+
+def test_steps_run_through_the_graph_and_equal_the_reference(tp2_ranks):
+    want = reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
+    executor = RayExecutor(tp2_ranks, 60.0)
+    try:
+        assert _run(_engine(executor)) == want
+        assert executor.step_path == "compiled graph"
+        # a state move (a plain actor call, on the ranks' main thread) between graph steps
+        engine = _engine(executor)
+        rid = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        while len(engine.requests[rid].output_ids) < 4:
+            engine.step()
+        assert engine.retract([rid], mode="cpu_tensor", hold=True)[rid] == "cpu_tensor"
+        assert engine.resume([rid])[rid] == "verified"
+        run_to_completion(engine)
+        assert engine.finished_requests.pop(rid).output_ids == want[1]
+        engine.check_invariants()
+    finally:
+        executor.close(wait=True)
+
+
+def test_without_the_graph_steps_are_actor_calls(tp2_ranks):
+    """The fallback path: `--no-compiled-graph`, or a graph that cannot be built."""
+    want = reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
+    off = RayExecutor(tp2_ranks, 60.0, compiled=False)
+    assert _run(_engine(off)) == want
+    assert off.step_path.startswith("actor calls")
+    graph, why = compile_steps([object()])  # not an actor: no graph can be built over it
+    assert graph is None and why.startswith("actor calls (AttributeError"), why
+
+
+def test_a_rank_killed_under_the_graph_is_a_rank_failure(ray_session):
+    ranks = [RankWorker.options(num_cpus=0).remote("graph-kill", 0, k, 2) for k in range(2)]
+    addr = ray.get(ranks[0].dist_address.remote())
+    ray.get([r.setup.remote(DEMO_MODEL, CONFIG, addr) for r in ranks], timeout=300)
+    executor = RayExecutor(ranks, 30.0)
+    engine = _engine(executor)
+    try:
+        engine.add_request(PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        assert executor.step_path == "compiled graph"
+        ray.kill(ranks[1], no_restart=True)
+        with pytest.raises(RankFailure):
+            for _ in range(5):
+                engine.step()
+    finally:
+        for r in ranks:
+            ray.kill(r, no_restart=True)
+        executor.close(wait=True)
