@@ -3,13 +3,16 @@ mamba_conv, mamba_ssm — every component kind).
 
 Throughput: requests with long prompts run until they decode; then, round after round, each
 is retracted (`Engine.retract(..., mode="cpu_tensor", hold=True)`: backup of every component
-on the rank, CRC32 checksums, manifest, device indices freed) and resumed
-(`Engine.resume`: new indices, restore, read-back checksums verified). Bytes = the manifest's
+on the rank, state hashes of the gathered rows, manifest, device indices freed) and resumed
+(`Engine.resume`: new indices, restore, the written rows hashed on the device and verified). Bytes = the manifest's
 bytes of all components. Per request, the median over rounds; summed over requests.
 Baseline in the same process: `torch.empty(n, dtype=uint8).copy_(src)` for the same n bytes
 per request (contiguous, no checksum), median of repetitions.
 Rows: backup GB/s, restore GB/s, and the round trip (bytes / (backup + restore) vs
-bytes / (2 copies)); target: round trip >= 0.5 of the plain copy.
+bytes / (2 copies)); target: round trip >= 0.5 of the plain copy. Informational: the share of
+the round trip spent in the rank's own save + load (copies and hashes; the rest is the engine's
+bookkeeping: rows, allocation, manifest), and a bulk round trip (every request retracted in one
+call, then resumed in one call).
 
 Restore vs recompute: for prompt length L, time restoring a retracted request (the resume
 above) vs prefilling L tokens from scratch (a fresh request's steps up to its first token:
@@ -71,7 +74,10 @@ def _throughput(profile: Profile) -> list[Row]:
     ids = _start(engine, profile.retract_prompts, rng)
     for rid in ids:  # warm-up round
         _cycle(engine, rid)
+    rank_s = _time_rank_calls(engine.executor.rank)
     cycles = {rid: [_cycle(engine, rid) for _ in range(profile.retract_rounds)] for rid in ids}
+    in_rank = rank_s[0] / profile.retract_rounds
+    bulk = [_bulk_cycle(engine, ids) for _ in range(profile.retract_rounds)]
     engine.check_invariants()
     for rid in ids:
         engine.abort(rid)
@@ -81,6 +87,7 @@ def _throughput(profile: Profile) -> list[Row]:
     back = sum(median(r[0] for r in runs) for runs in cycles.values())
     rest = sum(median(r[1] for r in runs) for runs in cycles.values())
     base = sum(copy_seconds(runs[0][2]) for runs in cycles.values())
+    whole = sum(sum(r[0] + r[1] for r in runs) for runs in cycles.values()) / profile.retract_rounds
     gb = 1e9
     return [
         Row("retraction backup GB/s vs contiguous torch copy", moved / back / gb, moved / base / gb,
@@ -89,7 +96,38 @@ def _throughput(profile: Profile) -> list[Row]:
             ratio(base, rest)),
         Row("retraction backup+restore round trip GB/s vs 2 contiguous copies", moved / (back + rest) / gb,
             moved / (2 * base) / gb, ratio(2 * base, back + rest), profile.target(">= 0.5")),
+        Row("retraction round trip: seconds in the rank's save + load (copies, hashes) vs the whole round trip",
+            in_rank, whole, ratio(in_rank, whole)),
+        Row(f"retraction bulk ({len(ids)} requests per retract and per resume call) round trip GB/s vs "
+            "2 contiguous copies", moved / median(bulk) / gb, moved / (2 * base) / gb, ratio(2 * base, median(bulk))),
     ]
+
+
+def _time_rank_calls(rank) -> list[float]:
+    """Accumulate the seconds `rank.save` and `rank.load` take from now on (in [0])."""
+    total = [0.0]
+    for name in ("save", "load"):
+        call = getattr(rank, name)
+
+        def timed(*args, _call=call):
+            t0 = time.perf_counter()
+            try:
+                return _call(*args)
+            finally:
+                total[0] += time.perf_counter() - t0
+        setattr(rank, name, timed)
+    return total
+
+
+def _bulk_cycle(engine, ids: list[str]) -> float:
+    """Retract every request in one call and resume them in one call: seconds."""
+    t0 = time.perf_counter()
+    modes = engine.retract(ids, mode="cpu_tensor", hold=True)
+    results = engine.resume(ids)
+    dt = time.perf_counter() - t0
+    if set(modes.values()) != {"cpu_tensor"} or set(results.values()) != {"verified"}:
+        raise RuntimeError(f"retraction: bulk cycle gave {modes} / {results}")
+    return dt
 
 
 def _prefill_seconds(engine, n: int, rng) -> float:

@@ -1,11 +1,12 @@
 """Suite 4 — prefill→decode transfer, per request, in-process engines + the Ray object store.
 
 A source engine (the prefill side) runs a request with an L-token prompt to its first token
-and exports it (`Engine.export_running`: every component of the rank's shard copied out,
-CRC32 per shard, manifest); the hand-off goes through the object store (`ray.put` +
-`ray.get`, as it does between the roles' actors); a destination engine imports it
-(`Engine.import_request`: new indices, shards re-assembled, checksums verified, written and
-read back) and the source releases its indices. Both engines share one demo model (every
+and exports it (`Engine.export_running`: every component of the rank's shard gathered into one
+byte buffer, a `StateShard`, and state-hashed per component, manifest); the hand-off goes through
+the object store (`ray.put` + `ray.get`, as it does between the roles' actors: the buffer travels
+out of band, unpickled); a destination engine imports it (`Engine.import_request`: new indices,
+rows written, the written rows hashed and compared with the exporter's hashes) and the source
+releases its indices. Both engines share one demo model (every
 component kind), so the numbers are the state path alone.
 
 Baseline, same run: `ray.put` + `ray.get` of one torch uint8 buffer of the same byte count.

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine_helpers import HYBRID, HYBRID_COMPONENTS, make_engine, make_prompts, greedy, tiny_model
+import hyrax.actors.engine.state_hash as state_hash_module
 from hyrax.actors.engine.state_hash import (
     LENGTH_MIX, MASK, ROW_WORDS, DeviceHasher, _mul_sum, _mul_sum_rows, odd_weights, state_hash, state_hashes,
 )
@@ -44,13 +45,19 @@ def test_hash_equals_its_definition_in_python_integers(shape):
         assert state_hash(t) == _reference(t)
 
 
-def test_cpu_fast_path_equals_the_elementwise_path_cuda_uses():
+@pytest.mark.parametrize("flat_max", [0, 3 * ROW_WORDS, 1 << 20])
+def test_every_path_gives_the_same_hash(monkeypatch, flat_max):
+    # flat_max 0: every tensor takes the row-wise form (mv / row sums), as tensors over
+    # FLAT_MAX_WORDS do; else those up to flat_max words take the one dot with expanded weights
+    shapes = [(1,), (ROW_WORDS * 8,), (4, 999, 8), (2, 37, 3, 5), (3, ROW_WORDS + 1)]
+    want = [_reference(_random(shape, torch.float32, seed=sum(shape))) for shape in shapes[:3]]
+    monkeypatch.setattr(state_hash_module, "FLAT_MAX_WORDS", flat_max)
     fast = DeviceHasher(torch.device("cpu"))
-    slow = DeviceHasher(torch.device("cpu"))
+    slow = DeviceHasher(torch.device("cpu"))  # the elementwise forms CUDA uses
     slow.row_sums, slow.dot = _mul_sum_rows, _mul_sum
-    for shape in [(1,), (ROW_WORDS * 8,), (4, 999, 8), (2, 37, 3, 5)]:
-        t = _random(shape, torch.float32, seed=sum(shape))
-        assert fast.many([t]) == slow.many([t])
+    ts = [_random(shape, torch.float32, seed=sum(shape)) for shape in shapes]
+    assert fast.many(ts) == slow.many(ts)
+    assert fast.many(ts[:3]) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -44,7 +44,7 @@ class Place(str, enum.Enum):
 class Location:
     place: Place
     host_rows: Rows | None = None  # HOST_POOL: rows per component (the same on every rank)
-    payload: tuple | None = None  # OBJECT_STORE: one shard (an object ref over Ray) per exporting rank
+    payload: tuple | None = None  # OBJECT_STORE: one StateShard (manifest.py; an object ref over Ray) per exporting rank
 
     @property
     def here(self) -> bool:
