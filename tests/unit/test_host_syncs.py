@@ -24,10 +24,11 @@ from hyrax.actors.model.hybrid import HybridModel
 from hyrax.testing.sync_counter import Counts, Kind, SyncCounter, rank_counter
 
 # the tokens' read, and the rank's `logits[rows]` (a Python list: one blocking copy of the
-# index, rank_runtime.py), with one to spare
+# index, rank_runtime.py), with one to spare; with logprobs, one read and one such copy more
 MAX_SYNCS = 3
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 RANDOM = SamplingParams(max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=3, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
 # every logit processing at once; min_tokens == max_tokens keeps token 7 masked at every draw
 PENALISED = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True, repetition_penalty=1.2,
                            frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((5, 2.0), (9, -1.0)),
@@ -66,15 +67,16 @@ def decode_step_counts(model: HybridModel, batch: int, sampling: SamplingParams,
 
 
 @pytest.mark.parametrize("flash", [False, True], ids=["sdpa", "flash"])
-@pytest.mark.parametrize("sampling", [GREEDY, RANDOM, PENALISED], ids=["greedy", "top_k_top_p", "penalties"])
-def test_decode_step_syncs_are_few_and_independent_of_batch_and_layers(flash, sampling):
+@pytest.mark.parametrize("sampling,reads", [(GREEDY, 1), (RANDOM, 1), (PENALISED, 1), (LOGPROBS, 2)],
+                         ids=["greedy", "top_k_top_p", "penalties", "logprobs"])
+def test_decode_step_syncs_are_few_and_independent_of_batch_and_layers(flash, sampling, reads):
     one = decode_step_counts(tiny_model(HYBRID), 1, sampling, flash)
     many = decode_step_counts(tiny_model(HYBRID), 16, sampling, flash)
     deep = decode_step_counts(_deeper_model(), 16, sampling, flash)
     report = f"batch 1:\n{one.table()}\nbatch 16:\n{many.table()}\n8 layers, batch 16:\n{deep.table()}"
-    assert one.syncs <= MAX_SYNCS, report
+    assert one.syncs <= MAX_SYNCS + reads - 1, report  # logprobs: their own read, and logits[rows] again
     assert one.syncs == many.syncs == deep.syncs, report
-    assert one.of(Kind.READ) == 1, report  # the tokens, once
+    assert one.of(Kind.READ) == reads, report  # the tokens (and the logprobs), once for the batch
     # the step's metadata, the logit processing's numbers, the sampled rows' parameters
     assert many.of(Kind.ASYNC_UPLOAD) <= 3, report
 

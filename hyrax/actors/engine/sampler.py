@@ -166,25 +166,36 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequ
         chosen = [specs[i] for i in rows]
         ks = [s.top_k if 0 < s.top_k < V else 0 for s in chosen]
         # one copy for every sampled row's parameters: row, temperature, uniform number, top-k
-        # and top-p (float64 holds each exactly), split into columns on the device
-        cols = upload(torch.tensor([[i, s.temperature, uniform(s.seed, s.draw), k, s.top_p]
-                                    for i, s, k in zip(rows, chosen, ks)], dtype=torch.float64), logits.device)
-        idx = cols[:, 0].long()
-        filters = RowFilters(cols[:, 3].long(), cols[:, 4], max(ks), any(s.top_p < 1.0 for s in chosen))
-        tok, ok = draw_tokens(logits[idx], cols[:, 1].to(logits.dtype), cols[:, 2], filters)
+        # and top-p (float64 holds each exactly), one row each of a (5, R) array
+        host = np.empty((5, len(rows)), dtype=np.float64)
+        host[0], host[1], host[3] = rows, [s.temperature for s in chosen], ks
+        host[2], host[4] = [uniform(s.seed, s.draw) for s in chosen], [s.top_p for s in chosen]
+        row, temperature, u, top_k, top_p = upload(torch.from_numpy(host), logits.device).unbind(0)  # (R,) each
+        idx = row.long()
+        filters = RowFilters(top_k.long(), top_p, max(ks), any(s.top_p < 1.0 for s in chosen))
+        tok, ok = draw_tokens(logits[idx], temperature, u, filters)  # logits are float64, as the columns
         out[idx] = torch.where(ok, tok, out[idx])  # a degenerate distribution: the most likely token
     return out.tolist()
 
 
 def logprobs_of(logits: torch.Tensor, tokens: list[int], specs: list[SamplingSpec]) -> dict[int, dict]:
     """For rows whose spec asks: {row: {"logprob": float, "top": [[token, logprob], ...]}},
-    from the model's distribution (before temperature and filtering, as vLLM reports)."""
+    from the model's distribution (before temperature and filtering, as vLLM reports).
+    logits: (B, V). One copy in (rows and tokens) and one host read for the batch."""
+    rows = [i for i, s in enumerate(specs) if s.logprobs is not None]
+    if not rows:
+        return {}
+    k = max(specs[i].logprobs for i in rows)
+    picked = np.array([rows, [tokens[i] for i in rows]], dtype=np.int64)
+    idx, tok = upload(torch.from_numpy(picked), logits.device).unbind(0)  # (R,) each
+    lp = torch.log_softmax(logits.index_select(0, idx).double(), dim=-1)  # (R, V)
+    parts = [lp.gather(1, tok.unsqueeze(1))]  # (R, 1): the chosen tokens'
+    if k:
+        top = torch.topk(lp, k, dim=-1)  # (R, k) each, most likely first
+        parts += [top.indices.double(), top.values]  # ids are exact in float64
+    read = torch.cat(parts, dim=1).tolist()  # (R, 1 + 2k), the one read
     out: dict[int, dict] = {}
-    for i, s in enumerate(specs):
-        if s.logprobs is None:
-            continue
-        lp = torch.log_softmax(logits[i].double(), dim=-1)
-        top = torch.topk(lp, s.logprobs) if s.logprobs else None
-        out[i] = {"logprob": float(lp[tokens[i]]),
-                  "top": [[int(t), float(v)] for v, t in zip(top.values, top.indices)] if top else []}
+    for i, r in zip(rows, read):
+        n = specs[i].logprobs
+        out[i] = {"logprob": r[0], "top": [[int(t), v] for t, v in zip(r[1:1 + n], r[1 + k:1 + k + n])]}
     return out

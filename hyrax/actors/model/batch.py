@@ -87,14 +87,14 @@ class ForwardBatch:
         return self.input_ids.shape[1]
 
 
-def _ragged(rows: list[list[int]], width: int, fill: int) -> torch.Tensor:
-    """(len(rows), width) long tensor of the rows left-aligned, `fill` after each: one copy
-    of all the values, not one small tensor per row."""
+def _ragged(rows: list[list[int]], width: int, fill: int) -> np.ndarray:
+    """(len(rows), width) int64 array of the rows left-aligned, `fill` after each: one copy
+    of all the values, not one small array per row."""
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     out = np.full((len(rows), width), fill, dtype=np.int64)
     out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
                                                                   count=int(lens.sum()))
-    return torch.from_numpy(out)
+    return out
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -106,71 +106,68 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def to_device(host: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The same tensors (long or bool, any shapes) on `device`, moved in ONE copy: packed into
-    one int64 host buffer (pinned on CUDA), `upload`ed, and split there into views (bool
-    fields converted on the device)."""
+def to_device(host: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The same arrays (integer or bool, any shapes) as tensors on `device`, moved in ONE copy:
+    packed into one int64 host buffer (pinned on CUDA), `upload`ed, and split there into views
+    (bool fields converted on the device)."""
     device = torch.device(device)
-    flat = [t.reshape(-1) for t in host.values()]
-    buf = torch.empty(sum(t.numel() for t in flat), dtype=torch.long, pin_memory=device.type == "cuda")
-    torch.cat(flat, out=buf)
-    moved = upload(buf, device)
-    out, at = {}, 0
-    for (name, t), f in zip(host.items(), flat):
-        view = moved[at:at + f.numel()].view(t.shape)
-        out[name] = view.bool() if t.dtype == torch.bool else view
-        at += f.numel()
+    sizes = [a.size for a in host.values()]
+    buf = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+    flat, at = buf.numpy(), 0
+    for a, n in zip(host.values(), sizes):
+        flat[at:at + n] = a.reshape(-1)
+        at += n
+    out = {}
+    for (name, a), part in zip(host.items(), upload(buf, device).split(sizes)):
+        view = part.view(a.shape)
+        out[name] = view.bool() if a.dtype == np.bool_ else view
     return out
 
 
 def build_forward_batch(
     seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
-    """The step's batch on `device`, computed on the host and moved in one copy (`to_device`)."""
+    """The step's batch on `device`, computed on the host (numpy) and moved in one copy (`to_device`)."""
     if not seqs:
         raise ValueError("empty batch")
-    lens = [len(s.token_ids) for s in seqs]
-    contexts = [s.start + n for s, n in zip(seqs, lens)]  # tokens in context after this step
-    q_lens = torch.tensor(lens, dtype=torch.long)
-    starts = torch.tensor([s.start for s in seqs], dtype=torch.long)
-    T, max_context = max(lens), max(contexts)
-    ar_t = torch.arange(T)
+    B = len(seqs)
+    q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
+    starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=B)
+    ctx = starts + q_lens  # tokens in context after this step
+    T, max_context = int(q_lens.max()), int(ctx.max())
+    ar_t = np.arange(T)
     q_valid = ar_t[None, :] < q_lens[:, None]
-    positions = torch.where(q_valid, starts[:, None] + ar_t[None, :], torch.zeros((), dtype=torch.long))
-    token_index = q_valid.reshape(-1).nonzero().reshape(-1)  # on the host: no device sync
-    ctx = torch.tensor(contexts, dtype=torch.long)
+    positions = np.where(q_valid, starts[:, None] + ar_t[None, :], 0)
+    token_index = np.flatnonzero(q_valid)  # on the host: no device sync
     host = {"input_ids": _ragged([s.token_ids for s in seqs], T, 0), "positions": positions, "q_valid": q_valid,
             "q_lens": q_lens, "token_index": token_index, "context_lens": ctx}
     max_tiles = -(-max_context // KV_TILE_ROWS)
     slot_names, paged = [], []
     for comp in components:
         if not comp.paged:
-            host[comp.name] = torch.tensor([s.slots[comp.name] for s in seqs], dtype=torch.long)
+            host[comp.name] = np.fromiter((s.slots[comp.name] for s in seqs), dtype=np.int64, count=B)
             slot_names.append(comp.name)
             continue
         tables = [s.page_tables[comp.name] for s in seqs]
         n_pages = max(1, max(map(len, tables)))
         pt = _ragged(tables, n_pages, -1)
 
-        def rows_at(pos: torch.Tensor, valid: torch.Tensor, pt=pt) -> torch.Tensor:
-            page = pt.gather(1, (pos // page_size).clamp(0, n_pages - 1))
-            rows = page * page_size + pos % page_size
-            if bool(((page < 0) & valid).any()):
+        def rows_at(pos: np.ndarray, valid: np.ndarray, pt=pt) -> np.ndarray:
+            """Pool rows of token positions `pos` (B, n); where not `valid`, 0."""
+            page = np.take_along_axis(pt, np.clip(pos // page_size, 0, n_pages - 1), 1)
+            if ((page < 0) & valid).any():
                 raise RuntimeError(f"{comp.name}: a step touches a position whose page is not allocated")
-            return torch.where(valid, rows, torch.full_like(rows, -1))
+            return np.where(valid, page * page_size + pos % page_size, 0)
 
-        if comp.kind == WINDOW:
-            read_start = (starts - comp.window + 1).clamp(min=0)
-        else:
-            read_start = torch.zeros_like(starts)
+        read_start = np.maximum(starts - comp.window + 1, 0) if comp.kind == WINDOW else np.zeros_like(starts)
         n_keys = ctx - read_start
         K = int(n_keys.max())
-        key_pos = read_start[:, None] + torch.arange(K)[None, :]
-        key_valid = torch.arange(K)[None, :] < n_keys[:, None]
+        key_pos = read_start[:, None] + np.arange(K)[None, :]
+        key_valid = np.arange(K)[None, :] < n_keys[:, None]
         paged.append(comp.name)
         host.update({
             f"{comp.name}.write_rows": rows_at(positions, q_valid).reshape(-1)[token_index],
-            f"{comp.name}.read_rows": rows_at(key_pos, key_valid).clamp(min=0),
+            f"{comp.name}.read_rows": rows_at(key_pos, key_valid),
             f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
         })
     dev = to_device(host, device)
