@@ -163,6 +163,26 @@ def test_allocator_skips_avoided_indices_while_others_are_free():
     assert a.num_free == 0 and a.owned_by("z") == [2, 3] and a.owned_by("w") == [0, 1]
 
 
+def test_allocator_avoid_equals_a_whole_list_reference_over_random_histories():
+    """The avoid path scans the free list from its end only as far as it must; what it hands
+    out and the free order it leaves equal a whole-list reference (newest first, avoided last)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        a = IndexAllocator("pages", 24)
+        held = a.allocate("h", rng.randint(0, 24))
+        a.free("h", rng.sample(held, rng.randint(0, len(held))))
+        n = rng.randint(0, a.num_free)
+        avoid = set(rng.sample(range(24), rng.randint(1, 10)))
+        newest = a._free[::-1]
+        want = ([i for i in newest if i not in avoid] + [i for i in newest if i in avoid])[:n]
+        want_free = [i for i in a._free if i not in set(want)]
+        assert a.allocate("x", n, avoid=avoid) == want
+        assert a._free == want_free
+        a.check()
+
+
 def test_allocator_check_notices_a_corrupted_free_list():
     """Mutation check: check() must catch an index that is both free and owned."""
     alloc = IndexAllocator("pages", 5)

@@ -43,10 +43,16 @@ class IndexAllocator:
         if not avoid:
             out = [self._free.pop() for _ in range(n)]
         else:
-            newest_first = self._free[::-1]
-            out = ([i for i in newest_first if i not in avoid] + [i for i in newest_first if i in avoid])[:n]
+            # newest first, the avoided ones only when nothing else is left; scans from the end
+            # of the free list only as far as it must (a restore passes its old indices)
+            out, avoided, k = [], [], len(self._free)
+            while len(out) < n and k > 0:
+                k -= 1
+                i = self._free[k]
+                (avoided if i in avoid else out).append(i)
+            out += avoided[:n - len(out)]
             taken = set(out)
-            self._free = [i for i in self._free if i not in taken]
+            self._free = self._free[:k] + [i for i in self._free[k:] if i not in taken]
         for i in out:
             self._owner[i] = owner
         return out
@@ -85,6 +91,11 @@ class IndexAllocator:
                 raise AllocationError(f"{self.name}: index {i} is owned by {self._owner.get(i)!r}, not {old!r}")
         for i in indices:
             self._owner[i] = new
+
+    def owns(self, owner: str, indices) -> bool:
+        """Whether `owner` holds every one of `indices` (without scanning the pool)."""
+        get = self._owner.get
+        return all(get(i) == owner for i in indices)
 
     def owned_by(self, owner: str) -> list[int]:
         return sorted(i for i, o in self._owner.items() if o == owner)

@@ -233,7 +233,7 @@ class StateMoves:
         ps = self.config.page_size
         for c in self.components:
             units = {r // ps for r in target[c.name]} if c.paged else set(target[c.name])
-            if not units <= set(self.alloc[c.name].owned_by(req.id)):
+            if not self.alloc[c.name].owns(req.id, units):
                 raise AllocationError(f"{req.id}: load target of {c.name} is not owned by the request")
 
     def verified(self, results: dict[int, dict]) -> bool:

@@ -5,6 +5,8 @@ memory (backup, export) and back in through new rows (restore, import).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from hyrax.actors.model.state import ComponentSpec
 
 
@@ -13,13 +15,13 @@ def live_rows(comp: ComponentSpec, indices: list[int], num_tokens: int, page_siz
     (by token position for paged components; the slot for slot components)."""
     if not comp.paged:
         return list(indices)
-    rows = []
-    for p in comp.live_positions(num_tokens):
-        page = indices[p // page_size]
-        if page < 0:
-            raise RuntimeError(f"{comp.name}: live position {p} has no page")
-        rows.append(page * page_size + p % page_size)
-    return rows
+    live = comp.live_positions(num_tokens)
+    pos = np.arange(live.start, live.stop, dtype=np.int64)  # (live rows,)
+    pages = np.asarray(indices, dtype=np.int64)[pos // page_size]
+    if len(pages) and pages.min() < 0:
+        p = int(pos[np.argmax(pages < 0)])
+        raise RuntimeError(f"{comp.name}: live position {p} has no page")
+    return (pages * page_size + pos % page_size).tolist()
 
 
 def pages_needed(comp: ComponentSpec, num_tokens: int, page_size: int) -> int:
