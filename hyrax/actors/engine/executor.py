@@ -61,7 +61,7 @@ class Executor(Protocol):
     def discard(self, req_id: str) -> None: ...
 
     def checkpoint_sums(self, slots: dict[str, int]) -> Sums:
-        """rank -> component -> crc32 of checkpoint slots as they are now."""
+        """rank -> component -> state hash of checkpoint slots as they are now (state_hash.py)."""
 
     def num_backups(self) -> dict[int, int]: ...
 

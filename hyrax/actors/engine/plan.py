@@ -114,7 +114,7 @@ class StepResult:
 
     tokens: list[int]
     logprobs: dict[int, dict] = field(default_factory=dict)
-    # the plan's checkpoint writes: req id -> component -> rank -> crc32 of the written slot
+    # the plan's checkpoint writes: req id -> component -> rank -> state hash of the written slot
     # (each rank reports its own; the executor merges them)
     checkpoints: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)
 

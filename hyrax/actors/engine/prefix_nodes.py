@@ -23,10 +23,10 @@ def checkpoint_pool(name: str) -> str:
 @dataclass(frozen=True)
 class Checkpoint:
     """Recurrent state after a prefix: a slot per slot component in its checkpoint pool, and
-    the crc32 of each slot's bytes per TP rank (verified by the engine before a hit uses it)."""
+    the state hash of each slot's bytes per TP rank (verified by the engine before a hit uses it)."""
 
     slots: Mapping[str, int]  # slot component -> slot in checkpoint_pool(component)
-    checksums: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # component -> rank -> crc
+    checksums: Mapping[str, Mapping[int, int]] = field(default_factory=dict)  # component -> rank -> state hash
     # taken while prefilling a prompt (at or before its last whole page): the state then depends only
     # on the tokens and the position-only chunk schedule, so deterministic mode may reuse it exactly
     in_prompt: bool = True

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hyrax.actors.engine.config import UnsafeFaults
+from hyrax.actors.engine.copy_lane import copy_lane
 from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import StateShard
@@ -65,6 +66,7 @@ class RankRuntime:
         self.hash = hasher(self.device)  # state hashes of rows where they are (state_hash.py)
         self.host_hash = hasher("cpu")  # ... of host tensors (shards another replica exported)
         self._gather = self._gather_cuda if self.device.type == "cuda" else self._gather_cpu
+        self.lane = copy_lane(self.device)  # state moves: a copy stream of their own on a GPU
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
         self.last_token: dict[str, int] = {}
@@ -181,19 +183,21 @@ class RankRuntime:
     def save(self, req_id: str, rows: Rows, location: Location) -> tuple[dict[str, int], StateShard | None]:
         """Copy the request's `rows` of every component to `location`. Returns (checksum per
         component, this rank's shard for OBJECT_STORE, else None)."""
-        if location.place == Place.OBJECT_STORE:
-            return self._export(rows)
-        return self._backup(req_id, rows, location.host_rows), None
+        with self.lane.moving():
+            if location.place == Place.OBJECT_STORE:
+                return self._export(rows)
+            return self._backup(req_id, rows, location.host_rows), None
 
     def load(self, req_id: str, rows: Rows, location: Location, expect: dict[int, dict[str, int]]) -> dict:
         """Write saved state into `rows` (newly allocated by the coordinator) and read it back.
         `expect`: rank -> component -> the checksum the saving ranks reported; for OBJECT_STORE
         `location.payload` holds every exporting rank's shard. Returns {component: [read back,
         meant to be written]} or {component: "error ..."}; a component not saved is left out."""
-        if location.place == Place.OBJECT_STORE:
-            return self._import(rows, expect, location.payload)
-        mine = expect.get(self.rank, {})
-        return {name: [crc, mine.get(name)] for name, crc in self._restore(req_id, rows, location.host_rows).items()}
+        with self.lane.moving():
+            if location.place == Place.OBJECT_STORE:
+                return self._import(rows, expect, location.payload)
+            mine = expect.get(self.rank, {})
+            return {name: [h, mine.get(name)] for name, h in self._restore(req_id, rows, location.host_rows).items()}
 
     # what a save copies: every component, the bytes it checksummed (hyrax/testing/faults.py
     # overrides both to leave a component out or corrupt one, for the tests' mutation checks)
@@ -208,11 +212,6 @@ class RankRuntime:
         numpy reads a list of ints ~2.5x faster than torch.as_tensor (1,024 rows, one core)."""
         t = torch.from_numpy(np.fromiter(rows, dtype=np.int64, count=len(rows)))
         return t.to(self.device if device is None else device)
-
-    def _sync(self) -> None:
-        # the stream that produced the state must finish before bytes are read or freed
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _gather_cpu(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """src: (layers, pool rows, *unit); idx: (n,) -> out (layers, n, *unit) filled; returns out."""
@@ -232,7 +231,6 @@ class RankRuntime:
         host_rows given: into the pre-allocated host pool; else into host tensors from
         `self.buffers`, which `discard` gives back.
         """
-        self._sync()
         saving = self._saving()
         kept: dict[str, torch.Tensor] = {}
         hashed = []
@@ -280,7 +278,6 @@ class RankRuntime:
         names the global indices it holds along each component's sharded dimension, so the
         importer can re-shard to its own TP layout.
         """
-        self._sync()
         saving = self._saving()
         idx = {c.name: self._idx(rows[c.name]) for c in saving}
         parts, nbytes = StateShard.layout({

@@ -1,0 +1,34 @@
+"""The rank's copy stream (hyrax/actors/engine/copy_lane.py) on a GPU (skipped without CUDA): a
+move sees the rows that compute work queued before it writes, and the compute work queued after
+it sees the rows the move wrote, with no device-wide synchronise in between."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyrax.actors.engine.copy_lane import CudaCopyLane
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N = 1 << 20
+
+
+def test_moves_are_ordered_after_queued_compute_and_before_the_next():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lane = CudaCopyLane(dev)
+    pool = torch.zeros(2, N, device=dev)
+    a = torch.randn(2048, 2048, device=dev)
+    for _ in range(8):  # long enough that an unordered copy would read zeros
+        a = torch.tanh(a @ a)
+    pool[0].copy_(a.flatten()[:N])
+    host = torch.empty(N, pin_memory=True)
+    with lane.moving():
+        assert torch.cuda.current_stream(dev) == lane.stream
+        host.copy_(pool[0], non_blocking=True)
+        lane.stream.synchronize()  # what a move's hash read waits for: its own stream only
+    assert torch.equal(host, pool[0].cpu())
+    src = torch.randn(N).pin_memory()
+    with lane.moving():
+        pool[1].copy_(src, non_blocking=True)
+    total = pool[1].sum()  # queued on the compute stream after the move
+    assert torch.allclose(total.cpu(), src.sum(), rtol=1e-4)
