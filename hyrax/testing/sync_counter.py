@@ -14,7 +14,9 @@ with a device operand. Every other tensor is *host*: made from Python or numpy d
 without a device (`torch.tensor(list)`, `from_numpy`), by a factory without a device
 (`arange(n)`), and what host ops compute from those. On the CPU the engine's device is
 "cpu" too, so a `device=` argument always means the device (code that means the host
-passes none). `.cpu()` means the host.
+passes none). `.cpu()` means the host. A tensor made before the wrapped call and not among
+the roots (a device-side cache filled in an earlier call) counts as host: give such caches
+as roots, or read their UPLOADs as the cache's first fill.
 
 What is counted (each an `Event` with its kind, the op and the first hyrax source line):
 
