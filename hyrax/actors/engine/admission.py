@@ -42,8 +42,11 @@ def claim(got: Scheduled, table: RequestTable, alloc: dict[str, IndexAllocator],
     """The plan's units become its requests' (in the order the scheduler took them); the
     admitted requests start running."""
     for e in got.plan.entries:
+        grants = got.grants.get(e.req_id)
+        if not grants:
+            continue  # took nothing: its tables and slots are the view's, i.e. its own already
         req = table.get(e.req_id)
-        for name, units in got.grants.get(e.req_id, {}).items():
+        for name, units in grants.items():
             alloc[name].claim(req.id, units)
         req.indices.update({name: list(t) for name, t in e.page_tables.items()})
         req.indices.update({name: [slot] for name, slot in e.slots.items()})

@@ -85,7 +85,7 @@ class RankRuntime:
                 self.pools[name][:, list(slots)] = 0
         for cp in plan.copies:
             self._copy_units(cp)
-        seqs = [SeqSlice(self._resolve(e), e.start, {k: list(v) for k, v in e.page_tables.items()}, e.slots)
+        seqs = [SeqSlice(self._resolve(e), e.start, e.page_tables, e.slots)
                 for e in plan.entries]
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself

@@ -61,11 +61,17 @@ class _Pools:
         return out
 
 
+_NO_PAGES: Mapping[str, list[int]] = {}  # a step that takes no page (shared; never mutated)
+
+
 class Scheduler:
     def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig):
         self.components = components
         self.paged = tuple(c for c in components if c.paged)
         self.slotted = tuple(c for c in components if not c.paged)
+        self.slot_names = tuple(c.name for c in self.slotted)
+        self.paged_names = tuple(c.name for c in self.paged)
+        self._paged_set = frozenset(self.paged_names)
         self.config = config
         # a prefill chunk that crosses track boundaries ends on the last one (a checkpoint is taken
         # there: prefix cache), and in deterministic mode always, so that a cache hit and a cold
@@ -98,7 +104,7 @@ class Scheduler:
         those in)."""
         ps = self.config.page_size
         if end == r.computed + 1 and r.computed % ps:  # a decode token inside a page it already has
-            return {c.name: [] for c in self.paged}
+            return _NO_PAGES
         out = {}
         for c in self.paged:
             table = r.indices.get(c.name, ())
@@ -141,7 +147,7 @@ class Scheduler:
                 continue
             add = self._pages_to_add(r, r.computed + n)
             need = {name: len(pages) for name, pages in add.items()}
-            if not pools.fits(need):
+            if need and not pools.fits(need):
                 lack = pools.short(need)
                 if view.in_flight:  # frees wait for the step in flight: plan again after it
                     pressure = True
@@ -184,9 +190,24 @@ class Scheduler:
         """The plan entry running `n` tokens of `r`, taking the pages in `add` (and `slots`, newly
         taken for an admission); what it took is recorded in `grants`."""
         got = dict(slots)
+        if add is _NO_PAGES and self._paged_set <= r.indices.keys():
+            # no new page: the view's tables (tuples) are the entry's as they are
+            tables = {name: r.indices[name] for name in self.paged_names}
+        else:
+            tables = self._tables(r, add, pools, got)
+        grants[r.id] = {name: units for name, units in got.items() if units} if got else {}
+        start, ids = r.computed, r.ids
+        sample = SamplingSpec.of(r.params, r.seed, r.num_outputs, ids) if start + n == len(ids) else None
+        return PlanEntry(
+            req_id=r.id, token_ids=ids[start : start + n], start=start, page_tables=tables,
+            slots={name: (slots.get(name) or r.indices[name])[0] for name in self.slot_names}, sample=sample,
+        )
+
+    def _tables(self, r: RequestView, add: Mapping[str, list[int]], pools: _Pools, got: dict) -> dict:
+        """`r`'s page tables with the pages in `add` taken from `pools` (recorded in `got`)."""
         tables = {}
         for c in self.paged:
-            if not add[c.name]:  # no new page: the view's table (a tuple) is the entry's as it is
+            if not add.get(c.name):  # no new page: the view's table (a tuple) is the entry's as it is
                 tables[c.name] = r.indices.get(c.name, ())
                 continue
             table = list(r.indices.get(c.name, ()))
@@ -195,10 +216,4 @@ class Scheduler:
                 table.extend([-1] * (number + 1 - len(table)))
                 table[number] = unit
             tables[c.name] = tuple(table)
-        grants[r.id] = {name: units for name, units in got.items() if units}
-        start, ids = r.computed, r.ids
-        sample = SamplingSpec.of(r.params, r.seed, r.num_outputs, ids) if start + n == len(ids) else None
-        return PlanEntry(
-            req_id=r.id, token_ids=ids[start : start + n], start=start, page_tables=tables,
-            slots={c.name: (slots.get(c.name) or r.indices[c.name])[0] for c in self.slotted}, sample=sample,
-        )
+        return tables

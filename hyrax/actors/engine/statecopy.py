@@ -43,5 +43,7 @@ def releasable_pages(comp: ComponentSpec, table: list[int], num_tokens: int, pag
     """Page numbers of a window component whose every position has left the window."""
     if comp.kind != "window":
         return []
-    first_live = num_tokens - comp.live_rows(num_tokens)
-    return [n for n in range(first_live // page_size) if table[n] >= 0]
+    gone = (num_tokens - comp.live_rows(num_tokens)) // page_size  # pages before the first live one
+    if gone == 0 or max(table[:gone]) < 0:  # one C-level scan: usually all released already
+        return []
+    return [n for n in range(gone) if table[n] >= 0]

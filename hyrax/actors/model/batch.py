@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ class SeqSlice:
 
     token_ids: list[int]
     start: int
-    page_tables: dict[str, list[int]]  # paged component -> page ids (-1: released page)
+    page_tables: Mapping[str, Sequence[int]]  # paged component -> page ids (-1: released page); read only
     slots: dict[str, int]  # slot component -> slot index
 
 
