@@ -45,6 +45,8 @@ class SamplingSpec:
         tokens up to this step (prompt + outputs, the in-flight one as a placeholder). They
         travel in the plan only when `p` processes logits, as a compact int32 array (about 10x
         cheaper to pickle than a tuple, and read without a copy on the rank)."""
+        if p.grammar is None and not p.processes_logits:  # the common case: the model's logits as they are
+            return cls(p.temperature, p.top_p, p.top_k, seed, draw, p.logprobs)
         process = None
         if p.processes_logits:
             process = LogitProcessing(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,

@@ -92,20 +92,22 @@ class RankRuntime:
             logits = torch.cat([self._forward([s]) for s in seqs])
         else:
             logits = self._forward_grouped(seqs)
-        rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]
-        specs = [plan.entries[i].sample for i in rows]
+        sampling = [e for e in plan.entries if e.sample is not None]
+        specs = [e.sample for e in sampling]
+        ids = [e.req_id for e in sampling]
+        rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]  # logits[rows]: a copy
         if self.rank == 0:
-            ids, grammars = [plan.entries[i].req_id for i in rows], [s.grammar for s in specs]
+            grammars = [s.grammar for s in specs]
             allowed = self.grammars.allowed(ids, grammars, self.last_token)
-            tokens = sample(logits[rows], specs, [self._history(plan.entries[i]) for i in rows], self.eos, allowed)
+            histories = [self._history(e) for e in sampling] if any(s.process for s in specs) else None
+            tokens = sample(logits[rows], specs, histories, self.eos, allowed)
             if allowed is not None:
                 self.grammars.advance(ids, grammars, tokens)
         else:
-            tokens = [0] * len(rows)
-        if self.broadcast is not None and rows:
+            tokens = [0] * len(sampling)
+        if self.broadcast is not None and sampling:
             tokens = self.broadcast(tokens)
-        for i, tok in zip(rows, tokens):
-            self.last_token[plan.entries[i].req_id] = tok
+        self.last_token.update(zip(ids, tokens))
         for rid in plan.forget:
             self.last_token.pop(rid, None)
             if self.grammars is not None:

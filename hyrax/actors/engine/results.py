@@ -86,28 +86,32 @@ class Results:
         tokens, lps = iter(result.tokens), result.logprobs
         row = 0  # index among the sampling entries
         now = time.monotonic()
+        get, running, stop, windows = self.table.get, State.RUNNING, self.stop.reason, self.windows
+        generated = 0
         for e in plan.entries:
             tok = lp = None
             if e.sample is not None:
                 tok, lp = next(tokens), lps.get(row)
                 row += 1
-            req = self.table.get(e.req_id)
-            if req is None or req.state != State.RUNNING:
+            req = get(e.req_id)
+            if req is None or req.state != running:
                 continue  # aborted or retracted while the step ran
-            req.num_computed = e.end
-            self._release_window(req)
+            req.num_computed = e.start + len(e.token_ids)
+            if windows:
+                self._release_window(req)
             if tok is None:
                 continue
             req.output_ids.append(tok)
-            self.stats.generation_tokens += 1
+            generated += 1
             if req.first_token_at is None:
                 req.first_token_at = now
             out.tokens.setdefault(req.id, []).append(tok)
             if lp is not None:
                 out.logprobs.setdefault(req.id, []).append(lp)
-            reason = self.stop.reason(req, tok)
+            reason = stop(req, tok)
             if reason:
                 out.stopped.append((req, reason))
+        self.stats.generation_tokens += generated
         return out
 
     def _release_window(self, req: Request) -> None:
