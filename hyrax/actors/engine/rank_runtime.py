@@ -95,12 +95,14 @@ class RankRuntime:
         sampling = [e for e in plan.entries if e.sample is not None]
         specs = [e.sample for e in sampling]
         ids = [e.req_id for e in sampling]
-        rows = [i for i, e in enumerate(plan.entries) if e.sample is not None]  # logits[rows]: a copy
+        # the sampling rows' logits: all of them in a decode step (no copy), else one index tensor
+        picked = logits if len(sampling) == len(plan.entries) else logits.index_select(
+            0, self._idx([i for i, e in enumerate(plan.entries) if e.sample is not None]))
         if self.rank == 0:
             grammars = [s.grammar for s in specs]
             allowed = self.grammars.allowed(ids, grammars, self.last_token)
             histories = [self._history(e) for e in sampling] if any(s.process for s in specs) else None
-            tokens = sample(logits[rows], specs, histories, self.eos, allowed)
+            tokens = sample(picked, specs, histories, self.eos, allowed)
             if allowed is not None:
                 self.grammars.advance(ids, grammars, tokens)
         else:
@@ -116,7 +118,7 @@ class RankRuntime:
         if self.rank != 0:
             return StepResult([], checkpoints=sums)
         if any(sp.logprobs is not None for sp in specs):
-            return StepResult(tokens, logprobs_of(logits[rows], tokens, specs), sums)
+            return StepResult(tokens, logprobs_of(picked, tokens, specs), sums)
         return StepResult(tokens, checkpoints=sums)
 
     # ---- prefix cache: a hit's copies in, checkpoints out -------------------------------------
