@@ -20,14 +20,14 @@ OTHERS_GRACE_S = 10.0
 
 
 class RayExecutor(RankCalls):
-    def __init__(self, ranks: list, timeout_s: float, compiled: bool = True):
+    def __init__(self, ranks: list, timeout_s: float, compiled: bool = False):
         self.ranks = ranks  # the coordinator replaces them in place after a rank failure
         self.timeout_s = timeout_s
         self.num_ranks = len(ranks)
         self.compiled = compiled
         self._graph: CompiledSteps | None = None
         self._graph_tried: tuple | None = None  # the ranks a failed compile was tried over
-        self.step_path = "compiled graph (built at the first step)" if compiled else "actor calls (--no-compiled-graph)"
+        self.step_path = "compiled graph (built at the first step)" if compiled else "actor calls (no --compiled-graph)"
 
     def _wait(self, what: str, refs: list) -> list:
         try:

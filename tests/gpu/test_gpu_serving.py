@@ -62,7 +62,7 @@ def test_tp2_over_nccl_on_ray_matches_the_cpu_engine():
     from hyrax.cluster.ray_cluster import init_ray
 
     started = init_ray(num_cpus=8, dashboard=False, num_gpus=2)
-    config = EngineConfig(deterministic=True, dtype="float32", overlap=True)
+    config = EngineConfig(deterministic=True, dtype="float32", overlap=True, compiled_graph=True)
     d = Deployment(str(DEMO_DIR), [RoleSpec("gpu-tp2", 1, 2)], config)
     try:
         d.start(timeout_s=600)

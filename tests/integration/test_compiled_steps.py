@@ -58,7 +58,7 @@ def _run(engine: Engine) -> list[list[int]]:
 
 def test_steps_run_through_the_graph_and_equal_the_reference(tp2_ranks):
     want = reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
-    executor = RayExecutor(tp2_ranks, 60.0)
+    executor = RayExecutor(tp2_ranks, 60.0, compiled=True)
     try:
         assert _run(_engine(executor)) == want
         assert executor.step_path == "compiled graph"
@@ -77,7 +77,7 @@ def test_steps_run_through_the_graph_and_equal_the_reference(tp2_ranks):
 
 
 def test_without_the_graph_steps_are_actor_calls(tp2_ranks):
-    """The fallback path: `--no-compiled-graph`, or a graph that cannot be built."""
+    """The default path (no `--compiled-graph`), and the fallback where no graph can be built."""
     want = reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
     off = RayExecutor(tp2_ranks, 60.0, compiled=False)
     assert _run(_engine(off)) == want
@@ -90,7 +90,7 @@ def test_a_rank_killed_under_the_graph_is_a_rank_failure(ray_session):
     ranks = [RankWorker.options(num_cpus=0).remote("graph-kill", 0, k, 2) for k in range(2)]
     addr = ray.get(ranks[0].dist_address.remote())
     ray.get([r.setup.remote(DEMO_MODEL, CONFIG, addr) for r in ranks], timeout=300)
-    executor = RayExecutor(ranks, 30.0)
+    executor = RayExecutor(ranks, 30.0, compiled=True)
     engine = _engine(executor)
     try:
         engine.add_request(PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True))

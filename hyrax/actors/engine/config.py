@@ -90,7 +90,9 @@ class EngineConfig:
     allow_unsafe: bool = False
     role: str = "colocated"  # "prefill": hand requests off after their first token
     overlap: bool = False  # plan step N+1 while the ranks run step N
-    compiled_graph: bool = True  # Ray replicas: steps through a compiled graph over the ranks (step_graph.py)
+    # Ray replicas: steps through a compiled graph over the ranks (step_graph.py); off by default:
+    # an idle rank in a graph polls its channel (measured 7-43 % of a core each, loaded 2-core machine)
+    compiled_graph: bool = False
     attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
     offer_lease_s: float = 10.0  # an offered hand-off not acknowledged in time is reclaimed (freed)
     # prefix cache (docs/prefix-cache.md): on for colocated and prefill replicas (a decode replica
