@@ -167,3 +167,25 @@ def test_padding_keys_never_read_rows_owned_by_other_requests(backend):
             SeqSlice([0] * 2, 0, {attn.component: [3]}, {})]
     out = paged(attn, model, pools, xs, seqs)
     assert torch.isfinite(out[1, :2]).all()
+
+
+@pytest.mark.parametrize("layout", ["full", "swa"])
+def test_a_decode_batch_of_unequal_contexts_with_poisoned_padding_rows_matches_dense_reference(layout, backend):
+    """One token per sequence (the decode path) for three sequences of different lengths in
+    one batch: the shorter ones' padding keys point at row 0, which holds NaN here (page 0
+    is nobody's), and must not leak; each output equals dense attention at its position."""
+    attn, model = attention_layer(layout, backend)
+    pools = fresh_pools(model)
+    name = attn.component
+    pools[name][:, 0] = float("nan")
+    g = torch.Generator().manual_seed(8)
+    lens = [9, 3, 14]
+    xs = [torch.randn(n, model.cfg.hidden_size, dtype=torch.float64, generator=g) for n in lens]
+    tables = [[5, 7, 9, 11], [3], [2, 4, 6, 8]]
+    prefill = [SeqSlice([0] * (n - 1), 0, {name: t}, {}) for n, t in zip(lens, tables)]
+    paged(attn, model, pools, [x[:-1] for x in xs], prefill)
+    decode = [SeqSlice([0], n - 1, {name: t}, {}) for n, t in zip(lens, tables)]
+    out = paged(attn, model, pools, [x[-1:] for x in xs], decode)
+    assert out.shape[1] == 1
+    for b, x in enumerate(xs):
+        torch.testing.assert_close(out[b, 0], dense(attn, model, x)[-1], atol=TOL, rtol=0)

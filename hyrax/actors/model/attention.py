@@ -123,7 +123,7 @@ class Attention(nn.Module):
         # the real tokens' K/V, (N, 2, kv_heads, head_dim), into their rows: index tensors made
         # once per step on the host (no boolean mask here, whose size only the device knows)
         kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd).index_select(0, batch.token_index)
-        pool[idx.write_rows] = kv.to(pool.dtype)
+        pool.index_copy_(0, idx.write_rows, kv.to(pool.dtype))
         out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
         if self.output_gate:
             out = out * torch.sigmoid(gate)

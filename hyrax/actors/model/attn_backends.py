@@ -61,14 +61,33 @@ def visible_mask(positions: torch.Tensor, q_valid: torch.Tensor, idx: AttnIndex,
 
 
 class SdpaPaged:
+    """Gathers each request's visible K/V rows (one `index_select` over the pool's first dim:
+    advanced indexing with a (B, K) index takes ~60x longer on CPU), zeroes the padding keys
+    in place through their host-computed flat indices, and attends: a decode step (T == 1)
+    with grouped-query matmuls (no K/V copies per query head; ~2x faster than SDPA's CPU
+    kernel at one query), a longer step with torch SDPA and an explicit mask, computed once
+    per step and window and shared by every layer."""
+
     name = "sdpa"
 
     def __call__(self, q, pool, idx, batch, window, scale):
-        mask = visible_mask(batch.positions, batch.q_valid, idx, window)
-        kv = pool[idx.read_rows]  # (B, K, 2, KVH, D)
+        B, T, H, D = q.shape
+        K = idx.read_rows.shape[1]
+        kv = pool.index_select(0, idx.read_rows.view(-1))  # (B * K, 2, KVH, D)
         # padding keys point at row 0, which may belong to another request: never let its bytes in
-        kv = torch.where(idx.key_valid[:, :, None, None, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-        rep = q.shape[2] // kv.shape[3]
+        kv.view(B * K, -1).index_fill_(0, idx.pad_keys, 0)
+        kv = kv.view(B, K, *pool.shape[1:])
+        mask = idx.derived.get(("visible", window))
+        if mask is None:
+            mask = idx.derived[("visible", window)] = visible_mask(batch.positions, batch.q_valid, idx, window)
+        kvh = kv.shape[3]
+        if T == 1:
+            qg = q.view(B, kvh, H // kvh, D)  # query heads grouped by the K/V head they share
+            s = torch.einsum("bgrd,bkgd->bgrk", qg, kv[:, :, 0]) * scale
+            s = s.masked_fill(~mask[:, None], float("-inf"))  # (B, 1, K) -> every head
+            p = torch.softmax(s, dim=-1)
+            return torch.einsum("bgrk,bkgd->bgrd", p, kv[:, :, 1]).reshape(B, 1, H, D)
+        rep = H // kvh
         k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
         v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)
         out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale)

@@ -11,7 +11,7 @@ step's forward then never waits for the host, nor the host for it, until the tok
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from typing import Mapping, Sequence
@@ -43,10 +43,14 @@ KV_TILE_ROWS = 256
 class AttnIndex:
     write_rows: torch.Tensor  # (N,) pool row of each of the step's N tokens, in `ForwardBatch.token_index` order
     read_rows: torch.Tensor  # (B, K) pool row of each visible key, 0 where invalid
+    pad_keys: torch.Tensor  # (M,) long: flat index into (B * K) of every invalid key (computed on the host)
     key_pos: torch.Tensor  # (B, K) token position of each key
     key_valid: torch.Tensor  # (B, K) bool
     page_table: torch.Tensor  # (B, P) long, -1 where a page is not held
     block_cols: int = 0  # the block table's width: pages covering the longest context in whole tiles
+    # a kernel's per-step derived tensors (e.g. SDPA's visibility mask per window), computed by
+    # the first layer that needs one and shared by every other layer of the step
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def block_table(self) -> torch.Tensor:
@@ -169,11 +173,13 @@ def build_forward_batch(
         host.update({
             f"{comp.name}.write_rows": rows_at(positions, q_valid).reshape(-1)[token_index],
             f"{comp.name}.read_rows": rows_at(key_pos, key_valid),
+            f"{comp.name}.pad_keys": np.flatnonzero(~key_valid),
             f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
         })
     dev = to_device(host, device)
     attn = {name: AttnIndex(
-        write_rows=dev[f"{name}.write_rows"], read_rows=dev[f"{name}.read_rows"], key_pos=dev[f"{name}.key_pos"],
+        write_rows=dev[f"{name}.write_rows"], read_rows=dev[f"{name}.read_rows"], pad_keys=dev[f"{name}.pad_keys"],
+        key_pos=dev[f"{name}.key_pos"],
         key_valid=dev[f"{name}.key_valid"], page_table=dev[f"{name}.page_table"],
         block_cols=-(-max_tiles * KV_TILE_ROWS // page_size),
     ) for name in paged}

@@ -127,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.reshape(B, T, nv).sigmoid().to(f) * valid
         g = -self.A_log.to(f).exp() * nn.functional.softplus(a.reshape(B, T, nv).to(f) + self.dt_bias.to(f)) * valid
         slots = batch.slots[STATE]
-        o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool[slots])
-        state_pool[slots] = new_state
+        o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool.index_select(0, slots))
+        state_pool.index_copy_(0, slots, new_state)
         y = self._gated_norm(o, z.reshape(B, T, nv, dv))
         return self.allreduce(self.out_proj(y.reshape(B, T, nv * dv)))

@@ -119,7 +119,7 @@ class Mamba2Mixer(nn.Module):
 
         dt, A = self.discretize(dt, ssm_pool.dtype)
         dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
-        state = ssm_pool[ssm_slots]
+        state = ssm_pool.index_select(0, ssm_slots)
         if T == 1:
             y, new_state = ssd_step(state, xs[:, 0].view(B, self.nh, P), dt[:, 0], A,
                                     Bm[:, 0].view(B, G, N), Cm[:, 0].view(B, G, N), self.D)
@@ -127,6 +127,6 @@ class Mamba2Mixer(nn.Module):
         else:
             y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
                                        Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
-        ssm_pool[ssm_slots] = new_state
+        ssm_pool.index_copy_(0, ssm_slots, new_state)
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.allreduce(self.out_proj(y.to(x.dtype)))
