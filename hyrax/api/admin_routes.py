@@ -126,7 +126,14 @@ async def migrate(body: MigrateBody, request: Request):
 @router.post("/drain")
 async def drain(body: DrainBody, request: Request):
     b = _backend(request, body)
+    client = request.app.state.client
     if body.undrain:
-        await request.app.state.client.undrain(b)
-        return {"undrained": f"{body.role}/{body.replica}"}
-    return await request.app.state.client.drain(b)
+        await client.undrain(b)
+        out = {"undrained": f"{body.role}/{body.replica}"}
+    else:
+        out = await client.drain(b)
+    # readiness follows at once (not at the next health poll): a request right after an
+    # undrain is served, not refused with a 503 by a readiness read while the replica was out
+    h = await client.health()
+    request.app.state.ready, request.app.state.health = h["ready"], h
+    return out

@@ -126,6 +126,9 @@ def test_no_decode_replica_answers_503_with_retry_after_and_leaks_nothing(pd_cle
             resp = httpx.post(f"{pd.url}/v1/completions", json=_body(stream, max_tokens=4), timeout=60)
             assert_error(resp, 503, code="unavailable")
             assert resp.headers.get("retry-after")
+        # a health check while drained records "not ready"; the undrain below must clear it at
+        # once (it used to last until the next health poll: a 503 for a request that can be served)
+        assert httpx.get(f"{pd.url}/health", timeout=60).status_code == 503
         assert pd.clean()
     finally:
         httpx.post(f"{pd.url}/admin/drain", headers=ADMIN, timeout=60,
