@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hyrax.actors.engine.config import ATTENTION_BACKENDS, BACKUP_MODES, EngineConfig, UnsafeFaults
+from hyrax.actors.engine.config import ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, EngineConfig, UnsafeFaults
 
 KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
 SLOTS_DEFAULT = EngineConfig.mamba_slots
@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto = vllm_flash_attn on CUDA with float16/bfloat16 when the "
                         "gpu extra imports, else torch SDPA (default auto)")
+    g.add_argument("--captured-decode", choices=CAPTURE_MODES, default="off",
+                   help="run decode-only steps through a captured forward: compile = torch.compile (one "
+                        "graph for every batch size; the first decode step compiles it, a minute or more on a "
+                        "small CPU), cuda_graphs = a CUDA graph per batch size (sdpa attention; not yet "
+                        "run on a GPU). Prefill stays eager (default off)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: outputs independent of batch composition")
     g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
@@ -87,7 +92,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
-        overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend, prefix_cache=a.prefix_cache,
+        overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend,
+        captured_decode=a.captured_decode, prefix_cache=a.prefix_cache,
         mamba_track_interval=a.mamba_track_interval or -(-64 // max(a.page_size, 1)) * max(a.page_size, 1),
         mamba_checkpoint_slots=a.mamba_checkpoint_slots,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hyrax.actors.model.attn_backends import BACKENDS as ATTENTION_BACKENDS
+from hyrax.actors.model.captured_decode import CAPTURE_MODES
 from hyrax.actors.model.errors import HyraxInputError
 
 BACKUP_MODES = ("cpu_tensor", "host_pool", "recompute")
@@ -94,6 +95,10 @@ class EngineConfig:
     # an idle rank in a graph polls its channel (measured 7-43 % of a core each, loaded 2-core machine)
     compiled_graph: bool = False
     attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
+    # decode-only steps through a captured forward (model/captured_decode.py, docs/captured-steps.md):
+    # off | compile (torch.compile; ~2x the tiny models' CPU decode forward after a minutes-long
+    # first compile) | cuda_graphs (not yet run on a GPU). Off by default: the compile is start-up time
+    captured_decode: str = "off"
     offer_lease_s: float = 10.0  # an offered hand-off not acknowledged in time is reclaimed (freed)
     # prefix cache (docs/prefix-cache.md): on for colocated and prefill replicas (a decode replica
     # receives its requests' state and never matches a prompt)
@@ -135,6 +140,9 @@ class EngineConfig:
             raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise HyraxInputError(f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.captured_decode not in CAPTURE_MODES:
+            raise HyraxInputError(f"captured-decode must be one of {', '.join(CAPTURE_MODES)}, "
+                                  f"got {self.captured_decode!r}")
         if self.role not in ("colocated", "prefill", "decode"):
             raise HyraxInputError("role must be colocated, prefill or decode")
         if not self.offer_lease_s > 0:

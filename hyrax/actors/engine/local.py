@@ -9,6 +9,7 @@ from hyrax.actors.engine.executor import LocalExecutor
 from hyrax.actors.engine.memory_budget import MemoryQuery, sized_config
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.rank_runtime import make_rank_runtime
+from hyrax.actors.model.captured_decode import capture_decode
 from hyrax.actors.model.hybrid import HybridModel, resolve_dtype
 from hyrax.actors.model.loader import load_model
 
@@ -18,7 +19,9 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
                      memory: MemoryQuery | None = None) -> Engine:
     """`tokenizer_dir`: where tokenizer.json is, for structured output (None: byte tokens).
     With `config.gpu_memory_fraction`, the pools are sized from `device`'s memory (`memory`:
-    its query; None: the device's own, CUDA only)."""
+    its query; None: the device's own, CUDA only). `config.captured_decode` is applied to
+    `model` here (it must not be captured already)."""
+    capture_decode(model, config.captured_decode, device)
     if config.gpu_memory_fraction is not None:
         config, _ = sized_config(model, config, memory, 0, device)
     comps = model.components

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from hyrax.actors.model.captured_decode import capture_decode
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.families import weight_namer
@@ -35,7 +36,9 @@ def _fill(h: SafetensorsFile, name: str, rule, target: torch.Tensor) -> None:
 
 def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float32,
                allreduce: AllReduce = identity_allreduce, device: str | torch.device = "cpu",
-               attn_backend: str = "auto") -> HybridModel:
+               attn_backend: str = "auto", captured_decode: str = "off") -> HybridModel:
+    """The model in `path` for TP rank `tp`, on `device`; `captured_decode` (CAPTURE_MODES):
+    how its decode-only steps run (captured_decode.py; "off": eager like every other step)."""
     p = Path(path)
     cfg = ModelConfig.from_dir(p)
     check_tp(cfg, tp.size)
@@ -83,7 +86,9 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
         missing.discard("lm_head.weight")
     if missing:
         raise HyraxInputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
-    return model.to(device)
+    model = model.to(device)
+    capture_decode(model, captured_decode, device)
+    return model
 
 
 def save_model(model: HybridModel, path: str | Path) -> None:

@@ -1,0 +1,114 @@
+"""CUDA graphs for decode batches. NOT YET RUN ON A GPU: tests/gpu/test_cuda_graph_decode.py
+is the check to run where CUDA is.
+
+A graph replays fixed shapes over fixed addresses. A decode batch's key dimension is padded
+to a power-of-two bucket (`key_bucket`, through `pad_key_columns`: attention-only, no state
+is touched); its batch size is NOT padded: one graph per batch size seen (up to
+`max_graph_batch`, beyond it eager), captured on first use. Padding rows would need a slot and
+a K/V row that no request owns (the decode conv step shifts every row's window, so a padding
+row on a borrowed slot would change it), and the pools have none; once they keep a scratch
+unit, batch-size buckets are a padding step away.
+
+A step copies its batch into that graph's static input buffers and replays the graph. The
+first batch of a shape is run twice on a side stream over clones of the pools (warm-up, as
+capture requires, without advancing anyone's state), then captured over the real pools (capture
+records, it does not run) in a memory pool all graphs share. The step's batch is then replayed.
+
+Needs the SDPA attention backend: the flash kernel takes host-side lengths per step, which a
+graph would freeze at capture (`CudaGraphDecode` refuses other backends at construction).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hyrax.actors.model.batch import AttnIndex, ForwardBatch
+from hyrax.actors.model.captured_decode import layer_views, pad_key_columns
+
+MIN_KEY_BUCKET = 64
+
+
+def key_bucket(k: int) -> int:
+    """The padded key count for K keys: the next power of two above K, at least MIN_KEY_BUCKET."""
+    return max(MIN_KEY_BUCKET, 1 << k.bit_length())
+
+
+def batch_tensors(batch: ForwardBatch) -> list[torch.Tensor]:
+    """Every tensor of a batch the forward may read, in a fixed order (static buffers and a
+    step's values pair up by position)."""
+    out = [batch.input_ids, batch.positions, batch.q_valid, batch.q_lens, batch.token_index, batch.context_lens]
+    out += [batch.slots[n] for n in sorted(batch.slots)]
+    for n in sorted(batch.attn):
+        i = batch.attn[n]
+        out += [i.write_rows, i.read_rows, i.pad_keys, i.key_pos, i.key_valid, i.page_table]
+    return out
+
+
+def _clone(batch: ForwardBatch) -> ForwardBatch:
+    attn = {n: dataclasses.replace(i, **{f: getattr(i, f).clone() for f in _ATTN_TENSORS}, derived={})
+            for n, i in batch.attn.items()}
+    return dataclasses.replace(batch, **{f: getattr(batch, f).clone() for f in _BATCH_TENSORS}, attn=attn,
+                               slots={n: s.clone() for n, s in batch.slots.items()})
+
+
+_ATTN_TENSORS = ("write_rows", "read_rows", "pad_keys", "key_pos", "key_valid", "page_table")
+_BATCH_TENSORS = ("input_ids", "positions", "q_valid", "q_lens", "token_index", "context_lens")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # static buffers, in `batch_tensors` order
+    logits: torch.Tensor  # (B, vocab), written by every replay
+
+
+class CudaGraphDecode:
+    """Decode forward by CUDA graph replay, one graph per (batch size, key buckets), captured
+    on first use; batches above `max_graph_batch` run eager."""
+
+    def __init__(self, model, eager, names: tuple[str, ...], device: torch.device, max_graph_batch: int = 128):
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        others = {b.name for b in model.attention_backends} - {"sdpa"}
+        if others:
+            raise ValueError(f"CUDA graph decode needs the sdpa attention backend, not {', '.join(sorted(others))}")
+        self.eager, self.names, self.max_graph_batch = eager, names, max_graph_batch
+        self.graphs: dict[tuple, _Graph] = {}
+        self.mempool = None  # one memory pool shared by every captured graph
+
+    def __call__(self, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
+        """batch: decode-only, B sequences -> logits (B, vocab)."""
+        if batch.num_seqs > self.max_graph_batch:
+            return self.eager(batch, pools)
+        keys = {n: key_bucket(i.read_rows.shape[1]) for n, i in batch.attn.items()}
+        padded = pad_key_columns(batch, keys)
+        key = (batch.num_seqs, *(keys[n] for n in sorted(keys)))
+        g = self.graphs.get(key) or self._capture(key, padded, pools)
+        for static, value in zip(g.inputs, batch_tensors(padded)):
+            static.copy_(value, non_blocking=True)
+        g.graph.replay()
+        return g.logits.clone()
+
+    def _capture(self, key: tuple, padded: ForwardBatch, pools: dict[str, torch.Tensor]) -> _Graph:
+        """Capture the forward over static copies of `padded`. The warm-up runs go to clones
+        of the pools (they are real decode steps: run on the real pools they would advance the
+        batch's state); the captured run records the real pools' addresses and writes nothing
+        (capture only records)."""
+        static = _clone(padded)
+        views = layer_views(pools, self.names)
+        scratch = {n: tuple(v.clone() for v in vs) for n, vs in views.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.eager(_clone(padded), scratch)
+        torch.cuda.current_stream().wait_stream(side)
+        del scratch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = self.eager(static, views)
+        self.mempool = graph.pool()
+        g = self.graphs[key] = _Graph(graph, batch_tensors(static), logits)
+        return g

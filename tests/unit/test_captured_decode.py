@@ -1,0 +1,128 @@
+"""Captured decode steps (hyrax/actors/model/captured_decode.py): torch.compile'd decode steps
+give the eager run's greedy tokens across changing batch sizes and retraction/resume and write
+the engine's own pools in place; the key padding both captured paths apply changes nothing
+(checked through the eager forward, so the CUDA-graph path's padding is checked here too).
+
+The compiled model is built once per backend: "aot_eager" (dynamo's graph, functionalised,
+run by torch ops: seconds) in the default run, "inductor" (what `--captured-decode compile`
+runs: minutes of C++ kernel builds on 2 cores, ~6 min here under load) marked slow."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine_helpers import HYBRID, greedy, make_engine, make_prompts, run_requests, tiny_model
+from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.model.batch import SeqSlice, build_forward_batch
+from hyrax.actors.model.captured_decode import CapturedDecode, CompiledDecode, capture_decode, pad_key_columns
+from hyrax.actors.model.errors import HyraxInputError
+
+
+class Counting:
+    """Records how many decode batches (and of which sizes) went through the captured path."""
+
+    def __init__(self, inner):
+        self.inner, self.sizes = inner, []
+
+    def __call__(self, batch, pools):
+        self.sizes.append(batch.num_seqs)
+        return self.inner(batch, pools)
+
+
+@pytest.fixture(scope="module", params=["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def compiled(request):
+    """A copy of the shared tiny hybrid model (full + sliding attention + Mamba2) whose decode
+    steps go through torch.compile, with a recorder on the captured path."""
+    model = copy.deepcopy(tiny_model(HYBRID))
+    eager = model.forward
+    names = tuple(c.name for c in model.components)
+    model.forward = CapturedDecode(eager, Counting(CompiledDecode(eager, names, backend=request.param)))
+    return model
+
+
+def test_compiled_decode_matches_eager_tokens_across_batch_sizes_and_retraction(compiled):
+    """Batched (not deterministic: that mode runs each request alone), a retraction every 3
+    steps; the eager run has the same schedule, so the same batches."""
+    prompts = make_prompts(9, seed=3)
+    runs = {}
+    for name, model in (("eager", tiny_model(HYBRID)), ("compiled", compiled)):
+        e = make_engine(model, forced_retraction_interval=3, deterministic=False)
+        runs[name] = run_requests(e, prompts, greedy())
+        assert e.stats.summary()["retractions"] >= 3
+    assert runs["compiled"] == runs["eager"]
+    sizes = set(compiled.forward.decode.sizes)
+    assert len(sizes) >= 3 and 1 in sizes and max(sizes) >= 4, sizes  # sizes crossed, B == 1 included
+
+
+def test_compiled_decode_writes_the_engine_pools_in_place(compiled):
+    e = make_engine(compiled, overlap=False, deterministic=False)
+    for p in make_prompts(3, seed=5):
+        e.add_request(p, greedy(6))
+    while not all(len(r.output_ids) >= 2 for r in e.requests.values()):
+        e.step()
+    rank = e.executor.rank
+    held = dict(rank.pools)  # the tensors the engine holds
+    before = {n: t.clone() for n, t in held.items()}
+    calls = len(compiled.forward.decode.sizes)
+    eager_pools = {n: t.clone() for n, t in held.items()}
+    seqs = []
+    inner = rank._forward
+    rank._forward = lambda s: (seqs.append(s), inner(s))[1]
+    e.step()
+    rank._forward = inner
+    assert len(compiled.forward.decode.sizes) == calls + 1  # the step went through the captured path
+    assert all(rank.pools[n] is held[n] for n in held)
+    batch = build_forward_batch(seqs[-1], rank.components, rank.sizes.page_size)
+    compiled.forward.eager(batch, eager_pools)  # the same step, eager, on a copy of the old state
+    for name in ("full_kv", "swa_kv", "mamba_conv", "mamba_ssm"):
+        assert not torch.equal(held[name], before[name]), name  # the captured step wrote into it
+        torch.testing.assert_close(held[name], eager_pools[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _decode_batch(model):
+    """A decode batch of 3 sequences (slots 1, 4, 6 of 8; pages 0-5 of 8, 4 rows each) and
+    pools of random state."""
+    comps = model.components
+    pools = {c.name: torch.randn(len(c.layers), 32 if c.paged else 8, *c.unit_shape) for c in comps}
+    seqs = []
+    for i, (slot, start) in enumerate(((1, 5), (4, 7), (6, 2))):
+        tables = {c.name: [2 * i, 2 * i + 1] for c in comps if c.paged}
+        seqs.append(SeqSlice([3 + i], start, tables, {c.name: slot for c in comps if not c.paged}))
+    return build_forward_batch(seqs, comps, 4), pools
+
+
+@pytest.mark.parametrize("extra", [1, 40])
+def test_key_padding_gives_the_same_logits_and_state(extra):
+    """The padding both captured paths apply (CPU: one column, CUDA: a power-of-two bucket),
+    through the eager forward: same logits, same pools, padding keys never read."""
+    model = tiny_model(HYBRID)
+    batch, pools = _decode_batch(model)
+    keys = {n: i.read_rows.shape[1] + extra for n, i in batch.attn.items()}
+    padded = pad_key_columns(batch, keys)
+    for n, i in padded.attn.items():
+        assert i.read_rows.shape[1] == keys[n] and i.pad_keys.shape == (3 * keys[n],)
+        assert not i.key_valid.view(-1)[i.pad_keys].any()  # every listed key is invalid
+        assert (~i.key_valid).sum() == len(set(i.pad_keys.tolist()))  # and every invalid key is listed
+    padded_pools = {n: t.clone() for n, t in pools.items()}
+    torch.testing.assert_close(model(padded, padded_pools), model(batch, pools), rtol=1e-5, atol=1e-5)
+    for n in pools:
+        torch.testing.assert_close(padded_pools[n], pools[n], rtol=1e-5, atol=1e-5, msg=n)
+    with pytest.raises(ValueError, match="does not pass K"):
+        pad_key_columns(batch, {n: i.read_rows.shape[1] for n, i in batch.attn.items()})
+
+
+def test_engine_config_captures_its_model_once():
+    model = copy.deepcopy(tiny_model(HYBRID))
+    make_engine(model, captured_decode="compile")  # compiles lazily: nothing runs here
+    assert isinstance(model.forward, CapturedDecode) and isinstance(model.forward.decode, CompiledDecode)
+    with pytest.raises(ValueError, match="captured already"):
+        make_engine(model, captured_decode="compile")
+
+
+def test_captured_decode_mode_is_validated():
+    with pytest.raises(HyraxInputError, match="captured-decode must be one of off, compile, cuda_graphs, got 'yes'"):
+        EngineConfig(captured_decode="yes")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        capture_decode(copy.deepcopy(tiny_model(HYBRID)), "cuda_graphs", "cpu")
