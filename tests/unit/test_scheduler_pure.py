@@ -102,7 +102,7 @@ def test_no_room_without_a_step_in_flight_names_the_fewest_victims_in_victim_ord
     grow = req("grow", 8, 0, computed=8, pages=2, first_page=10, slot=0, arrival=0.0)
     old = req("old", 4, 5, pages=3, first_page=20, slot=1, arrival=1.0)  # more outputs: picked last
     young = req("young", 4, 1, pages=2, first_page=30, slot=2, arrival=2.0)
-    grow = dataclasses.replace(grow, ids=grow.ids + (1,))  # its first output: one token to decode
+    grow = grow._replace(ids=grow.ids + (1,))  # its first output: one token to decode
     got = schedule(view(running=[grow, old, young], n_pages=0))
     assert got == NeedRoom(victims=("young",), short={"full_kv": 1, "swa_kv": 1})
 

@@ -137,15 +137,19 @@ class PrefixCaching:
             return plan
         copies: list[UnitCopy] = []
         writes: list[CheckpointWrite] = []
+        get, is_boundary = table.requests.get, self.policy.is_boundary
         for e in plan.entries:
-            req = table.get(e.req_id)
+            req = get(e.req_id)
             hold = req.cache
             if hold is None:
                 hold = req.cache = CacheHold()
             if hold.hit is not None:
                 copies.extend(self._hit_copies(req, hold.hit))
                 hold.hit = None
-            w = self._plan_track(req, hold, e.start, e.end)
+            end = e.start + len(e.token_ids)
+            if not is_boundary(end, req.num_prompt):
+                continue  # most decode steps: no write (the check `_plan_track` starts with)
+            w = self._plan_track(req, hold, e.start, end)
             if w is not None:
                 writes.append(CheckpointWrite(req.id, w.position, w.ring_index,
                                               tuple((n, req.indices[n][0], s) for n, s in w.slots.units),

@@ -255,11 +255,10 @@ class Engine:
         done = self.results.apply(plan, result)
         self.caching.commit(plan, result, self.table)
         finishing = {r.id for r, _ in done.stopped}
+        prefill, lps, outputs = self.config.role == "prefill", done.logprobs, self._outputs
         for rid, toks in done.tokens.items():
-            handoff = None
-            if self.config.role == "prefill" and rid not in finishing:
-                handoff = self.transfers.offer(rid)
-            self._outputs.append(StepOutput(rid, toks, False, None, handoff, done.logprobs.get(rid)))
+            handoff = self.transfers.offer(rid) if prefill and rid not in finishing else None
+            outputs.append(StepOutput(rid, toks, False, None, handoff, lps.get(rid) if lps else None))
         for req, reason in done.stopped:
             self._finish(req, reason)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 from hyrax.actors.engine.grammar import GrammarStep
 
@@ -28,8 +29,11 @@ class LogitProcessing:
     history: array  # int32 prompt + output ids up to this step; a negative last id is the in-flight token
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
+class SamplingSpec(NamedTuple):
+    """How one entry draws its token. Immutable; a NamedTuple rather than a frozen dataclass
+    (as `PlanEntry`): one is built per request per step, and a frozen dataclass's per-field
+    `object.__setattr__` made that ~4x dearer (2.3 vs 0.5 us)."""
+
     temperature: float
     top_p: float
     top_k: int
@@ -40,7 +44,7 @@ class SamplingSpec:
     grammar: GrammarStep | None = None  # structured output: rank 0 masks what the grammar does not allow
 
     @classmethod
-    def of(cls, p, seed: int, draw: int, ids: list[int]) -> SamplingSpec:
+    def of(cls, p, seed: int, draw: int, ids: Sequence[int]) -> SamplingSpec:
         """The spec for drawing output `draw` with SamplingParams `p`; `ids` are the request's
         tokens up to this step (prompt + outputs, the in-flight one as a placeholder). They
         travel in the plan only when `p` processes logits, as a compact int32 array (about 10x
@@ -55,8 +59,9 @@ class SamplingSpec:
                    GrammarStep.of(p.grammar, ids, draw))
 
 
-@dataclass(frozen=True)
-class PlanEntry:
+class PlanEntry(NamedTuple):
+    """One request's part of a step (immutable; a NamedTuple for the cost, see `SamplingSpec`)."""
+
     req_id: str
     token_ids: tuple[int, ...]
     start: int  # position of token_ids[0]

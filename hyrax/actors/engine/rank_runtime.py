@@ -85,8 +85,9 @@ class RankRuntime:
                 self.pools[name][:, list(slots)] = 0
         for cp in plan.copies:
             self._copy_units(cp)
-        seqs = [SeqSlice(self._resolve(e), e.start, e.page_tables, e.slots)
-                for e in plan.entries]
+        last = self.last_token
+        seqs = [SeqSlice(e.token_ids if not e.token_ids or e.token_ids[-1] >= 0 else self._resolve(e, last),
+                         e.start, e.page_tables, e.slots) for e in plan.entries]
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself
             logits = torch.cat([self._forward([s]) for s in seqs])
@@ -159,12 +160,10 @@ class RankRuntime:
             ids[-1] = self.last_token[e.req_id]
         return ids
 
-    def _resolve(self, e) -> list[int]:
-        """Token ids of an entry, with the in-flight step's token filled in."""
-        ids = list(e.token_ids)
-        if ids and ids[-1] < 0:
-            ids[-1] = self.last_token[e.req_id]
-        return ids
+    @staticmethod
+    def _resolve(e, last: dict[str, int]) -> tuple[int, ...]:
+        """Token ids of an entry whose last one is the in-flight step's token, filled in."""
+        return (*e.token_ids[:-1], last[e.req_id])
 
     def _forward_grouped(self, seqs: list[SeqSlice]) -> torch.Tensor:
         """Decode tokens (one per sequence) in one batch, prompt chunks in another: padding

@@ -5,6 +5,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hyrax.actors.engine.grammar import GrammarSpec
 from hyrax.actors.model.errors import HyraxInputError
@@ -63,7 +64,7 @@ class SamplingParams:
                                       "it cannot be combined with ignore_eos or min_tokens")
             self.grammar.check()
 
-    @property
+    @cached_property  # read per request per step (SamplingSpec.of); the fields never change
     def processes_logits(self) -> bool:
         """Whether the sampler must look at the request's tokens (or bias logits) before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0

@@ -86,28 +86,29 @@ class Results:
         tokens, lps = iter(result.tokens), result.logprobs
         row = 0  # index among the sampling entries
         now = time.monotonic()
-        get, running, stop, windows = self.table.get, State.RUNNING, self.stop.reason, self.windows
+        get, running, stop, windows = self.table.requests.get, State.RUNNING, self.stop.reason, self.windows
+        new_tokens = out.tokens
         generated = 0
         for e in plan.entries:
-            tok = lp = None
-            if e.sample is not None:
-                tok, lp = next(tokens), lps.get(row)
+            sample = e.sample
+            if sample is not None:
+                tok = next(tokens)
                 row += 1
             req = get(e.req_id)
-            if req is None or req.state != running:
+            if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
             req.num_computed = e.start + len(e.token_ids)
             if windows:
                 self._release_window(req)
-            if tok is None:
+            if sample is None:
                 continue
             req.output_ids.append(tok)
             generated += 1
             if req.first_token_at is None:
                 req.first_token_at = now
-            out.tokens.setdefault(req.id, []).append(tok)
-            if lp is not None:
-                out.logprobs.setdefault(req.id, []).append(lp)
+            new_tokens[req.id] = [tok]  # a request has one entry per step
+            if sample.logprobs is not None and (row - 1) in lps:
+                out.logprobs[req.id] = [lps[row - 1]]
             reason = stop(req, tok)
             if reason:
                 out.stopped.append((req, reason))

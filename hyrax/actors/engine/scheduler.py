@@ -11,7 +11,8 @@ depend on what else shares the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from operator import attrgetter
+from typing import Iterator, Mapping, Sequence
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.mamba_track import TrackPolicy
@@ -62,6 +63,19 @@ class _Pools:
 
 
 _NO_PAGES: Mapping[str, list[int]] = {}  # a step that takes no page (shared; never mutated)
+_by_arrival = attrgetter("arrival")
+
+
+def _decode_first(running: Sequence[RequestView]) -> Iterator[RequestView]:
+    """Requests with at most one token to run (decodes) in arrival order, then the others (prefill
+    chunks) in arrival order: the order of the key (pending > 1, arrival), with no key per request."""
+    later = []
+    for r in sorted(running, key=_by_arrival):
+        if len(r.ids) - r.computed > 1:
+            later.append(r)
+        else:
+            yield r
+    yield from later
 
 
 class Scheduler:
@@ -73,6 +87,8 @@ class Scheduler:
         self.paged_names = tuple(c.name for c in self.paged)
         self._paged_set = frozenset(self.paged_names)
         self.config = config
+        self.prefill_role = config.role == "prefill"
+        self.page_size = config.page_size
         # a prefill chunk that crosses track boundaries ends on the last one (a checkpoint is taken
         # there: prefix cache), and in deterministic mode always, so that a cache hit and a cold
         # run cut the same chunks
@@ -81,17 +97,19 @@ class Scheduler:
 
     def chunk_len(self, r: RequestView, budget: int) -> int:
         """Tokens `r` runs this step (0: none)."""
-        if r.pending <= 0 or r.num_outputs >= r.params.max_tokens:
+        n_ids = len(r.ids)
+        pending = n_ids - r.computed
+        if pending <= 0 or n_ids - r.num_prompt >= r.params.max_tokens:
             return 0  # nothing to run, or it finishes with the step in flight
-        if self.config.role == "prefill" and r.num_outputs >= 1:
+        if self.prefill_role and n_ids > r.num_prompt:
             return 0  # a prefill replica never decodes: the request is handed off
-        if r.pending == 1:
+        if pending == 1:
             return 1 if budget >= 1 else 0
         c = self.config.prefill_chunk
         if self.config.deterministic:
-            n = min(r.pending, c - r.computed % c)
+            n = min(pending, c - r.computed % c)
         else:
-            n = min(r.pending, c, budget)
+            n = min(pending, c, budget)
         if self.cuts is not None:
             n = self.cuts.chunk_end(r.computed, r.computed + n, r.num_prompt) - r.computed
         if self.config.deterministic:
@@ -141,12 +159,19 @@ class Scheduler:
         planned: set[str] = set()
         pressure = False
         short: dict[str, int] = {}
-        for r in sorted(view.running, key=lambda r: (r.pending > 1, r.arrival)):
+        for r in _decode_first(view.running):
+            if budget >= 1:
+                e = self._steady_decode(r)
+                if e is not None:
+                    entries.append(e)
+                    planned.add(r.id)
+                    budget -= 1
+                    continue
             n = self.chunk_len(r, budget)
             if n == 0:
                 continue
             add = self._pages_to_add(r, r.computed + n)
-            need = {name: len(pages) for name, pages in add.items()}
+            need = {name: len(pages) for name, pages in add.items()} if add else _NO_PAGES
             if need and not pools.fits(need):
                 lack = pools.short(need)
                 if view.in_flight:  # frees wait for the step in flight: plan again after it
@@ -185,23 +210,34 @@ class Scheduler:
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic)
         return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short)
 
-    def _entry(self, r: RequestView, n: int, add: dict[str, list[int]], slots: dict[str, tuple[int, ...]],
+    def _steady_decode(self, r: RequestView) -> PlanEntry | None:
+        """Most entries of a step: one decode token inside a page `r` holds, which takes no unit
+        (the view's tables and slots are the entry's as they are). None: not that case (the
+        general path decides). The same entry the general path would make, for less work."""
+        ids, start = r.ids, r.computed
+        end = len(ids)
+        draw = end - r.num_prompt
+        idx = r.indices
+        if (end - start != 1 or not start % self.page_size or draw >= r.params.max_tokens
+                or (self.prefill_role and draw) or not self._paged_set <= idx.keys()):
+            return None
+        return PlanEntry(r.id, ids[start:end], start, {name: idx[name] for name in self.paged_names},
+                         {name: idx[name][0] for name in self.slot_names}, SamplingSpec.of(r.params, r.seed, draw, ids))
+
+    def _entry(self, r: RequestView, n: int, add: Mapping[str, list[int]], slots: dict[str, tuple[int, ...]],
                pools: _Pools, grants: dict) -> PlanEntry:
         """The plan entry running `n` tokens of `r`, taking the pages in `add` (and `slots`, newly
-        taken for an admission); what it took is recorded in `grants`."""
+        taken for an admission); what it took is recorded in `grants` (nothing taken: no record)."""
         got = dict(slots)
-        if add is _NO_PAGES and self._paged_set <= r.indices.keys():
-            # no new page: the view's tables (tuples) are the entry's as they are
-            tables = {name: r.indices[name] for name in self.paged_names}
-        else:
-            tables = self._tables(r, add, pools, got)
-        grants[r.id] = {name: units for name, units in got.items() if units} if got else {}
+        tables = self._tables(r, add, pools, got)
+        taken = {name: units for name, units in got.items() if units}
+        if taken:
+            grants[r.id] = taken
         start, ids = r.computed, r.ids
-        sample = SamplingSpec.of(r.params, r.seed, r.num_outputs, ids) if start + n == len(ids) else None
-        return PlanEntry(
-            req_id=r.id, token_ids=ids[start : start + n], start=start, page_tables=tables,
-            slots={name: (slots.get(name) or r.indices[name])[0] for name in self.slot_names}, sample=sample,
-        )
+        end = start + n
+        sample = SamplingSpec.of(r.params, r.seed, len(ids) - r.num_prompt, ids) if end == len(ids) else None
+        return PlanEntry(r.id, ids[start:end], start, tables,
+                         {name: (slots.get(name) or r.indices[name])[0] for name in self.slot_names}, sample)
 
     def _tables(self, r: RequestView, add: Mapping[str, list[int]], pools: _Pools, got: dict) -> dict:
         """`r`'s page tables with the pages in `add` taken from `pools` (recorded in `got`)."""

@@ -7,7 +7,7 @@ is read back from live request fields while the scheduler plans.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.plan import StepPlan
@@ -16,13 +16,65 @@ from hyrax.actors.engine.request import Request, SamplingParams
 PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
 
 
-@dataclass(frozen=True)
-class RequestView:
+class Tokens(Sequence[int]):
+    """A request's prompt + outputs as a view sees them, made in O(1) whatever their length:
+    the prompt, the first `n_out` of its outputs, then `extra` PLACEHOLDERs (the tokens the step
+    in flight samples). It reads the request's own lists, which only ever grow (`Request`), and
+    never past what it was made with, so what it says does not change. Slices are tuples."""
+
+    __slots__ = ("prompt", "outputs", "n_out", "extra", "n")
+
+    def __init__(self, prompt: Sequence[int], outputs: Sequence[int], n_out: int, extra: int = 0):
+        self.prompt, self.outputs, self.n_out, self.extra = prompt, outputs, n_out, extra
+        self.n = len(prompt) + n_out + extra
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k):
+        if not isinstance(k, slice):
+            i = range(self.n)[k]  # IndexError as a tuple's
+            return self[i : i + 1][0]
+        a, b = k.start, k.stop
+        if k.step is not None or a is None or b is None or not 0 <= a < b <= self.n:  # the general case
+            a, b, stride = k.indices(self.n)
+            if stride != 1:
+                return tuple(self)[k]
+            if b <= a:
+                return ()
+        n_prompt = len(self.prompt)
+        real = n_prompt + self.n_out
+        out = tuple(self.prompt[a:b]) if a < n_prompt else ()
+        if b > n_prompt and a < real:
+            out += tuple(self.outputs[max(a - n_prompt, 0) : min(b, real) - n_prompt])
+        if b > real:
+            out += (PLACEHOLDER,) * (b - max(a, real))
+        return out
+
+    def __iter__(self):
+        yield from self.prompt
+        yield from self.outputs[: self.n_out]
+        yield from (PLACEHOLDER,) * self.extra
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (Tokens, tuple)) and len(other) == self.n and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Tokens({len(self.prompt)} prompt, {self.n_out} outputs, {self.extra} in flight)"
+
+
+class RequestView(NamedTuple):
+    """One request as the next step finds it. Immutable, made per request per step: a NamedTuple
+    (cheaper to make than a frozen dataclass) over `Tokens` (O(1), not O(length))."""
+
     id: str
     arrival: float
     num_prompt: int
     computed: int  # tokens whose state is in the pools once the step in flight commits
-    ids: tuple[int, ...]  # prompt + outputs, the in-flight token as PLACEHOLDER
+    ids: Sequence[int]  # prompt + outputs, the in-flight token as PLACEHOLDER (`Tokens`, or a tuple)
     params: SamplingParams
     seed: int
     indices: Mapping[str, tuple[int, ...]]  # page table, or (slot,), per component
@@ -58,11 +110,14 @@ class SchedulerView:
     reserve_ratio: float = 0.0  # adaptive admission: raised by memory pressure
 
 
-def view_of(req: Request, ahead: tuple[int, int] | None = None) -> RequestView:
-    """`req` as the next step finds it; `ahead` = (computed, outputs) once the step in flight commits."""
-    computed, n_out = ahead if ahead is not None else (req.num_computed, len(req.output_ids))
-    ids = (*req.prompt_ids, *req.output_ids, *(PLACEHOLDER,) * (n_out - len(req.output_ids)))
-    return RequestView(req.id, req.arrival, len(req.prompt_ids), computed, ids, req.params, req.seed,
+def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
+    """`req` as the next step finds it. `ahead`, for a request the step in flight runs: (its
+    computed length once that step commits, whether that step samples a token for it). O(1) in
+    the request's length (`Tokens`)."""
+    have = len(req.output_ids)
+    computed, extra = (req.num_computed, 0) if ahead is None else ahead
+    return RequestView(req.id, req.arrival, len(req.prompt_ids), computed,
+                       Tokens(req.prompt_ids, req.output_ids, have, extra), req.params, req.seed,
                        {name: tuple(idx) for name, idx in req.indices.items()})
 
 
@@ -71,18 +126,14 @@ def build_view(step: int, running: list[Request], waiting: list[Request], alloc:
                reserve_ratio: float) -> SchedulerView:
     """A snapshot of the request table and the allocators. `max_units`: the most units one step
     can take from a pool (a prefix of each free list that long is enough)."""
-    ahead: dict[str, tuple[int, int]] = {}
-    if in_flight is not None:
-        by_id = {r.id: r for r in running}
-        for e in in_flight.entries:
-            if e.req_id in by_id:
-                ahead[e.req_id] = (e.end, len(by_id[e.req_id].output_ids) + (e.sample is not None))
+    ahead = {e.req_id: (e.start + len(e.token_ids), e.sample is not None)
+             for e in in_flight.entries} if in_flight is not None else {}
     room = max(max_running - len(running), 0) if admit_new else 0
     return SchedulerView(
         step=step,
-        running=tuple(view_of(r, ahead.get(r.id)) for r in running),
-        waiting=tuple(view_of(r) for r in waiting[:room]),
+        running=tuple([view_of(r, ahead.get(r.id)) for r in running]),
+        waiting=tuple([view_of(r) for r in waiting[:room]]),
         free={n: FreePool(a.num_free, tuple(a.peek(max_units))) for n, a in alloc.items()},
-        in_flight=frozenset(e.req_id for e in in_flight.entries) if in_flight is not None else frozenset(),
+        in_flight=frozenset(ahead),
         admit_new=admit_new, reserve_ratio=reserve_ratio,
     )
