@@ -65,8 +65,8 @@ class _Graph:
 
 
 class CudaGraphDecode:
-    """Decode forward by CUDA graph replay, one graph per (batch size, key buckets), captured
-    on first use; batches above `max_graph_batch` run eager."""
+    """Decode forward by CUDA graph replay, one graph per (batch size, key buckets, pools),
+    captured on first use; batches above `max_graph_batch` run eager."""
 
     def __init__(self, model, eager, names: tuple[str, ...], device: torch.device, max_graph_batch: int = 128):
         if device.type != "cuda":
@@ -84,7 +84,9 @@ class CudaGraphDecode:
             return self.eager(batch, pools)
         keys = {n: key_bucket(i.read_rows.shape[1]) for n, i in batch.attn.items()}
         padded = pad_key_columns(batch, keys)
-        key = (batch.num_seqs, *(keys[n] for n in sorted(keys)))
+        # a graph replays into the pools it was captured over: the memory-budget profile runs
+        # steps on throw-away pools before the engine allocates its own, so their addresses key it too
+        key = (batch.num_seqs, *(keys[n] for n in sorted(keys)), *(pools[n].data_ptr() for n in self.names))
         g = self.graphs.get(key) or self._capture(key, padded, pools)
         for static, value in zip(g.inputs, batch_tensors(padded)):
             static.copy_(value, non_blocking=True)
