@@ -4,8 +4,9 @@ the engine's own pools in place; the key padding both captured paths apply chang
 (checked through the eager forward, so the CUDA-graph path's padding is checked here too).
 
 The compiled model is built once per backend: "aot_eager" (dynamo's graph, functionalised,
-run by torch ops: seconds) in the default run, "inductor" (what `--captured-decode compile`
-runs: minutes of C++ kernel builds on 2 cores, ~6 min here under load) marked slow."""
+run by torch ops) in the default run, "inductor" (what `--captured-decode compile`
+runs: minutes of C++ kernel builds on 2 cores, ~6 min here under load) marked slow. The
+aot_eager run is dynamo tracing twice (B = 1 and B >= 2): ~1-2 min on the loaded 2-core box."""
 from __future__ import annotations
 
 import copy
