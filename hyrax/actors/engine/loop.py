@@ -164,7 +164,10 @@ class EngineLoop:
             sink = self.streams.get(rid)
             if sink is None:
                 continue
-            batches.setdefault(id(sink), (sink, []))[1].append((rid, item))
+            batch = batches.get(id(sink))
+            if batch is None:
+                batch = batches[id(sink)] = (sink, [])
+            batch[1].append((rid, item))
             if is_last(item):
                 del self.streams[rid]
                 if sink.on_end is not None:

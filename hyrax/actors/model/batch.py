@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -22,11 +22,11 @@ import torch
 from hyrax.actors.model.components import WINDOW, ComponentSpec
 
 
-@dataclass(frozen=True)
-class SeqSlice:
-    """One request's part of a step: `token_ids` at positions start .. start+len-1."""
+class SeqSlice(NamedTuple):
+    """One request's part of a step: `token_ids` at positions start .. start+len-1. Read only;
+    a NamedTuple (one is made per request per step: a frozen dataclass cost ~4x more to make)."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     start: int
     page_tables: Mapping[str, Sequence[int]]  # paged component -> page ids (-1: released page); read only
     slots: dict[str, int]  # slot component -> slot index
