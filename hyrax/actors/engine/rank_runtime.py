@@ -23,6 +23,7 @@ from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
 from hyrax.actors.engine.state_hash import hasher
+from hyrax.actors.engine.step_groups import length_groups
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.state import ComponentSpec
@@ -166,14 +167,14 @@ class RankRuntime:
         return (*e.token_ids[:-1], last[e.req_id])
 
     def _forward_grouped(self, seqs: list[SeqSlice]) -> torch.Tensor:
-        """Decode tokens (one per sequence) in one batch, prompt chunks in another: padding
-        every decode token to the longest chunk would multiply a mixed step's work."""
-        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        if len(decode) in (0, len(seqs)):
+        """Decode tokens (one per sequence) in one batch, prompt chunks in batches of similar
+        length (step_groups.py): padding a decode token or a short chunk to the longest chunk
+        would multiply a mixed step's work."""
+        groups = length_groups([len(s.token_ids) for s in seqs])
+        if len(groups) == 1 and groups[0] == list(range(len(seqs))):
             return self._forward(seqs)
-        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         out = [None] * len(seqs)
-        for group in (decode, prefill):
+        for group in groups:
             for i, row in zip(group, self._forward([seqs[i] for i in group])):
                 out[i] = row
         return torch.stack(out)
