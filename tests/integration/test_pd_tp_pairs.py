@@ -4,10 +4,10 @@ different TP sizes. Greedy outputs equal the single-process engine token for tok
 bytes the decode replica imports per request equal the byte formula (full_kv grows with
 the prompt, swa_kv is capped at the window, mamba_* is constant).
 
-TP pairs (1,1), (1,2), (2,1), (2,2): one deployment per prefill TP size, with two decode
-targets — a TP=1 "decode" replica and a TP=2 one (role "colocated": the same engine role,
-named apart because two "decode" specs would share placement-group names) — and each pair
-is run by steering every hand-off to one of them. One PD deployment is alive at a time.
+TP pairs (1,1), (1,2), (2,1), (2,2): one deployment with two decode targets — a TP=1 "decode"
+replica and a TP=2 one (role "colocated": the same engine role, named apart because two
+"decode" specs would share placement-group names) — and a prefill replica of TP 1, then one
+of TP 2 in its place; each pair is run by steering every hand-off to one decode target.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.config import ModelConfig
+from hyrax.cluster.ray_client import client_for
 from pd_harness import (
     Run, assert_all_clean, assert_outputs, decode_on, drive, formula_bytes, pd_deployed, row_bytes, stats,
     stats_delta,
@@ -31,7 +32,7 @@ BATCH_LENGTHS, BATCH_MAX = [7, 33, 90, 130], [10, 16, 8, 14]
 DECODE_TARGETS = {1: ("decode", 0), 2: ("colocated", 0)}  # decode TP -> (role, replica)
 
 
-def _check_pair(d, client, prefill_tp: int, decode_tp: int) -> None:
+def _check_pair(d, client, prefill_tp: int, prefill_index: int, decode_tp: int) -> None:
     assert next(r.tp for r in d.replicas if (r.role, r.index) == DECODE_TARGETS[decode_tp]) == decode_tp
     seq_prompts = [prompt(n, seed=500 + n) for n in SEQ_LENGTHS]
     batch_prompts = [prompt(n, seed=600 + n) for n in BATCH_LENGTHS]
@@ -44,12 +45,12 @@ def _check_pair(d, client, prefill_tp: int, decode_tp: int) -> None:
         # one request at a time: the decode replica's byte counters move for this request only
         measured = {}
         for p, want in zip(seq_prompts, want_seq):
-            before_d, before_p = stats(d, role, index), stats(d, "prefill")
+            before_d, before_p = stats(d, role, index), stats(d, "prefill", prefill_index)
             [run] = drive(client, [Run(uid(f"pd{prefill_tp}{decode_tp}-seq"), p, SEQ_MAX)])
             assert_outputs([run], [want])
             assert_all_clean(d)  # the prefill replica freed the request once the decode side had it
             dd = stats_delta(before_d, stats(d, role, index))
-            dp = stats_delta(before_p, stats(d, "prefill"))
+            dp = stats_delta(before_p, stats(d, "prefill", prefill_index))
             assert dd["transfers_in"] == {"verified": 1}, (pair, dd["transfers_in"])
             assert dp["transfers_out"] == 1 and dd["transfers_out"] == 0, pair
             assert dd["checksum_failures"] == 0 and dd["restore_fallbacks"] == 0, pair
@@ -84,17 +85,35 @@ def _check_pair(d, client, prefill_tp: int, decode_tp: int) -> None:
         assert_all_clean(d)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"prefill_tp{tp}")
-def pd(request, ray_session):
-    """One deployment per prefill TP size; pytest finishes one before starting the next."""
+@pytest.fixture(scope="module")
+def pd_base(ray_session):
+    """The module's one deployment; `pd` swaps its prefill replica for each prefill TP size."""
     from hyrax.cluster.deployment import RoleSpec
 
-    roles = [RoleSpec("prefill", 1, request.param), RoleSpec("decode", 1, 1), RoleSpec("colocated", 1, 2)]
-    with pd_deployed(roles, CONFIG) as (d, client):
-        yield request.param, d, client
+    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1), RoleSpec("colocated", 1, 2)]
+    with pd_deployed(roles, CONFIG) as (d, _):
+        yield d
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"prefill_tp{tp}")
+def pd(request, pd_base):
+    """The deployment with a prefill replica of TP=param. The decode targets stay; only the
+    prefill replica is replaced (a TP=1 <-> TP=2 swap costs one replica's start, not a whole
+    PD deployment's). Yields (prefill TP, its replica index, deployment, client over it)."""
+    from hyrax.cluster.deployment import RoleSpec
+
+    d, tp = pd_base, request.param
+    [old] = [r for r in d.replicas if r.role == "prefill"]
+    if old.tp != tp:
+        d.remove_replica(old)
+        d.roles = [RoleSpec("prefill", 1, tp) if r.name == "prefill" else r for r in d.roles]
+        d.add_replica("prefill")
+    [new] = [r for r in d.replicas if r.role == "prefill"]
+    assert new.tp == tp
+    yield tp, new.index, d, client_for(d, "pd-test")
 
 
 @pytest.mark.parametrize("decode_tp", [1, 2], ids=lambda tp: f"decode_tp{tp}")
 def test_pd_greedy_output_and_transferred_bytes_match_reference_and_formula(pd, decode_tp):
-    prefill_tp, d, client = pd
-    _check_pair(d, client, prefill_tp, decode_tp)
+    prefill_tp, prefill_index, d, client = pd
+    _check_pair(d, client, prefill_tp, prefill_index, decode_tp)
