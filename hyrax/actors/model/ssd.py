@@ -64,45 +64,48 @@ def ssd_chunked(
     """
     f = init_state.dtype
     Bsz, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    R = H // G
     L = chunk_size
     pad = (-T) % L
     x, dt, A, D = x.to(f), dt.to(f), A.to(f), D.to(f)
-    Bh = _heads_from_groups(Bm.to(f), H)
-    Ch = _heads_from_groups(Cm.to(f), H)
+    Bg, Cg = Bm.to(f), Cm.to(f)
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
         dt = torch.nn.functional.pad(dt, (0, 0, 0, pad))
-        Bh = torch.nn.functional.pad(Bh, (0, 0, 0, 0, 0, pad))
-        Ch = torch.nn.functional.pad(Ch, (0, 0, 0, 0, 0, pad))
+        Bg = torch.nn.functional.pad(Bg, (0, 0, 0, 0, 0, pad))
+        Cg = torch.nn.functional.pad(Cg, (0, 0, 0, 0, 0, pad))
     nc = (T + pad) // L
     x = x.reshape(Bsz, nc, L, H, P)
     dt = dt.reshape(Bsz, nc, L, H)
-    Bh = Bh.reshape(Bsz, nc, L, H, -1)
-    Ch = Ch.reshape(Bsz, nc, L, H, -1)
-    xdt = x * dt[..., None]  # (b, c, l, h, p)
+    Bg = Bg.reshape(Bsz, nc, L, G, N)
+    Cg = Cg.reshape(Bsz, nc, L, G, N)
+    xdt = (x * dt[..., None]).view(Bsz, nc, L, G, R, P)
     a = (dt * A).permute(0, 1, 3, 2)  # (b, c, h, l)
     acum = torch.cumsum(a, dim=-1)  # (b, c, h, l)
 
-    # within each chunk: y_l += sum_{s<=l} (C_l·B_s) exp(a_{s+1..l}) dt_s x_s
-    decay = torch.exp(_segsum(a))  # (b, c, h, l, s)
-    scores = torch.einsum("bclhn,bcshn->bchls", Ch, Bh) * decay
-    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+    # within each chunk: y_l += sum_{s<=l} (C_l·B_s) exp(a_{s+1..l}) dt_s x_s; C·B once per
+    # group (its R = H / G heads share B and C), the decay per head
+    decay = torch.exp(_segsum(a)).view(Bsz, nc, G, R, L, L)  # (b, c, g, r, l, s)
+    cb = torch.einsum("bclgn,bcsgn->bcgls", Cg, Bg)
+    y = torch.einsum("bcgrls,bcsgrp->bclgrp", decay * cb[:, :, :, None], xdt)
 
     # each chunk's own contribution to the state at its end
-    to_end = torch.exp(acum[..., -1:] - acum)  # (b, c, h, l)
-    chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", to_end, Bh, xdt)
-    chunk_decay = torch.exp(acum[..., -1])  # (b, c, h)
+    to_end = torch.exp(acum[..., -1:] - acum).view(Bsz, nc, G, R, L)
+    chunk_states = torch.einsum("bcgrl,bclgn,bclgrp->bcgrpn", to_end, Bg, xdt)
+    chunk_decay = torch.exp(acum[..., -1]).view(Bsz, nc, G, R)
 
     # carry the state across chunks and add what each chunk's start state contributes
-    state = init_state
+    state = init_state.reshape(Bsz, G, R, P, N)
     offs = []
+    ea = torch.exp(acum).view(Bsz, nc, G, R, L)
     for c in range(nc):
-        offs.append(torch.einsum("blhn,bhpn->blhp", Ch[:, c], state) * torch.exp(acum[:, c]).transpose(1, 2)[..., None])
-        state = state * chunk_decay[:, c, :, None, None] + chunk_states[:, c]
+        offs.append(torch.einsum("blgn,bgrpn->blgrp", Cg[:, c], state) * ea[:, c].permute(0, 3, 1, 2)[..., None])
+        state = state * chunk_decay[:, c, :, :, None, None] + chunk_states[:, c]
     y = y + torch.stack(offs, dim=1)
-    y = y + D[None, None, None, :, None] * x
+    y = y.reshape(Bsz, nc, L, H, P) + D[None, None, None, :, None] * x
     y = y.reshape(Bsz, nc * L, H, P)[:, :T]
-    return y, state
+    return y, state.reshape(Bsz, H, P, N)
 
 
 def ssd_sequential(
