@@ -31,6 +31,21 @@ def pd_deployed(roles, config: EngineConfig, model_dir: str = DEMO_MODEL):
         yield d, client_for(d, "pd-test")
 
 
+def with_role_tp(d, role: str, tp: int):
+    """`d` with its one replica of `role` at TP `tp`: a replica of another TP is replaced (removed,
+    then the role re-added at `tp`, under the next replica index), the others stay. Lets one
+    deployment serve several TP layouts one after the other, at one replica's start each.
+    Returns that replica."""
+    from hyrax.cluster.deployment import RoleSpec
+
+    [old] = [r for r in d.replicas if r.role == role]
+    if old.tp == tp:
+        return old
+    d.remove_replica(old)
+    d.roles = [RoleSpec(role, 1, tp) if r.name == role else r for r in d.roles]
+    return d.add_replica(role)
+
+
 @contextmanager
 def decode_on(client, target):
     """Hand every request to `target` only: the other decode targets ("decode" and
@@ -159,4 +174,5 @@ def assert_outputs(runs: list[Run], want: list[list[int]]) -> None:
 
 
 __all__ = ["Run", "all_stats", "assert_all_clean", "assert_outputs", "coordinator", "decode_on", "drive",
-           "formula_bytes", "pd_deployed", "row_bytes", "run_concurrently", "stats", "stats_delta", "wait_for", "wait_until"]
+           "formula_bytes", "pd_deployed", "row_bytes", "run_concurrently", "stats", "stats_delta", "wait_for", "wait_until",
+           "with_role_tp"]

@@ -19,7 +19,8 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 from hyrax.actors.engine.commands import Resume, Retract
-from pd_harness import Run, assert_all_clean, assert_outputs, pd_deployed, wait_for
+from hyrax.cluster.ray_client import client_for
+from pd_harness import Run, assert_all_clean, assert_outputs, pd_deployed, wait_for, with_role_tp
 from ray_harness import DEMO_MODEL, PARAMS, prompt, reference, uid
 
 pytestmark = pytest.mark.timeout(400)
@@ -77,14 +78,24 @@ async def _operator(client, runs: list[Run], colocated) -> dict:
     return seen
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=lambda p: f"prefill_tp{p[0]}-decode_tp{p[1]}")
-def chaos_pd(request, ray_session):
+@pytest.fixture(scope="module")
+def chaos_base(ray_session):
+    """The module's one deployment; `chaos_pd` swaps its prefill and decode replicas per TP pair."""
     from hyrax.cluster.deployment import RoleSpec
 
+    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 2), RoleSpec("colocated", 1, 1)]
+    with pd_deployed(roles, CONFIG) as (d, _):
+        yield d
+
+
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=lambda p: f"prefill_tp{p[0]}-decode_tp{p[1]}")
+def chaos_pd(request, chaos_base):
+    """The deployment at TP pair (prefill, decode), with a client of its own; the colocated
+    replica stays from one pair to the next (it ends each scenario clean)."""
     ptp, dtp = request.param
-    roles = [RoleSpec("prefill", 1, ptp), RoleSpec("decode", 1, dtp), RoleSpec("colocated", 1, 1)]
-    with pd_deployed(roles, CONFIG) as (d, client):
-        yield d, client
+    with_role_tp(chaos_base, "prefill", ptp)
+    with_role_tp(chaos_base, "decode", dtp)
+    yield chaos_base, client_for(chaos_base, "pd-test")
 
 
 def test_chaos_leaves_every_pool_at_baseline_and_completed_outputs_exact(chaos_pd):

@@ -18,7 +18,7 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.cluster.ray_client import client_for
 from pd_harness import (
     Run, assert_all_clean, assert_outputs, decode_on, drive, formula_bytes, pd_deployed, row_bytes, stats,
-    stats_delta,
+    stats_delta, with_role_tp,
 )
 from ray_harness import DEMO_MODEL, prompt, reference, uid
 
@@ -100,17 +100,8 @@ def pd(request, pd_base):
     """The deployment with a prefill replica of TP=param. The decode targets stay; only the
     prefill replica is replaced (a TP=1 <-> TP=2 swap costs one replica's start, not a whole
     PD deployment's). Yields (prefill TP, its replica index, deployment, client over it)."""
-    from hyrax.cluster.deployment import RoleSpec
-
-    d, tp = pd_base, request.param
-    [old] = [r for r in d.replicas if r.role == "prefill"]
-    if old.tp != tp:
-        d.remove_replica(old)
-        d.roles = [RoleSpec("prefill", 1, tp) if r.name == "prefill" else r for r in d.roles]
-        d.add_replica("prefill")
-    [new] = [r for r in d.replicas if r.role == "prefill"]
-    assert new.tp == tp
-    yield tp, new.index, d, client_for(d, "pd-test")
+    prefill = with_role_tp(pd_base, "prefill", request.param)
+    yield request.param, prefill.index, pd_base, client_for(pd_base, "pd-test")
 
 
 @pytest.mark.parametrize("decode_tp", [1, 2], ids=lambda tp: f"decode_tp{tp}")
