@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the rows to this file as a JSON list of objects "
                                                  "(keys: metric, hyrax, baseline, ratio, target, passed)")
     p.add_argument("--suite", action="append", choices=SUITES, metavar="NAME",
-                   help=f"run only this suite (repeatable): {', '.join(SUITES)}; default: all but soak and multinode")
+                   help=f"run only this suite (repeatable): {', '.join(SUITES)}; default: all but "
+                        f"{', '.join(SUITES[len(DEFAULT_SUITES):])}")
     p.add_argument("--profile", choices=sorted(PROFILES), help=argparse.SUPPRESS)  # tests: 'tiny'
 
 

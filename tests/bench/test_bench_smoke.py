@@ -56,3 +56,18 @@ def test_cli_parser_registers_bench():
     bench_cli.add_parser(p.add_subparsers(dest="command"))
     a = p.parse_args(["bench", "--quick", "--json", "out.json", "--suite", "memory"])
     assert (a.quick, a.json, a.suite, a.func) == (True, "out.json", ["memory"], bench_cli.run)
+
+
+def test_cli_help_names_every_suite_and_what_runs_by_default():
+    """`hyrax bench --help` lists the suites by hand (the CLI does not import bench/ to build its
+    parser): it must name every suite the runner has, and every one left out by default."""
+    from bench.runner import DEFAULT_SUITES, SUITES
+
+    p = argparse.ArgumentParser(prog="hyrax")
+    bench_cli.add_parser(p.add_subparsers(dest="command"))
+    sub = next(a for a in p._subparsers._group_actions[0].choices.values())
+    text = " ".join(sub.format_help().split())
+    listed, default = text.split("run only this suite (repeatable): ")[1].split("; default: all but ")
+    assert [n.strip() for n in listed.split(",")] == list(SUITES)
+    for name in set(SUITES) - set(DEFAULT_SUITES):
+        assert name in default, name
