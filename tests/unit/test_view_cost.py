@@ -94,3 +94,30 @@ def test_tokens_behave_as_the_tuple_they_stand_for():
         assert [t[i] for i in range(-len(ref), len(ref))] == [ref[i] for i in range(-len(ref), len(ref))]
         with pytest.raises(IndexError):
             t[len(ref)]
+
+
+def test_page_tables_are_shared_by_the_request_its_view_and_its_plan_not_copied_per_step():
+    """A view copied every page table per request per step: O(length / page size) each. The
+    engine keeps them as tuples, replaced when they change (a new page, a window's release), so
+    the view and a decode entry hold the request's own tables."""
+    from engine_helpers import HYBRID, greedy, make_engine, tiny_model
+
+    e = make_engine(tiny_model(HYBRID))
+    rids = [e.add_request(list(range(1, 1 + n)), greedy(30)) for n in (5, 11)]
+    seen_release, shared_entries = False, 0
+    while e.has_unfinished():
+        e.step()
+        for r in e.running:
+            assert all(type(t) is tuple for t in r.indices.values()), r.indices
+            seen_release |= any(p < 0 for p in r.indices["swa_kv"])
+            sv = build_view(e.step_count, [r], [], e.alloc, None, 1, 4, False, 0.0)
+            view = sv.running[0]
+            assert all(view.indices[n] is t for n, t in r.indices.items())
+            got = e.scheduler.schedule(sv)
+            if isinstance(got, Scheduled) and got.plan.entries and not got.grants:  # took no page
+                entry = got.plan.entries[0]
+                assert all(entry.page_tables[n] is r.indices[n] for n in entry.page_tables)
+                shared_entries += 1
+    assert shared_entries > 10
+    assert seen_release  # the window's early pages went back: a replaced table, still a tuple
+    assert all(len(e.finished_requests[i].output_ids) == 30 for i in rids)

@@ -48,8 +48,8 @@ def claim(got: Scheduled, table: RequestTable, alloc: dict[str, IndexAllocator],
         req = table.get(e.req_id)
         for name, units in grants.items():
             alloc[name].claim(req.id, units)
-        req.indices.update({name: list(t) for name, t in e.page_tables.items()})
-        req.indices.update({name: [slot] for name, slot in e.slots.items()})
+        req.indices.update({name: tuple(t) for name, t in e.page_tables.items()})  # tuples: as the plan's, no copy
+        req.indices.update({name: (slot,) for name, slot in e.slots.items()})
     now = time.monotonic()
     for rid in got.admitted:
         r = table.get(rid)

@@ -99,7 +99,7 @@ class PrefixCaching:
         hold = req.cache
         hold.node, hold.hit = m.node, m
         for name, pages in m.full.items():
-            req.indices[name] = list(pages)
+            req.indices[name] = tuple(pages)
             hold.shared[name] = set(pages)
         req.num_computed = m.length
         self.stats.hits += 1

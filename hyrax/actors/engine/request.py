@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Sequence
 
 from hyrax.actors.engine.grammar import GrammarSpec
 from hyrax.actors.model.errors import HyraxInputError
@@ -94,7 +95,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     state: State = State.WAITING
     num_computed: int = 0  # tokens whose state is in the device pools (the snapshot point)
-    indices: dict[str, list[int]] = field(default_factory=dict)  # page table, or [slot]
+    # page table, or (slot,), per component: tuples, replaced (never edited) when they change, so the
+    # scheduler's view and the plans share them without a copy (a restore may set lists: copied once)
+    indices: dict[str, Sequence[int]] = field(default_factory=dict)
     hold: bool = False  # retracted and held until resumed explicitly
     backup: object | None = None  # a Backup while retracted with state kept
     retractions: int = 0

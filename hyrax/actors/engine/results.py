@@ -122,5 +122,7 @@ class Results:
             nums = releasable_pages(c, table, req.num_computed, self.page_size)
             if nums:
                 self.release(req.id, {c.name: self.owned(req, c.name, [table[n] for n in nums])})
+                table = list(table)
                 for n in nums:
                     table[n] = -1
+                req.indices[c.name] = tuple(table)  # a new table: one a view or plan holds never changes

@@ -118,7 +118,7 @@ def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
     computed, extra = (req.num_computed, 0) if ahead is None else ahead
     return RequestView(req.id, req.arrival, len(req.prompt_ids), computed,
                        Tokens(req.prompt_ids, req.output_ids, have, extra), req.params, req.seed,
-                       {name: tuple(idx) for name, idx in req.indices.items()})
+                       {name: tuple(idx) for name, idx in req.indices.items()})  # tuple(a tuple) is no copy
 
 
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
