@@ -18,6 +18,9 @@ from hyrax.tasks.evaluate import run_in_process
 N = 64
 BASE = dict(max_running=8, mamba_slots=8, deterministic=True)
 FORCED = dict(BASE, forced_retraction_interval=3)
+# The arms that only score answers (no token-for-token comparison) batch their steps: in
+# deterministic mode every request runs a forward of its own (batch-invariant, ~3x the time)
+FAST = dict(FORCED, deterministic=False)
 DROP_MAMBA = UnsafeFaults(skip_backup_component="mamba_conv,mamba_ssm")
 
 
@@ -47,24 +50,25 @@ def test_forced_retraction_gives_identical_answers(problems, baseline, mode):
 
 
 def test_forced_retraction_with_recompute_stays_accurate(problems, baseline):
-    completions, tokens, stats = run_in_process(DEMO_DIR, problems, EngineConfig(**FORCED, retraction_backup="recompute"))
+    completions, tokens, stats = run_in_process(DEMO_DIR, problems, EngineConfig(**FAST, retraction_backup="recompute"))
     assert stats["retractions"] >= 10, stats
     result = recall.score(problems, completions)
     assert result["accuracy"] >= 0.95, result
 
 
 def test_restoring_without_mamba_state_and_without_verification_scores_clearly_lower(problems, baseline):
-    cfg = EngineConfig(**FORCED, faults=UnsafeFaults(skip_backup_component="mamba_conv,mamba_ssm",
+    cfg = EngineConfig(**FAST, faults=UnsafeFaults(skip_backup_component="mamba_conv,mamba_ssm",
                                                      disable_verification=True), allow_unsafe=True)
     completions, _, stats = run_in_process(DEMO_DIR, problems, cfg)
     result = recall.score(problems, completions)
     assert stats["retractions"] >= 10 and stats["restore_fallbacks"] == 0, stats
-    # measured: 0.766 accuracy, 0.211 invalid (baseline 0.992, 0.000)
+    # measured: 0.8125 accuracy, 0.1875 invalid with batched steps (deterministic steps: 0.766,
+    # 0.211; baseline 0.992, 0.000)
     assert result["accuracy"] <= baseline[0]["accuracy"] - 0.15, result
     assert result["invalid_rate"] >= 0.10, result
 
 
 def test_the_same_fault_with_verification_falls_back_to_recompute_and_stays_accurate(problems, baseline):
-    completions, _, stats = run_in_process(DEMO_DIR, problems, EngineConfig(**FORCED, faults=DROP_MAMBA, allow_unsafe=True))
+    completions, _, stats = run_in_process(DEMO_DIR, problems, EngineConfig(**FAST, faults=DROP_MAMBA, allow_unsafe=True))
     assert stats["restore_fallbacks"] >= 10 and stats["restores"] == 0, stats
     assert recall.score(problems, completions)["accuracy"] >= 0.95
