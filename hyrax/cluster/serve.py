@@ -103,14 +103,42 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         raise HyraxInputError(f"--config is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise HyraxInputError("--config must be a YAML mapping of option names to values")
-    dests = {a.dest for a in parser._actions}
+    actions = {a.dest: a for a in parser._actions}
     defaults = {}
     for k, v in data.items():
         dest = str(k).replace("-", "_")
-        if dest not in dests or dest in ("config", "help"):
+        if dest not in actions or dest in ("config", "help"):
             raise HyraxInputError(f"--config: unknown option {k!r}")
-        defaults[dest] = v
+        defaults[dest] = _yaml_default(actions[dest], str(k), v)
     parser.set_defaults(**defaults)
+
+
+def _yaml_default(action: argparse.Action, key: str, value):
+    """`value` (the YAML of --config's `key`) as the parser default it stands for, checked and
+    converted as the flag's own value would be: a default set as it is would skip argparse's
+    conversion, and `deterministic: "false"` would switch deterministic mode on, `max-running:
+    3.7` would reach the engine as a float."""
+    if action.nargs == 0:  # an on/off switch
+        if not isinstance(value, bool):
+            raise HyraxInputError(f"--config: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag: one value or a list
+        return [_yaml_scalar(action, key, v) for v in (value if isinstance(value, list) else [value])]
+    return _yaml_scalar(action, key, value)
+
+
+def _yaml_scalar(action: argparse.Action, key: str, value):
+    if value is None or isinstance(value, (bool, list, dict)):
+        raise HyraxInputError(f"--config: {key} needs one value (a string or a number), got {value!r}")
+    try:
+        out = (action.type or str)(str(value))
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        kind = getattr(action.type, "__name__", "value")
+        raise HyraxInputError(f"--config: {key} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
+                              f"got {value!r}") from None
+    if action.choices is not None and out not in action.choices:
+        raise HyraxInputError(f"--config: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return out
 
 
 def roles_from_args(a, cfg: ModelConfig):

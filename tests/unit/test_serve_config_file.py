@@ -1,0 +1,51 @@
+"""`hyrax serve --config FILE`: YAML keys are the options' long names, checked and converted as
+the flags themselves are (a value set straight as a parser default skips argparse's conversion:
+`deterministic: "false"` switched deterministic mode on, `max-running: 3.7` reached the engine
+as a float). Explicit flags still win over the file."""
+from __future__ import annotations
+
+import pytest
+
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster import cli
+from hyrax.cluster.engine_args import engine_config_from_args
+from hyrax.cluster.serve import apply_yaml
+
+
+def parse(tmp_path, yaml_text: str, *flags: str):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml_text)
+    parser = cli.build_parser()
+    argv = ["serve", "--config", str(path), *flags]
+    apply_yaml(parser._subparsers._group_actions[0].choices["serve"], argv[1:])
+    return parser.parse_args(argv)
+
+
+def test_values_become_the_engine_config_and_flags_win(tmp_path):
+    a = parse(tmp_path, "deterministic: true\nmax-running: 7\nprefix-cache: false\nhost-pool-mb: 12\n",
+              "--max-running", "9")
+    cfg = engine_config_from_args(a)
+    assert (cfg.deterministic, cfg.max_running, cfg.prefix_cache, cfg.host_pool_mb) == (True, 9, False, 12)
+    assert type(cfg.max_running) is int
+
+
+@pytest.mark.parametrize("text, named", [
+    ('deterministic: "false"\n', "deterministic must be true or false"),
+    ("no-overlap: 1\n", "no-overlap must be true or false"),
+    ("max-running: 3.7\n", "max-running must be an int"),
+    ("max-running:\n", "max-running needs one value"),
+    ("kv-capacity-tokens: [1, 2]\n", "kv-capacity-tokens needs one value"),
+    ("no-such-option: 1\n", "unknown option 'no-such-option'"),
+])
+def test_a_value_the_flag_would_refuse_is_an_error_naming_it(tmp_path, text, named):
+    with pytest.raises(HyraxInputError, match=named):
+        parse(tmp_path, text)
+
+
+def test_the_cli_answers_a_bad_file_value_with_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text('deterministic: "false"\n')
+    # a model that does not exist: were the file's value accepted, serve would stop there at once
+    assert cli.main(["serve", "--config", str(path), "--model", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hyrax: error: --config: deterministic must be true or false, got 'false'"]
