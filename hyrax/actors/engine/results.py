@@ -84,7 +84,7 @@ class Results:
         and sampled."""
         out = Applied()
         tokens, lps = iter(result.tokens), result.logprobs
-        row = 0  # index among the sampling entries
+        row = -1  # this entry's index among the sampling entries (logprobs rows)
         now = time.monotonic()
         get, running, stop, windows = self.table.requests.get, State.RUNNING, self.stop.reason, self.windows
         new_tokens = out.tokens
@@ -107,8 +107,8 @@ class Results:
             if req.first_token_at is None:
                 req.first_token_at = now
             new_tokens[req.id] = [tok]  # a request has one entry per step
-            if sample.logprobs is not None and (row - 1) in lps:
-                out.logprobs[req.id] = [lps[row - 1]]
+            if sample.logprobs is not None and row in lps:
+                out.logprobs[req.id] = [lps[row]]
             reason = stop(req, tok)
             if reason:
                 out.stopped.append((req, reason))

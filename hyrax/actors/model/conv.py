@@ -18,17 +18,16 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
     B, T, C = x.shape
     keep = weight.shape[-1] - 1
     state = pool.index_select(0, slots).to(x.dtype)  # (B, C, K-1); index_select: advanced indexing is slower
+    seq = torch.cat([state, x.transpose(1, 2)], dim=2)  # (B, C, K-1+T)
     if T == 1:  # every sequence has its one token (a batch never holds an empty slice)
         # one token per sequence: the convolution is a dot product over the kernel's taps
         # (a grouped conv1d call costs ~50x more at this size on CPU), and the new state is the
         # window shifted by that token
-        seq = torch.cat([state, x.transpose(1, 2)], dim=2)  # (B, C, K)
         out = (seq * weight[:, 0]).sum(-1)
         if bias is not None:
             out = out + bias
         pool.index_copy_(0, slots, seq[:, :, 1:].to(pool.dtype))
         return nn.functional.silu(out)[:, None]
-    seq = torch.cat([state, x.transpose(1, 2)], dim=2)  # (B, C, K-1+T)
     out = nn.functional.conv1d(seq, weight, bias, groups=C)
     take = q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
     pool.index_copy_(0, slots, seq.gather(2, take[:, None, :].expand(B, C, keep)).to(pool.dtype))
