@@ -201,19 +201,20 @@ def run(profile: Profile) -> list[Row]:
         tps, ttft, itl, failed, sent = measured[c]
         rows.append(Row(f"serving c={c}: requests failed or short (of {sent}); ratio: share", failed, None,
                         failed / sent, "== 0"))
-        target = profile.target(">= 3") if c == target_c else ""
+        target = profile.target(">= 5") if c == target_c else ""
         rows.append(Row(f"serving c={c}: output tok/s vs transformers sequential", tps, seq_tps,
                         ratio(tps, seq_tps), target))
         if c == target_c:
             rows.append(Row(f"serving c={c}: output tok/s vs transformers static batches of {target_c}", tps,
-                            static_tps, ratio(tps, static_tps)))
+                            static_tps, ratio(tps, static_tps), profile.target(">= 1.5")))
             rows.append(Row(f"serving c={c}: output tok/s, full stack vs in-process engine (no HTTP, no Ray)", tps,
-                            engine_tps, ratio(tps, engine_tps)))
+                            engine_tps, ratio(tps, engine_tps), profile.target(">= 0.9")))
         for name, xs, ref in (("TTFT", ttft, hf.seq["ttft"]), ("ITL", itl, hf.seq["itl"])):
             for q in (50, 99):
                 h, b = _ms(percentile(xs, q)), _ms(percentile(ref, q))
+                itl_target = profile.target("<= 1.2") if (c, name, q) == (1, "ITL", 50) else ""
                 rows.append(Row(f"serving c={c}: {name} p{q} ms (baseline: transformers, 1 request)", h, b,
-                                ratio(h, b)))
+                                ratio(h, b), itl_target))
     rows += _ttft_under_load(measured, target_c, profile)
     if profile.large_requests:
         rows += run_large(profile)
