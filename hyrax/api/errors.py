@@ -89,6 +89,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI's 400 for a body that is no UTF-8
+            bad = e.__cause__
+            return error_response(400, f"request body is not valid JSON: byte 0x{bad.object[bad.start]:02x} at "
+                                  f"offset {bad.start} is not UTF-8", None, "invalid_json")
         msg = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
         return error_response(e.status_code, msg)
 
