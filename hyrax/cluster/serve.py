@@ -19,6 +19,7 @@ from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
+from hyrax.cluster.local_memory import available_bytes, check_fits, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
 from hyrax.cluster.ray_cluster import local_num_cpus
 from hyrax.env import admin_token as env_admin_token
@@ -284,6 +285,7 @@ def validate(a) -> tuple:
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
     if not a.address:
+        check_fits(roles, weight_bytes(path), available_bytes())  # more processes than this machine holds
         local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment
     name = a.served_model_name or default_served_name(a.model)
     return config, path, cfg, roles, name

@@ -1,0 +1,60 @@
+"""Whether a deployment fits in this machine's memory when Hyrax starts the Ray cluster itself.
+
+Logical CPUs on a local cluster may be oversubscribed (ranks idle between steps share cores),
+but memory may not: a deployment of more processes than the machine can hold gets its workers
+killed by Ray's memory monitor or the kernel, restarted by supervision and killed again. So a
+local deployment is refused before anything starts when a lower bound of what it needs exceeds
+the memory the kernel reports available. The bound counts what every process certainly holds,
+measured on the demo model: a rank actor (Python, torch, Ray worker: ~0.6 GB resident) and a
+replica's coordinator (~0.33 GB), plus each replica's weights (its ranks' shards add up to the
+checkpoint). Pools and activations come on top, so a deployment that passes may still be too
+big; one that fails certainly is. A joined cluster (`--address`) is Ray's to place.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster.placement import RoleSpec
+
+RANK_PROCESS_BYTES = 512 * 2**20  # below the ~600 MB measured per rank actor
+COORDINATOR_BYTES = 256 * 2**20  # below the ~330 MB measured per coordinator
+GIB = 2**30
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from the kernel (Linux); None where there is no such file."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the checkpoint's weight files (one replica's share, summed over its ranks)."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
+def needed_bytes(roles: list[RoleSpec], weights: int) -> int:
+    """A lower bound of the memory a deployment of `roles` holds once started."""
+    ranks = sum(r.replicas * r.tp for r in roles)
+    replicas = sum(r.replicas for r in roles)
+    return ranks * RANK_PROCESS_BYTES + replicas * (COORDINATOR_BYTES + weights)
+
+
+def check_fits(roles: list[RoleSpec], weights: int, available: int | None) -> None:
+    """Raise naming both numbers when the deployment cannot fit; `available` None: not known."""
+    if available is None:
+        return
+    need = needed_bytes(roles, weights)
+    if need > available:
+        ranks = sum(r.replicas * r.tp for r in roles)
+        replicas = sum(r.replicas for r in roles)
+        raise HyraxInputError(
+            f"the deployment needs at least {need / GIB:.1f} GiB ({ranks} rank processes, {replicas} coordinators, "
+            f"{replicas} copies of {weights / GIB:.2f} GiB of weights) but this machine has {available / GIB:.1f} GiB "
+            f"available; deploy fewer replicas or smaller TP, or join a larger cluster with --address")

@@ -1,0 +1,47 @@
+"""A local deployment that cannot fit in this machine's memory is refused before anything
+starts, with both numbers; one that fits, or a machine that reports nothing, passes."""
+import subprocess
+import sys
+
+import pytest
+
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster.local_memory import (COORDINATOR_BYTES, GIB, RANK_PROCESS_BYTES, available_bytes, check_fits,
+                                        needed_bytes)
+from hyrax.cluster.placement import RoleSpec
+
+
+def test_bound_counts_every_rank_coordinator_and_replica_weights():
+    roles = [RoleSpec("prefill", 2, 2), RoleSpec("decode", 3, 1)]
+    w = 100 * 2**20
+    assert needed_bytes(roles, w) == 7 * RANK_PROCESS_BYTES + 5 * (COORDINATOR_BYTES + w)
+
+
+def test_too_big_is_refused_naming_need_and_room():
+    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 40, 2)]
+    with pytest.raises(HyraxInputError) as e:
+        check_fits(roles, 2**20, 8 * GIB)
+    msg = str(e.value)
+    assert "81 rank processes" in msg and "41 coordinators" in msg and "8.0 GiB available" in msg, msg
+    check_fits([RoleSpec("prefill"), RoleSpec("decode")], 2**20, 8 * GIB)  # the default shape fits
+    check_fits(roles, 2**20, None)  # nothing known: Ray decides
+
+
+def test_meminfo_parsing(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   16830604 kB\n")
+    assert available_bytes(f) == 16830604 * 1024
+    assert available_bytes(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(available_bytes() is None, reason="no /proc/meminfo")
+def test_cli_refuses_a_deployment_bigger_than_the_machine_before_starting_ray():
+    replicas = available_bytes() // RANK_PROCESS_BYTES + 1
+    # --num-cpus 1 is refused too (after this check): code without the check fails fast, never serves
+    r = subprocess.run([sys.executable, "-m", "hyrax.cluster.cli", "serve", "--num-cpus", "1",
+                        "--decode-replicas", str(replicas)],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hyrax: error: the deployment needs at least"), r.stderr
+    assert "starting Ray" not in r.stderr
