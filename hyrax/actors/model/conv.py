@@ -14,21 +14,28 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
                      weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (B, T, C) this step's inputs; pool: (slots, C, K-1) one layer's conv state, updated
     in place for `slots` (B,); q_lens: (B,) valid tokens per sequence; weight: (C, 1, K).
-    Returns silu(conv(x)): (B, T, C)."""
+    Returns silu(conv(x)): (B, T, C) in x's dtype, contiguous; the taps are summed in float32
+    (float64 for float64 inputs), as a conv kernel accumulates.
+
+    The convolution is a sum over the kernel's K taps, each a multiply-add of a shifted
+    (B, T, C) window by one weight per channel, in the inputs' own layout: on the CPU this
+    beats a grouped conv1d at every length measured (C=320: T=1 26 vs 113 us, T=8 40 vs
+    125 us, T=256 246 vs 337 us, T=2048 2.1 vs 6.8 ms; C=3328, B=16, T=1: 0.29 vs 1.2 ms).
+    """
     B, T, C = x.shape
-    keep = weight.shape[-1] - 1
-    state = pool.index_select(0, slots).to(x.dtype)  # (B, C, K-1); index_select: advanced indexing is slower
-    seq = torch.cat([state, x.transpose(1, 2)], dim=2)  # (B, C, K-1+T)
-    if T == 1:  # every sequence has its one token (a batch never holds an empty slice)
-        # one token per sequence: the convolution is a dot product over the kernel's taps
-        # (a grouped conv1d call costs ~50x more at this size on CPU), and the new state is the
-        # window shifted by that token
-        out = (seq * weight[:, 0]).sum(-1)
-        if bias is not None:
-            out = out + bias
-        pool.index_copy_(0, slots, seq[:, :, 1:].to(pool.dtype))
-        return nn.functional.silu(out)[:, None]
-    out = nn.functional.conv1d(seq, weight, bias, groups=C)
-    take = q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
-    pool.index_copy_(0, slots, seq.gather(2, take[:, None, :].expand(B, C, keep)).to(pool.dtype))
-    return nn.functional.silu(out).transpose(1, 2)
+    K = weight.shape[-1]
+    keep = K - 1
+    f = torch.promote_types(x.dtype, torch.float32)
+    state = pool.index_select(0, slots)  # (B, C, K-1); index_select: advanced indexing is slower
+    seq = torch.cat([state.transpose(1, 2).to(f), x.to(f)], dim=1)  # (B, K-1+T, C)
+    taps = weight[:, 0].to(f)  # (C, K)
+    out = torch.mul(seq[:, :T], taps[:, 0]) if bias is None else torch.addcmul(bias.to(f), seq[:, :T], taps[:, 0])
+    for k in range(1, K):
+        out.addcmul_(seq[:, k:k + T], taps[:, k])
+    if T == 1:  # every sequence has its one token (a batch never holds an empty slice): the window shifts by it
+        new_state = seq[:, 1:]
+    else:
+        take = q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
+        new_state = seq.gather(1, take[:, :, None].expand(B, keep, C))
+    pool.index_copy_(0, slots, new_state.transpose(1, 2).to(pool.dtype))
+    return nn.functional.silu(out).to(x.dtype)

@@ -10,6 +10,8 @@ state unchanged, so right-padded batches need no special casing.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -45,18 +47,23 @@ def ssd_step(
     return y + D[None, :, None] * x, state
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """a: (..., L) -> (..., L, L) with out[..., l, s] = sum(a[s+1 .. l]) for l >= s, -inf above.
+@functools.lru_cache(maxsize=64)
+def _masks(L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strict, above), (L, L) each, made once per chunk length and device (they were rebuilt
+    by every layer of every step): `strict` float, 1 where row > column; `above` bool, True
+    where row < column."""
+    ones = torch.ones(L, L, device=device)
+    return torch.tril(ones, diagonal=-1), torch.triu(ones, diagonal=1).bool()
 
-    Built with a masked cumulative sum (no subtraction of large cumsums) for accuracy.
+
+def _decay(a: torch.Tensor) -> torch.Tensor:
+    """a: (..., L) -> (..., L, L) with out[..., l, s] = exp(sum(a[s+1 .. l])) for l >= s, 0 above.
+
+    The sums are masked cumulative sums (no subtraction of large cumsums), for accuracy.
     """
-    L = a.shape[-1]
-    x = a[..., None, :].expand(*a.shape[:-1], L, L)  # x[..., l, s] = a[s]
-    strict = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
-    x = x.transpose(-1, -2).masked_fill(~strict, 0)  # x[..., l, s] = a[l] for l > s
-    out = torch.cumsum(x, dim=-2)  # sum over rows s+1..l
-    keep = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device))
-    return out.masked_fill(~keep, float("-inf"))
+    strict, above = _masks(a.shape[-1], a.device)
+    seg = torch.cumsum(a[..., :, None] * strict.to(a.dtype), dim=-2)  # rows s+1..l of column s
+    return torch.exp(seg).masked_fill_(above, 0.0)
 
 
 def ssd_chunked(
@@ -68,51 +75,54 @@ def ssd_chunked(
     x: (B, T, H, P); dt: (B, T, H) with 0 at padding; A: (H,); Bm, Cm: (B, T, G, N); D: (H,);
     init_state: (B, H, P, N). Returns y: (B, T, H, P) and the final state (B, H, P, N),
     both in init_state's dtype.
+
+    A step shorter than `chunk_size` is one chunk of its own length (a short prefill used
+    to pad to a whole chunk and pay for it). The contractions are batched matmuls over
+    (batch, chunk, head) in a head-major layout; B and C are shared by each group's heads.
     """
     f = init_state.dtype
     Bsz, T, H, P = x.shape
     G, N = Bm.shape[2], Bm.shape[3]
     R = H // G
-    L = chunk_size
+    L = min(chunk_size, T)
     pad = (-T) % L
-    x, dt, A, D = x.to(f), dt.to(f), A.to(f), D.to(f)
-    Bg, Cg = Bm.to(f), Cm.to(f)
+    x, dt, Bg, Cg = x.to(f), dt.to(f), Bm.to(f), Cm.to(f)
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
         dt = torch.nn.functional.pad(dt, (0, 0, 0, pad))
         Bg = torch.nn.functional.pad(Bg, (0, 0, 0, 0, 0, pad))
         Cg = torch.nn.functional.pad(Cg, (0, 0, 0, 0, 0, pad))
     nc = (T + pad) // L
-    x = x.reshape(Bsz, nc, L, H, P)
-    dt = dt.reshape(Bsz, nc, L, H)
-    Bg = Bg.reshape(Bsz, nc, L, G, N)
-    Cg = Cg.reshape(Bsz, nc, L, G, N)
-    xdt = (x * dt[..., None]).view(Bsz, nc, L, G, R, P)
-    a = (dt * A).permute(0, 1, 3, 2)  # (b, c, h, l)
+    # head-major per chunk: (b, c, h, l, ...); B and C group-major: (b, c, g, 1, l, n)
+    xh = x.view(Bsz, nc, L, H, P).transpose(2, 3)  # (b, c, h, l, p)
+    a = (dt * A.to(f)).view(Bsz, nc, L, H).transpose(2, 3)  # (b, c, h, l)
+    xdt = xh * dt.view(Bsz, nc, L, H).transpose(2, 3)[..., None]  # (b, c, h, l, p)
+    Bt = Bg.view(Bsz, nc, L, G, N).permute(0, 1, 3, 2, 4)[:, :, :, None]  # (b, c, g, 1, l, n)
+    Ct = Cg.view(Bsz, nc, L, G, N).permute(0, 1, 3, 2, 4)[:, :, :, None]
     acum = torch.cumsum(a, dim=-1)  # (b, c, h, l)
 
-    # within each chunk: y_l += sum_{s<=l} (C_l·B_s) exp(a_{s+1..l}) dt_s x_s; C·B once per
-    # group (its R = H / G heads share B and C), the decay per head
-    decay = torch.exp(_segsum(a)).view(Bsz, nc, G, R, L, L)  # (b, c, g, r, l, s)
-    cb = torch.einsum("bclgn,bcsgn->bcgls", Cg, Bg)
-    y = torch.einsum("bcgrls,bcsgrp->bclgrp", decay * cb[:, :, :, None], xdt)
+    # within each chunk: y_l = sum_{s<=l} (C_l·B_s) exp(a_{s+1..l}) dt_s x_s
+    cb = torch.matmul(Ct, Bt.transpose(-1, -2))  # (b, c, g, 1, l, s): once per group
+    scores = _decay(a).view(Bsz, nc, G, R, L, L).mul_(cb)
+    y = torch.matmul(scores, xdt.view(Bsz, nc, G, R, L, P))  # (b, c, g, r, l, p)
 
-    # each chunk's own contribution to the state at its end
-    to_end = torch.exp(acum[..., -1:] - acum).view(Bsz, nc, G, R, L)
-    chunk_states = torch.einsum("bcgrl,bclgn,bclgrp->bcgrpn", to_end, Bg, xdt)
-    chunk_decay = torch.exp(acum[..., -1]).view(Bsz, nc, G, R)
+    # each chunk's own contribution to the state at its end: (b, c, g, r, p, n)
+    to_end = torch.exp(acum[..., -1:] - acum)  # (b, c, h, l)
+    chunk_states = torch.matmul((xdt * to_end[..., None]).view(Bsz, nc, G, R, L, P).transpose(-1, -2), Bt)
+    chunk_decay = torch.exp(acum[..., -1]).view(Bsz, nc, G, R, 1, 1)
 
-    # carry the state across chunks and add what each chunk's start state contributes
-    state = init_state.reshape(Bsz, G, R, P, N)
-    offs = []
-    ea = torch.exp(acum).view(Bsz, nc, G, R, L)
+    # carry the state across chunks; each chunk's start state adds C_l·S exp(a_{..l}) to y
+    state = init_state.to(f).view(Bsz, G, R, P, N)
+    starts = []
     for c in range(nc):
-        offs.append(torch.einsum("blgn,bgrpn->blgrp", Cg[:, c], state) * ea[:, c].permute(0, 3, 1, 2)[..., None])
-        state = state * chunk_decay[:, c, :, :, None, None] + chunk_states[:, c]
-    y = y + torch.stack(offs, dim=1)
-    y = y.reshape(Bsz, nc, L, H, P) + D[None, None, None, :, None] * x
-    y = y.reshape(Bsz, nc * L, H, P)[:, :T]
-    return y, state.reshape(Bsz, H, P, N)
+        starts.append(state)
+        state = state * chunk_decay[:, c] + chunk_states[:, c]
+    start = starts[0][:, None] if nc == 1 else torch.stack(starts, dim=1)  # (b, c, g, r, p, n)
+    from_start = torch.matmul(Ct, start.transpose(-1, -2))  # (b, c, g, r, l, p)
+    y = y.add_(from_start.mul_(torch.exp(acum).view(Bsz, nc, G, R, L, 1)))
+    y = y.view(Bsz, nc, H, L, P).transpose(2, 3) + D.to(f)[:, None] * x.view(Bsz, nc, L, H, P)
+    y = y.reshape(Bsz, nc * L, H, P)
+    return (y[:, :T] if pad else y), state.reshape(Bsz, H, P, N)
 
 
 def ssd_sequential(
