@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+import socket
 
-from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 
 
 def prepare_env(address: str | None) -> None:
@@ -30,13 +31,43 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, namespace="hyrax", log_to_driver=not quiet)
+        check_reachable(address)
+        _init_or_fail(f"joining the Ray cluster at {address} failed", address=address, namespace="hyrax",
+                      log_to_driver=not quiet)
         return False
     # address="local": always a new cluster of our own, never one that Ray finds by itself
     # (a stale /tmp/ray/ray_current_cluster, another user's cluster)
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, namespace="hyrax",
-             include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=not quiet)
+    _init_or_fail("the local Ray cluster failed to start", address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+                  namespace="hyrax", include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                  log_to_driver=not quiet)
     return True
+
+
+def _init_or_fail(what: str, **kwargs) -> None:
+    """`ray.init(**kwargs)`; Ray's own exceptions (a node that timed out starting on a loaded
+    machine, a cluster that went away) become one StartupFailure line, not a traceback."""
+    import ray
+
+    try:
+        ray.init(**kwargs)
+    except Exception as e:  # noqa: BLE001 - Ray raises plain Exception / ConnectionError / RuntimeError
+        if ray.is_initialized():
+            ray.shutdown()
+        last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise StartupFailure(f"{what}: {last}") from None
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once when nothing listens at a joined cluster's `host:port` (Ray itself retries a
+    missing GCS for minutes). Other forms (`auto`, `ray://...`) are Ray's to resolve."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise StartupFailure(f"no Ray cluster answers at {address} ({e.strerror or type(e).__name__}); "
+                             f"start one with `ray start --head` or leave --address out for a local one") from None
 
 
 def local_num_cpus(needed: int, requested: int | None) -> tuple[int, str | None]:

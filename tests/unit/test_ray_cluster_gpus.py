@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from hyrax.cluster import ray_cluster
 from hyrax.cluster.ray_cluster import init_ray
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -18,6 +19,7 @@ def ray_init_calls(monkeypatch):
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray_cluster, "check_reachable", lambda address: None)  # no cluster at the test's address
     return calls
 
 
