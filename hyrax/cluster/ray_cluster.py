@@ -67,7 +67,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise StartupFailure(f"no Ray cluster answers at {address} ({e.strerror or type(e).__name__}); "
-                             f"start one with `ray start --head` or leave --address out for a local one") from None
+                             f"is the address right, and is the cluster up (`ray start --head`)?") from None
 
 
 def local_num_cpus(needed: int, requested: int | None) -> tuple[int, str | None]:
