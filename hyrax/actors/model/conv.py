@@ -25,17 +25,21 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
     B, T, C = x.shape
     K = weight.shape[-1]
     keep = K - 1
-    f = torch.promote_types(x.dtype, torch.float32)
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
     state = pool.index_select(0, slots)  # (B, C, K-1); index_select: advanced indexing is slower
     seq = torch.cat([state.transpose(1, 2).to(f), x.to(f)], dim=1)  # (B, K-1+T, C)
-    taps = weight[:, 0].to(f)  # (C, K)
-    out = torch.mul(seq[:, :T], taps[:, 0]) if bias is None else torch.addcmul(bias.to(f), seq[:, :T], taps[:, 0])
-    for k in range(1, K):
-        out.addcmul_(seq[:, k:k + T], taps[:, k])
-    if T == 1:  # every sequence has its one token (a batch never holds an empty slice): the window shifts by it
+    taps = weight[:, 0].t().to(f)  # (K, C)
+    if T == 1:  # every sequence has its one token (a batch never holds an empty slice)
+        # one dot product over the window per channel; the new state is the window shifted by the token
+        out = (seq * taps).sum(1, keepdim=True)
         new_state = seq[:, 1:]
     else:
+        out = torch.mul(seq[:, :T], taps[0])
+        for k in range(1, K):
+            out.addcmul_(seq[:, k:k + T], taps[k])
         take = q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
         new_state = seq.gather(1, take[:, :, None].expand(B, keep, C))
+    if bias is not None:
+        out += bias.to(f)
     pool.index_copy_(0, slots, new_state.transpose(1, 2).to(pool.dtype))
     return nn.functional.silu(out).to(x.dtype)

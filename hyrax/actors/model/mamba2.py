@@ -118,13 +118,13 @@ class Mamba2Mixer(nn.Module):
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
         dt, A = self.discretize(dt, ssm_pool.dtype)
-        dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
         state = ssm_pool.index_select(0, ssm_slots)
-        if T == 1:
+        if T == 1:  # every sequence has its one token: no padding to mask
             y, new_state = ssd_step(state, xs[:, 0].view(B, self.nh, P), dt[:, 0], A,
                                     Bm[:, 0].view(B, G, N), Cm[:, 0].view(B, G, N), self.D)
             y = y[:, None]
         else:
+            dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
             y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
                                        Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
         ssm_pool.index_copy_(0, ssm_slots, new_state)

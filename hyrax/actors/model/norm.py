@@ -15,21 +15,28 @@ def identity_allreduce(t: torch.Tensor) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * (offset + weight); offset is 0, or 1 for zero-centred weights (Qwen3-Next),
-    where the product is taken in float32 as that family does."""
+    where the product is taken in float32 as that family does.
+
+    Normalised in float32 (float64 for float64 models) by torch's `rms_norm` (one call where
+    the manual form took five); a float32/float64 model without offset also multiplies the
+    weight inside that call, which is the same product (decided at construction)."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.full((hidden,), 1.0 - offset, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.offset = offset
+        self.shape = (hidden,)
+        self.f = torch.float64 if dtype == torch.float64 else torch.float32
+        self.weight_inside = not offset and dtype in (torch.float32, torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., hidden). Normalised in float32 (float64 for float64 models)."""
-        f = torch.float64 if x.dtype == torch.float64 else torch.float32
-        h = x.to(f)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        """x: (..., hidden) in the model dtype -> the same shape and dtype."""
+        if self.weight_inside:
+            return nn.functional.rms_norm(x, self.shape, self.weight, self.eps)
+        h = nn.functional.rms_norm(x.to(self.f), self.shape, None, self.eps)
         if self.offset:
-            return (h * (self.offset + self.weight.to(f))).to(x.dtype)
+            return (h * (self.offset + self.weight.to(self.f))).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -62,8 +69,7 @@ class GatedGroupRMSNorm(nn.Module):
         h = y if self.norm_first else y * gate
         if not self.split:
             g = h.view(*h.shape[:-1], -1, self.group_size)
-            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-            h = g.view(h.shape)
+            h = nn.functional.rms_norm(g, (self.group_size,), None, self.eps).view(h.shape)
         else:
             grp = self.first // self.group_size
             partial = torch.zeros(*h.shape[:-1], self.n_groups, dtype=f, device=h.device)
