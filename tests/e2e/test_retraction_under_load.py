@@ -36,12 +36,14 @@ def test_stream_comparison_notices_a_backup_that_skips_the_conv_state(local_stac
     """Mutation check for the test above: with a backup that silently leaves out the Mamba
     conv state (and restore verification off), retracted streams must differ from the
     reference. (Not the SSM state: the demo checkpoint's SSM state is so small that greedy
-    outputs do not depend on it.)"""
+    outputs do not depend on it.) 8 streams, not 32: a restore without the conv state changes
+    the stream it lands in, however many share the engine (measured, seeds 1-7: 5 to 8 of 8
+    streams differ; 20 of 32 at seed 7 with 32 streams)."""
     ref = reference_outputs(local_stack.url, local_stack.client)
     faulty = replace(E2E_CONFIG, faults=UnsafeFaults(skip_backup_component="mamba_conv", disable_verification=True),
                      allow_unsafe=True)
     with local_gateway(faulty) as broken:
-        results, seen = asyncio.run(streams_under_retraction(broken.url, n_streams=32, seed=7))
+        results, seen = asyncio.run(streams_under_retraction(broken.url, n_streams=8, seed=7))
         assert seen["cpu_tensor"] + seen["host_pool"] > 0, seen
         with pytest.raises(AssertionError):
             check_streams_match_reference(results, ref, broken.client, 0)
