@@ -122,7 +122,9 @@ class Attention(nn.Module):
         pool = pools[self.component][self.local_layer]
         # the real tokens' K/V, (N, 2, kv_heads, head_dim), into their rows: index tensors made
         # once per step on the host (no boolean mask here, whose size only the device knows)
-        kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd).index_select(0, batch.token_index)
+        kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd)
+        if T > 1:  # a decode step has no padding: its tokens are already in token_index order
+            kv = kv.index_select(0, batch.token_index)
         pool.index_copy_(0, idx.write_rows, kv.to(pool.dtype))
         out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
         if self.output_gate:

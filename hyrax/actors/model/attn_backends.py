@@ -65,8 +65,10 @@ class SdpaPaged:
     advanced indexing with a (B, K) index takes ~60x longer on CPU), zeroes the padding keys
     in place through their host-computed flat indices, and attends: a decode step (T == 1)
     with grouped-query matmuls (no K/V copies per query head; ~2x faster than SDPA's CPU
-    kernel at one query), a longer step with torch SDPA and an explicit mask, computed once
-    per step and window and shared by every layer."""
+    kernel at one query; plain batched matmuls and an additive mask, as einsum's planning and
+    a masked_fill per layer cost more than the math at this size), a longer step with torch
+    SDPA and an explicit mask. Masks are computed once per step and window and shared by
+    every layer."""
 
     name = "sdpa"
 
@@ -82,11 +84,14 @@ class SdpaPaged:
             mask = idx.derived[("visible", window)] = visible_mask(batch.positions, batch.q_valid, idx, window)
         kvh = kv.shape[3]
         if T == 1:
+            bias = idx.derived.get(("bias", window))  # (B, 1, 1, K): 0 where visible, -inf elsewhere
+            if bias is None:
+                bias = idx.derived[("bias", window)] = torch.zeros(
+                    B, 1, 1, K, dtype=q.dtype, device=q.device).masked_fill_(~mask[:, None], float("-inf"))
             qg = q.view(B, kvh, H // kvh, D)  # query heads grouped by the K/V head they share
-            s = torch.einsum("bgrd,bkgd->bgrk", qg, kv[:, :, 0]) * scale
-            s = s.masked_fill(~mask[:, None], float("-inf"))  # (B, 1, K) -> every head
+            s = torch.add(bias, torch.matmul(qg, kv[:, :, 0].permute(0, 2, 3, 1)), alpha=scale)  # (B, G, R, K)
             p = torch.softmax(s, dim=-1)
-            return torch.einsum("bgrk,bkgd->bgrd", p, kv[:, :, 1]).reshape(B, 1, H, D)
+            return torch.matmul(p, kv[:, :, 1].transpose(1, 2)).view(B, 1, H, D)
         rep = H // kvh
         k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
         v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)
