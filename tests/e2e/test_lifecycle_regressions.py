@@ -167,7 +167,7 @@ def test_resume_takes_the_same_selectors_as_retract_and_admin_count_takes_the_la
 
     def one_stream():
         with httpx.Client(timeout=120) as http:
-            r = http.post(f"{local.url}/v1/completions", json=_body(False, max_tokens=400))
+            r = http.post(f"{local.url}/v1/completions", json=_body(False, max_tokens=150))
             assert r.status_code == 200, r.text
         done.set()
 
