@@ -23,12 +23,32 @@ from hyrax.actors.engine.config import EngineConfig
 
 # ---- deployments -------------------------------------------------------------------------
 @contextmanager
-def pd_deployed(roles, config: EngineConfig, model_dir: str = DEMO_MODEL):
-    """A PD deployment and its EngineClient; always shut down."""
+def pd_deployed(roles, config: EngineConfig, model_dir: str = DEMO_MODEL, borrowed: dict | None = None):
+    """A PD deployment and its EngineClient; always shut down.
+
+    `borrowed` (role -> a replica of another live deployment, which must run `config`, the same
+    checkpoint and the same engine role, e.g. "colocated"): the tests see it as one more
+    replica of that role (index 0), and the client routes to it; shutting down stops only the
+    replicas started here, so a borrowed one must end as it came, idle and clean."""
+    from hyrax.cluster.deployment import Replica
     from hyrax.cluster.ray_client import client_for
 
     with deployed(model_dir, roles, config) as d:
-        yield d, client_for(d, "pd-test")
+        view = d if not borrowed else Joined(d, [Replica(role, 0, r.tp, r.coordinator, r.pg)
+                                                 for role, r in borrowed.items()])
+        yield view, client_for(view, "pd-test")
+
+
+class Joined:
+    """A deployment plus borrowed replicas, as the test helpers read one (`replicas`,
+    `model_dir`); replicas are added and removed on the deployment itself (`own`)."""
+
+    def __init__(self, own, borrowed: list):
+        self.own, self.borrowed, self.model_dir = own, borrowed, own.model_dir
+
+    @property
+    def replicas(self) -> list:
+        return self.own.replicas + self.borrowed
 
 
 def with_role_tp(d, role: str, tp: int):

@@ -4,7 +4,8 @@ run token for token, the bytes moved equal the formula at the migration point, t
 replica's pools return to baseline, and a drained replica takes no new work.
 
 Deployment: a TP=1 prefill replica, two TP=1 decode replicas, and a TP=2 "colocated"
-replica (a decode target too), so a request can also migrate across TP sizes (1 -> 2 -> 1).
+replica (a decode target too; the session demo deployment's TP=2 one, borrowed), so a request
+can also migrate across TP sizes (1 -> 2 -> 1).
 Overlap scheduling on, as `hyrax serve` runs it: every hop delivers the tokens its export
 committed before the hand-off.
 """
@@ -23,7 +24,7 @@ from hyrax.actors.model.config import ModelConfig
 from pd_harness import (
     Run, all_stats, assert_all_clean, assert_outputs, drive, pd_deployed, row_bytes, stats_delta, wait_for,
 )
-from ray_harness import DEMO_MODEL, prompt, reference, uid
+from ray_harness import DEMO_CONFIG, DEMO_MODEL, prompt, reference, replica, uid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,11 +33,14 @@ WINDOW = ModelConfig.from_dir(DEMO_MODEL).sliding_window
 
 
 @pytest.fixture(scope="module")
-def pd(ray_session):
+def pd(demo_deployment):
+    """The TP=2 "colocated" replica is the session demo deployment's "tp2" one: the same
+    checkpoint, config (DEMO_CONFIG == CONFIG) and engine role, so it is borrowed, not started."""
     from hyrax.cluster.deployment import RoleSpec
 
-    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 2, 1), RoleSpec("colocated", 1, 2)]
-    with pd_deployed(roles, CONFIG) as (d, client):
+    assert DEMO_CONFIG == CONFIG
+    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 2, 1)]
+    with pd_deployed(roles, CONFIG, borrowed={"colocated": replica(demo_deployment, "tp2")}) as (d, client):
         yield d, client
 
 
