@@ -1,7 +1,7 @@
 """Engine options, validated once. `hyrax generate` and `hyrax serve` share these names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hyrax.actors.model.attn_backends import BACKENDS as ATTENTION_BACKENDS
 from hyrax.actors.model.captured_decode import CAPTURE_MODES
@@ -123,6 +123,8 @@ class EngineConfig:
         return self.mamba_checkpoint_slots or 3 * self.mamba_slots
 
     def __post_init__(self):
+        _check_types(self)
+
         def positive(name):
             if getattr(self, name) < 1:
                 raise HyraxInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -160,3 +162,23 @@ class EngineConfig:
                                   f"{', '.join(CAPACITY_FIELDS)}")
         if self.prefill_chunk > self.max_batch_tokens:
             raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")
+
+
+# a field's annotation -> the types its value may have (bool is no int here, an int is a float)
+_SCALARS = {"int": (int,), "bool": (bool,), "float": (int, float), "str": (str,)}
+
+
+def _check_types(config: EngineConfig) -> None:
+    """Every scalar field has its annotated type: a YAML or Python caller's `"false"` for a
+    switch or `3.7` for a count is an error naming the field, never a silently odd engine."""
+    for f in fields(config):
+        kind, _, none = f.type.partition(" | ")
+        ok = _SCALARS.get(kind)
+        if ok is None:
+            continue
+        v = getattr(config, f.name)
+        if v is None and none == "None":
+            continue
+        if not isinstance(v, ok) or (kind != "bool" and isinstance(v, bool)):
+            raise HyraxInputError(f"{f.name.replace('_', '-')} must be {'a' if kind != 'int' else 'an'} {kind}"
+                                  f"{' or None' if none else ''}, got {v!r}")
