@@ -24,7 +24,7 @@ class RopeFrequencies(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=f, device=device) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         half, hd = rotary_dim // 2, head_dim or rotary_dim
-        self.block = half if hd % half == 0 else 1
+        self.block = half if half and hd % half == 0 else 1  # no rotary part (NemotronH): any block
         n, b = hd // self.block, half // self.block  # blocks per head, per half of the rotary part
         partner = [*range(b, 2 * b), *range(b), *range(2 * b, n)]
         self.register_buffer("partner", torch.tensor(partner, dtype=torch.long, device=device), persistent=False)
