@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway_harness import Gateway, free_port, wait_until  # noqa: F401 - re-exported to the e2e tests
+from gateway_harness import HTTP, Gateway, free_port, wait_until  # noqa: F401 - re-exported to the e2e tests
 from hyrax.actors.engine.config import EngineConfig
 
 DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
@@ -137,13 +137,13 @@ def sse_data(lines) -> list:
 
 
 def admin_requests(url: str) -> list[dict]:
-    r = httpx.get(f"{url}/admin/requests", headers=ADMIN, timeout=30)
+    r = HTTP.get(f"{url}/admin/requests", headers=ADMIN, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["requests"]
 
 
 def admin_pools_clean(url: str) -> bool:
-    r = httpx.get(f"{url}/admin/pools", headers=ADMIN, timeout=30)
+    r = HTTP.get(f"{url}/admin/pools", headers=ADMIN, timeout=30)
     assert r.status_code == 200, r.text
     return all(c["used"] == 0 and c["host_used"] == 0
                for rep in r.json()["replicas"] for c in rep["components"].values())
@@ -170,7 +170,7 @@ def reference_outputs(url: str, client: RecordingClient, max_tokens: int = STREA
     prompt -> (token ids, text, prompt token ids)."""
     out = {}
     for p in PROMPTS:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        r = HTTP.post(f"{url}/v1/completions", timeout=120, json={
             "model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
         rec = client.requests[_newest(client)]

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from e2e_harness import ADMIN, ADMIN_TOKEN, MODEL, admin_requests, assert_error, routes, wait_until
+from e2e_harness import ADMIN, ADMIN_TOKEN, HTTP, MODEL, admin_requests, assert_error, routes, wait_until
 
 WRONG = [
     {},
@@ -38,7 +38,7 @@ def admin_routes(app) -> list[tuple[str, str]]:
 
 
 def call(url: str, method: str, path: str, headers: dict) -> httpx.Response:
-    return httpx.request(method, f"{url}{path}", headers=headers, json=BODIES.get(path) if method == "POST" else None,
+    return HTTP.request(method, f"{url}{path}", headers=headers, json=BODIES.get(path) if method == "POST" else None,
                          timeout=30)
 
 
@@ -61,7 +61,7 @@ def test_admin_endpoints_answer_200_with_the_right_token(local):
     assert r.status_code == 200 and r.json()["results"]["req-none"] == "unknown_request" and r.json()["resumed"] == []
     r = call(local.url, "POST", "/admin/forced-retraction", ADMIN)
     assert r.status_code == 200 and local.engine.forced_interval == 3
-    r = httpx.post(f"{local.url}/admin/forced-retraction", headers=ADMIN, json={"interval": 0})
+    r = HTTP.post(f"{local.url}/admin/forced-retraction", headers=ADMIN, json={"interval": 0})
     assert r.status_code == 200 and local.engine.forced_interval == 0
     for path in ("/admin/migrate", "/admin/drain"):  # their own answers, but never 401
         if ("POST", path) in routes(local.app):
@@ -81,7 +81,7 @@ class Background:
         self._thread.start()
 
     def _run(self):
-        with httpx.stream("POST", f"{self._url}/v1/completions", json=self._body, timeout=120) as r:
+        with HTTP.stream("POST", f"{self._url}/v1/completions", json=self._body, timeout=120) as r:
             for line in r.iter_lines():
                 if self.closed.is_set():
                     return
@@ -101,7 +101,7 @@ def running(local):
         yield req["id"]
     finally:
         if "req" in locals():  # a request the test left held would never stream again
-            httpx.post(f"{local.url}/admin/resume", headers=ADMIN, json={"request_ids": [req["id"]]})
+            HTTP.post(f"{local.url}/admin/resume", headers=ADMIN, json={"request_ids": [req["id"]]})
         bg.close()
 
 
@@ -111,24 +111,24 @@ def test_rejected_admin_calls_leave_running_requests_alone(local, running):
         return q
 
     for headers in WRONG:
-        assert_error(httpx.post(f"{local.url}/admin/retract", headers=headers, json={"all": True}), 401)
-        assert_error(httpx.post(f"{local.url}/admin/retract", headers=headers,
+        assert_error(HTTP.post(f"{local.url}/admin/retract", headers=headers, json={"all": True}), 401)
+        assert_error(HTTP.post(f"{local.url}/admin/retract", headers=headers,
                                 json={"request_ids": [running], "hold": True}), 401)
-        assert_error(httpx.post(f"{local.url}/admin/forced-retraction", headers=headers, json={"interval": 1}), 401)
+        assert_error(HTTP.post(f"{local.url}/admin/forced-retraction", headers=headers, json={"interval": 1}), 401)
     q = state()
     assert q["state"] == "running" and q["retractions"] == 0
     assert local.engine.forced_interval == 0
 
-    r = httpx.post(f"{local.url}/admin/retract", headers=ADMIN,
+    r = HTTP.post(f"{local.url}/admin/retract", headers=ADMIN,
                    json={"request_ids": [running], "mode": "host_pool", "hold": True})
     assert r.status_code == 200 and r.json()["retracted"] == [running]
     assert state()["state"] == "retracted"
     for headers in WRONG:
-        assert_error(httpx.post(f"{local.url}/admin/resume", headers=headers, json={"request_ids": [running]}), 401)
+        assert_error(HTTP.post(f"{local.url}/admin/resume", headers=headers, json={"request_ids": [running]}), 401)
     q = state()
     assert q["state"] == "retracted" and q["hold"] is True
 
-    r = httpx.post(f"{local.url}/admin/resume", headers=ADMIN, json={"request_ids": [running]})
+    r = HTTP.post(f"{local.url}/admin/resume", headers=ADMIN, json={"request_ids": [running]})
     assert r.status_code == 200 and not str(r.json()["results"][running]).startswith("error")
     wait_until(lambda: state()["state"] == "running" and state()["output_tokens"] > q["output_tokens"], 20,
                what="the resumed request to make progress")
@@ -137,14 +137,14 @@ def test_rejected_admin_calls_leave_running_requests_alone(local, running):
 def test_without_a_configured_token_the_admin_api_is_closed(gateway_with):
     url = gateway_with(admin_token=None)
     for headers in WRONG + [{"Authorization": "Bearer None"}, ADMIN]:
-        assert_error(httpx.get(f"{url}/admin/requests", headers=headers), 401)
-        assert_error(httpx.post(f"{url}/admin/retract", headers=headers, json={"all": True}), 401)
+        assert_error(HTTP.get(f"{url}/admin/requests", headers=headers), 401)
+        assert_error(HTTP.post(f"{url}/admin/retract", headers=headers, json={"all": True}), 401)
 
 
 def test_api_keys_and_the_admin_token_do_not_open_each_other(local, gateway_with):
     url = gateway_with(api_keys=("k1",))
-    assert_error(httpx.get(f"{url}/admin/requests", headers={"Authorization": "Bearer k1"}), 401)
-    assert_error(httpx.post(f"{url}/admin/retract", headers={"Authorization": "Bearer k1"}, json={"all": True}), 401)
-    assert_error(httpx.get(f"{url}/v1/models", headers=ADMIN), 401)
-    assert httpx.get(f"{url}/admin/requests", headers=ADMIN).status_code == 200
-    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert_error(HTTP.get(f"{url}/admin/requests", headers={"Authorization": "Bearer k1"}), 401)
+    assert_error(HTTP.post(f"{url}/admin/retract", headers={"Authorization": "Bearer k1"}, json={"all": True}), 401)
+    assert_error(HTTP.get(f"{url}/v1/models", headers=ADMIN), 401)
+    assert HTTP.get(f"{url}/admin/requests", headers=ADMIN).status_code == 200
+    assert HTTP.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200

@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from e2e_harness import ADMIN, MODEL, assert_error
+from e2e_harness import ADMIN, HTTP, MODEL, assert_error
 from test_error_matrix import no_generation, still_healthy  # noqa: F401 - the same fixtures (still_healthy autouse)
 
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -23,7 +23,7 @@ GEN = list(BASE)
 def post(url: str, path: str, body) -> httpx.Response:
     """JSON with \\u escapes (ASCII), so a lone surrogate reaches the server as JSON allows it."""
     headers = {"Content-Type": "application/json", **(ADMIN if path.startswith("/admin") else {})}
-    return httpx.post(f"{url}{path}", content=json.dumps(body), headers=headers, timeout=60)
+    return HTTP.post(f"{url}{path}", content=json.dumps(body), headers=headers, timeout=60)
 
 
 # ---- unknown, unsupported and no-op fields --------------------------------------------------
@@ -273,12 +273,12 @@ def test_tokenize_and_detokenize_in_vllms_shape_agree_with_generation(local):
 
 # ---- documentation ----------------------------------------------------------------------------------
 def test_docs_are_served_offline_from_installed_assets(local):
-    page = httpx.get(f"{local.url}/docs")
+    page = HTTP.get(f"{local.url}/docs")
     assert page.status_code == 200
     assert not re.findall(r"https?://", page.text), "the docs page loads something from the network"
     for src in re.findall(r'(?:src|href)="([^"]+)"', page.text):
-        assert httpx.get(f"{local.url}{src}").status_code == 200, src
-    assert httpx.get(f"{local.url}/openapi.json").status_code == 200
+        assert HTTP.get(f"{local.url}{src}").status_code == 200, src
+    assert HTTP.get(f"{local.url}/openapi.json").status_code == 200
 
 
 def test_without_the_assets_package_docs_are_off_and_the_schema_stays(local, gateway_with, monkeypatch):
@@ -286,13 +286,13 @@ def test_without_the_assets_package_docs_are_off_and_the_schema_stays(local, gat
 
     monkeypatch.setattr(docs_routes, "_swagger_assets", lambda: None)
     url = gateway_with()
-    assert_error(httpx.get(f"{url}/docs"), 404)
-    assert_error(httpx.get(f"{url}/redoc"), 404)
-    assert "/v1/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
+    assert_error(HTTP.get(f"{url}/docs"), 404)
+    assert_error(HTTP.get(f"{url}/redoc"), 404)
+    assert "/v1/completions" in HTTP.get(f"{url}/openapi.json").json()["paths"]
 
 
 def test_openapi_documents_every_error_status_with_the_error_shape(local):
-    schema = httpx.get(f"{local.url}/openapi.json").json()
+    schema = HTTP.get(f"{local.url}/openapi.json").json()
     err = schema["components"]["schemas"]["ErrorResponse"]
     assert err["required"] == ["error"]
     ops = schema["paths"]

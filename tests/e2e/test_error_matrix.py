@@ -3,10 +3,9 @@
 generation, and leave the server answering /health."""
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from e2e_harness import ADMIN, MODEL, assert_error, routes
+from e2e_harness import ADMIN, HTTP, MODEL, assert_error, routes
 
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -23,7 +22,7 @@ SAMPLING_ERRORS = [  # (field, bad value) valid for both generation endpoints
 def still_healthy(local):
     """Every case leaves the server answering (and, by `local`, the engine idle and clean)."""
     yield
-    assert httpx.get(f"{local.url}/health").status_code == 200
+    assert HTTP.get(f"{local.url}/health").status_code == 200
 
 
 @pytest.fixture
@@ -35,7 +34,7 @@ def no_generation(local):
 
 
 def post(local, path, body=None, content=None, headers=None):
-    return httpx.post(f"{local.url}{path}", json=body, content=content, timeout=30,
+    return HTTP.post(f"{local.url}{path}", json=body, content=content, timeout=30,
                       headers={**(ADMIN if path.startswith("/admin") else {}), **(headers or {})})
 
 
@@ -154,22 +153,22 @@ def test_invalid_admin_body_is_400(local, no_generation, path, body, param):
 
 
 def test_unknown_path_is_404_and_wrong_method_is_405_in_error_shape(local):
-    assert_error(httpx.get(f"{local.url}/v1/nope"), 404)
-    assert_error(httpx.post(f"{local.url}/v2/completions", json=COMPLETION), 404)
-    assert_error(httpx.get(f"{local.url}/v1/completions"), 405)
-    assert_error(httpx.delete(f"{local.url}/v1/models"), 405)
-    assert_error(httpx.get(f"{local.url}/admin/retract", headers=ADMIN), 405)
+    assert_error(HTTP.get(f"{local.url}/v1/nope"), 404)
+    assert_error(HTTP.post(f"{local.url}/v2/completions", json=COMPLETION), 404)
+    assert_error(HTTP.get(f"{local.url}/v1/completions"), 405)
+    assert_error(HTTP.delete(f"{local.url}/v1/models"), 405)
+    assert_error(HTTP.get(f"{local.url}/admin/retract", headers=ADMIN), 405)
 
 
 def test_oversized_body_is_413_with_or_without_content_length(local, gateway_with):
     url = gateway_with(max_body_bytes=2048)
     small = {**COMPLETION, "prompt": "x" * 1000}
     big = {**COMPLETION, "prompt": "x" * 4000}
-    assert httpx.post(f"{url}/v1/completions", json=small).status_code == 200
-    assert_error(httpx.post(f"{url}/v1/completions", json=big), 413, code="body_too_large")
-    assert_error(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": [
+    assert HTTP.post(f"{url}/v1/completions", json=small).status_code == 200
+    assert_error(HTTP.post(f"{url}/v1/completions", json=big), 413, code="body_too_large")
+    assert_error(HTTP.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": [
         {"role": "user", "content": "y" * 4000}]}), 413, code="body_too_large")
-    assert_error(httpx.post(f"{url}/admin/retract", json={"request_ids": ["r" * 4000]}, headers=ADMIN), 413)
+    assert_error(HTTP.post(f"{url}/admin/retract", json={"request_ids": ["r" * 4000]}, headers=ADMIN), 413)
 
     import json
 
@@ -178,10 +177,10 @@ def test_oversized_body_is_413_with_or_without_content_length(local, gateway_wit
         for i in range(0, len(data), 512):
             yield data[i:i + 512]
 
-    r = httpx.post(f"{url}/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    r = HTTP.post(f"{url}/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
     assert "content-length" not in r.request.headers
     assert_error(r, 413, code="body_too_large")
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200
 
 
 def test_api_keys_guard_v1_routes_when_configured(local, gateway_with):
@@ -190,17 +189,17 @@ def test_api_keys_guard_v1_routes_when_configured(local, gateway_with):
     url = gateway_with(api_keys=("k1", "k2"))
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}, {"Authorization": "Bearer k1x"},
                     {"Authorization": "Basic k1"}):
-        assert_error(httpx.get(f"{url}/v1/models", headers=headers), 401, code="invalid_api_key")
-        err = assert_error(httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=headers), 401)
+        assert_error(HTTP.get(f"{url}/v1/models", headers=headers), 401, code="invalid_api_key")
+        err = assert_error(HTTP.post(f"{url}/v1/completions", json=COMPLETION, headers=headers), 401)
         assert err["type"] == "authentication_error"
-        assert_error(httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers), 401)
+        assert_error(HTTP.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers), 401)
     for key in ("k1", "k2"):
         ok = {"Authorization": f"Bearer {key}"}
-        assert httpx.get(f"{url}/v1/models", headers=ok).status_code == 200
-        assert httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=ok).status_code == 200
-        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=ok).status_code == 200
-    assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
-    assert httpx.get(f"{url}/version").status_code == 200
+        assert HTTP.get(f"{url}/v1/models", headers=ok).status_code == 200
+        assert HTTP.post(f"{url}/v1/completions", json=COMPLETION, headers=ok).status_code == 200
+        assert HTTP.post(f"{url}/v1/chat/completions", json=CHAT, headers=ok).status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200  # probes need no key
+    assert HTTP.get(f"{url}/version").status_code == 200
 
     with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
@@ -210,9 +209,9 @@ def test_api_keys_guard_v1_routes_when_configured(local, gateway_with):
 
 
 def test_health_and_version_answer(local):
-    h = httpx.get(f"{local.url}/health")
+    h = HTTP.get(f"{local.url}/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
-    v = httpx.get(f"{local.url}/version").json()
+    v = HTTP.get(f"{local.url}/version").json()
     assert v["model"] == MODEL and v["version"]
 
 
@@ -231,9 +230,9 @@ def test_extreme_sampling_values_do_not_wedge_the_engine(extreme):
 
     with local_gateway(E2E_CONFIG) as own:  # its own engine: a wedged one must not stall the suite
         try:
-            r = httpx.post(f"{own.url}/v1/completions", json={**COMPLETION, **extreme}, timeout=5)
+            r = HTTP.post(f"{own.url}/v1/completions", json={**COMPLETION, **extreme}, timeout=5)
             assert r.status_code in (200, 400), r.text
-            after = httpx.post(f"{own.url}/v1/completions", json=COMPLETION, timeout=5)
+            after = HTTP.post(f"{own.url}/v1/completions", json=COMPLETION, timeout=5)
             assert after.status_code == 200, after.text
         finally:
             alive = own.loop.thread.is_alive()

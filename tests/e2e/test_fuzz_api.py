@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e_harness import ADMIN, MODEL, sse_data
+from e2e_harness import ADMIN, HTTP, MODEL, sse_data
 
 N_REQUESTS = 1100
 SURROGATES = st.sampled_from(["\ud800", "a\udfff", "\udbffz"])
@@ -212,7 +212,7 @@ class Checker:
 
 @pytest.fixture
 def checker(local):
-    return Checker(httpx.get(f"{local.url}/openapi.json").json())
+    return Checker(HTTP.get(f"{local.url}/openapi.json").json())
 
 
 def test_fuzzed_requests_get_no_5xx_and_match_the_documented_schema(local, checker):

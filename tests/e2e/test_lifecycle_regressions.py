@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from e2e_harness import ADMIN, E2E_CONFIG, MODEL, admin_requests, assert_error, wait_until
+from e2e_harness import ADMIN, E2E_CONFIG, HTTP, MODEL, admin_requests, assert_error, wait_until
 from pd_local_harness import local_pd_gateway
 
 LONG = 400  # tokens: far more than is generated before a disconnect is noticed
@@ -77,7 +77,7 @@ def _vanish_without_reading(url: str, path: str, body: dict, leave: threading.Ev
 
 
 def _served(url: str) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json=_body(False, max_tokens=8), timeout=60)
+    r = HTTP.post(f"{url}/v1/completions", json=_body(False, max_tokens=8), timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -119,19 +119,19 @@ def test_no_decode_replica_answers_503_with_retry_after_and_leaks_nothing(pd_cle
     """Item 3: with the decode replica drained, completions answered 200 with
     finish_reason "error" (leaking a hand-off each time)."""
     pd = pd_clean
-    r = httpx.post(f"{pd.url}/admin/drain", headers=ADMIN, json={"role": "decode", "replica": 0}, timeout=60)
+    r = HTTP.post(f"{pd.url}/admin/drain", headers=ADMIN, json={"role": "decode", "replica": 0}, timeout=60)
     assert r.status_code == 200, r.text
     try:
         for stream in (False, True):
-            resp = httpx.post(f"{pd.url}/v1/completions", json=_body(stream, max_tokens=4), timeout=60)
+            resp = HTTP.post(f"{pd.url}/v1/completions", json=_body(stream, max_tokens=4), timeout=60)
             assert_error(resp, 503, code="unavailable")
             assert resp.headers.get("retry-after")
         # a health check while drained records "not ready"; the undrain below must clear it at
         # once (it used to last until the next health poll: a 503 for a request that can be served)
-        assert httpx.get(f"{pd.url}/health", timeout=60).status_code == 503
+        assert HTTP.get(f"{pd.url}/health", timeout=60).status_code == 503
         assert pd.clean()
     finally:
-        httpx.post(f"{pd.url}/admin/drain", headers=ADMIN, timeout=60,
+        HTTP.post(f"{pd.url}/admin/drain", headers=ADMIN, timeout=60,
                    json={"role": "decode", "replica": 0, "undrain": True})
     assert _served(pd.url)["choices"][0]["finish_reason"] == "length"
 
@@ -139,7 +139,7 @@ def test_no_decode_replica_answers_503_with_retry_after_and_leaks_nothing(pd_cle
 def test_one_request_asking_for_more_choices_than_the_cap_is_400(local):
     """Item 4: 1000 prompts x n=16 became 16,000 engine requests."""
     body = {"model": MODEL, "prompt": ["a b"] * 1000, "n": 16, "max_tokens": 1}
-    err = assert_error(httpx.post(f"{local.url}/v1/completions", json=body, timeout=60), 400, code="too_many_choices")
+    err = assert_error(HTTP.post(f"{local.url}/v1/completions", json=body, timeout=60), 400, code="too_many_choices")
     assert "16000" in err["message"] and str(local.client.max_choices) in err["message"]
     assert local.is_idle()
 
@@ -150,11 +150,11 @@ def test_the_inflight_limit_counts_choices_not_http_requests(local):
     inner.max_inflight = 4
     try:
         body = {"model": MODEL, "prompt": ["a b", "c d", "e f"], "n": 2, "max_tokens": 1}  # 6 choices
-        resp = httpx.post(f"{local.url}/v1/completions", json=body, timeout=60)
+        resp = HTTP.post(f"{local.url}/v1/completions", json=body, timeout=60)
         assert_error(resp, 503, code="unavailable")
         assert resp.headers.get("retry-after")
         body["n"] = 1  # 3 choices fit
-        assert httpx.post(f"{local.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert HTTP.post(f"{local.url}/v1/completions", json=body, timeout=60).status_code == 200
     finally:
         inner.max_inflight = old
     assert inner.admitted == 0
@@ -174,13 +174,13 @@ def test_resume_takes_the_same_selectors_as_retract_and_admin_count_takes_the_la
     t = threading.Thread(target=one_stream)
     t.start()
     wait_until(lambda: any(q["state"] == "running" for q in admin_requests(local.url)), 30, what="a running request")
-    r = httpx.post(f"{local.url}/admin/retract", headers=ADMIN, json={"count": 1, "hold": True}, timeout=30)
+    r = HTTP.post(f"{local.url}/admin/retract", headers=ADMIN, json={"count": 1, "hold": True}, timeout=30)
     assert r.status_code == 200 and len(r.json()["retracted"]) == 1, r.text
     rid = r.json()["retracted"][0]
     assert [q["state"] for q in admin_requests(local.url)] == ["retracted"]
     time.sleep(0.3)
     assert not done.is_set()  # held: nothing resumes it behind the operator's back
-    r = httpx.post(f"{local.url}/admin/resume", headers=ADMIN, json={"all": True}, timeout=30)
+    r = HTTP.post(f"{local.url}/admin/resume", headers=ADMIN, json={"all": True}, timeout=30)
     assert r.status_code == 200 and r.json()["resumed"] == [rid], r.text
     t.join(timeout=120)
     assert done.is_set()
@@ -194,19 +194,19 @@ def test_a_stuck_replica_makes_health_not_ready_with_the_reason(local):
     slots = engine.alloc["mamba_ssm"]
     with loop.lock:
         leaked = slots.allocate("leak", slots.num_free)  # as a leak would: no slot left
-    t = threading.Thread(target=lambda: httpx.post(f"{local.url}/v1/completions", json=_body(False, max_tokens=2),
+    t = threading.Thread(target=lambda: HTTP.post(f"{local.url}/v1/completions", json=_body(False, max_tokens=2),
                                                    timeout=60))
     t.start()
     try:
-        wait_until(lambda: httpx.get(f"{local.url}/health", timeout=10).status_code == 503, 20, what="not ready")
-        err = httpx.get(f"{local.url}/health", timeout=10).json()["error"]
+        wait_until(lambda: HTTP.get(f"{local.url}/health", timeout=10).status_code == 503, 20, what="not ready")
+        err = HTTP.get(f"{local.url}/health", timeout=10).json()["error"]
         assert "stuck" in err["message"] and "waiting" in err["message"], err
     finally:
         with loop.lock:
             slots.free("leak", leaked)
         loop.stuck_after_s = 30.0
     t.join(timeout=60)
-    wait_until(lambda: httpx.get(f"{local.url}/health", timeout=10).status_code == 200, 20, what="ready again")
+    wait_until(lambda: HTTP.get(f"{local.url}/health", timeout=10).status_code == 200, 20, what="ready again")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import pytest
 
-from e2e_harness import ADMIN, MODEL, assert_error
+from e2e_harness import ADMIN, HTTP, MODEL, assert_error
 
 BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_clients_request_id_names_the_call_everywhere(local, stream):
-    r = httpx.post(f"{local.url}/v1/completions", json={**BODY, "stream": stream, "n": 2},
+    r = HTTP.post(f"{local.url}/v1/completions", json={**BODY, "stream": stream, "n": 2},
                    headers={"X-Request-Id": "job-7.a:b_c"}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "job-7.a:b_c"
@@ -26,16 +25,16 @@ def test_the_clients_request_id_names_the_call_everywhere(local, stream):
 
 
 def test_without_a_request_id_one_is_made_and_returned(local):
-    a = httpx.post(f"{local.url}/v1/chat/completions", timeout=60,
+    a = HTTP.post(f"{local.url}/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    b = httpx.post(f"{local.url}/v1/completions", json=BODY, timeout=60)
+    b = HTTP.post(f"{local.url}/v1/completions", json=BODY, timeout=60)
     ids = {a.headers["x-request-id"], b.headers["x-request-id"]}
     assert len(ids) == 2 and a.json()["id"] == f"chatcmpl-{a.headers['x-request-id']}"
 
 
 @pytest.mark.parametrize("bad", ["", "-lead", "has space", "x" * 101, "semi;colon", "slash/"])
 def test_a_malformed_request_id_is_400_naming_the_header(local, bad):
-    r = httpx.post(f"{local.url}/v1/completions", json=BODY, headers={"X-Request-Id": bad}, timeout=60)
+    r = HTTP.post(f"{local.url}/v1/completions", json=BODY, headers={"X-Request-Id": bad}, timeout=60)
     assert_error(r, 400, param="X-Request-Id")
 
 
@@ -46,14 +45,14 @@ def test_admin_lists_the_calls_requests_under_its_id_and_a_reused_id_does_not_co
 
     def stream_one():
         body = {**BODY, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{local.url}/v1/completions", json=body, headers={"X-Request-Id": "same"},
+        with HTTP.stream("POST", f"{local.url}/v1/completions", json=body, headers={"X-Request-Id": "same"},
                           timeout=120) as r:
             assert r.status_code == 200
             lines = r.iter_lines()  # kept open: leaving its loop would close the response
             while not next(lines).startswith("data: "):
                 pass
             both_streaming.wait()
-            listed.append(httpx.get(f"{local.url}/admin/requests", headers=ADMIN, timeout=30).json()["requests"])
+            listed.append(HTTP.get(f"{local.url}/admin/requests", headers=ADMIN, timeout=30).json()["requests"])
             both_streaming.wait()  # both listings taken before either client leaves
 
     threads = [threading.Thread(target=stream_one) for _ in range(2)]

@@ -124,10 +124,9 @@ def test_json_schema_answers_validate_on_a_tp2_replica_over_ray_under_forced_ret
     import json
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
     import jsonschema
 
-    from gateway_harness import Gateway
+    from gateway_harness import HTTP, Gateway
     from hyrax.api.app import GatewaySettings, create_app
     from hyrax.api.client import EngineClient
     from hyrax.cluster.ray_client import RayBackend, model_info
@@ -142,7 +141,7 @@ def test_json_schema_answers_validate_on_a_tp2_replica_over_ray_under_forced_ret
     gw = Gateway(create_app(client, GatewaySettings(admin_token="tp2-admin")))
     try:
         def ask(k: int) -> dict:
-            r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=240, json={
+            r = HTTP.post(f"{gw.url}/v1/chat/completions", timeout=240, json={
                 "model": "hyrax-demo", "messages": [{"role": "user", "content": f"weather {k}"}], "max_tokens": 60,
                 "temperature": 1.0, "seed": k, "response_format": {
                     "type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}})

@@ -31,7 +31,7 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from obs_harness import (  # noqa: E402
-    ADMIN, DEMO_MODEL, FORCED_INTERVAL, MODEL, PD_REQUESTS, REPO, pools_clean, serving, wait_until,
+    ADMIN, DEMO_MODEL, FORCED_INTERVAL, HTTP, MODEL, PD_REQUESTS, REPO, pools_clean, serving, wait_until,
 )
 
 # ---- the PD run ----------------------------------------------------------------------------
@@ -106,8 +106,8 @@ def pd_run() -> PDRun:
                 wait_until(idle, 30, what="every replica idle with empty pools")
                 clean = (all(ray.get([c.check_invariants.remote() for c in coords.values()], timeout=30))
                          and pools_clean(gw.url)
-                         and not httpx.get(f"{gw.url}/admin/requests", headers=ADMIN, timeout=30).json()["requests"])
-                scrape = httpx.get(f"{gw.url}/metrics", timeout=30)
+                         and not HTTP.get(f"{gw.url}/admin/requests", headers=ADMIN, timeout=30).json()["requests"])
+                scrape = HTTP.get(f"{gw.url}/metrics", timeout=30)
                 assert scrape.status_code == 200, scrape.text
                 stats = dict(zip(coords, ray.get([c.stats.remote() for c in coords.values()], timeout=30)))
                 pools = dict(zip(coords, ray.get([c.pools.remote() for c in coords.values()], timeout=30)))

@@ -13,9 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
-from gateway_harness import Gateway, free_port, wait_until  # noqa: F401 - re-exported
+from gateway_harness import HTTP, Gateway, free_port, wait_until  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_MODEL = str(REPO / "hyrax" / "models" / "demo")
@@ -54,7 +53,7 @@ def serving(client):
 
 
 def admin_get(url: str, path: str) -> dict:
-    r = httpx.get(f"{url}{path}", headers=ADMIN, timeout=30)
+    r = HTTP.get(f"{url}{path}", headers=ADMIN, timeout=30)
     assert r.status_code == 200, (path, r.status_code, r.text)
     return r.json()
 

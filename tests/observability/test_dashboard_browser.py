@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import pytest
 
-from obs_harness import ADMIN, ADMIN_TOKEN, MODEL, admin_get, pools_clean, wait_until
+from obs_harness import ADMIN, ADMIN_TOKEN, HTTP, MODEL, admin_get, pools_clean, wait_until
 
 CHARTS = ("c-throughput", "c-queue", "c-pools", "c-retract", "c-transfer", "c-ttft", "c-prefix")
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, Hyrax!", "0123456789" * 5, "Tell me more."]
@@ -43,7 +42,7 @@ class Streams:
         rec = {"prompt": prompt, "finish_reason": None, "usage": None, "error": None, "events": 0}
         self.current[threading.get_ident()] = rec
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=180) as r:
+            with HTTP.stream("POST", f"{self.url}/v1/completions", json=body, timeout=180) as r:
                 if r.status_code != 200:
                     rec["error"] = f"{r.status_code}: {r.read()!r}"
                     return rec
@@ -158,7 +157,7 @@ def test_dashboard_charts_lists_and_retracts_a_streaming_request(local, page, tm
     finally:
         streams.done.set()
         if rid is not None and _requests(url).get(rid, {}).get("state") == "retracted":
-            httpx.post(f"{url}/admin/resume", headers=ADMIN, json={"request_ids": [rid]}, timeout=30)  # test failed
+            HTTP.post(f"{url}/admin/resume", headers=ADMIN, json={"request_ids": [rid]}, timeout=30)  # test failed
         results = streams.stop()
     assert results
     for rec in results:
