@@ -22,6 +22,8 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from hyrax.actors.engine.allocator import AllocationError, IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.lifecycle import Outcome
@@ -31,7 +33,7 @@ from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import live_page_numbers, live_rows, pages_needed
 from hyrax.actors.model.state import ComponentSpec
 
-Rows = dict[str, list[int]]
+Rows = dict[str, "np.ndarray | list[int]"]  # component -> pool rows: (rows,) int64 or a list of them
 
 
 class Place(str, enum.Enum):
@@ -232,7 +234,8 @@ class StateMoves:
         m.require_complete(self.components)
         ps = self.config.page_size
         for c in self.components:
-            units = {r // ps for r in target[c.name]} if c.paged else set(target[c.name])
+            rows = np.asarray(target[c.name], dtype=np.int64)  # (rows,)
+            units = np.unique(rows // ps).tolist() if c.paged else rows.tolist()
             if not self.alloc[c.name].owns(req.id, units):
                 raise AllocationError(f"{req.id}: load target of {c.name} is not owned by the request")
 

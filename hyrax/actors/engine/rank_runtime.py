@@ -211,10 +211,11 @@ class RankRuntime:
     def _checksummed(self, name: str, data: torch.Tensor) -> None:
         """data: a component's saved rows (layers, rows, *unit), just checksummed."""
 
-    def _idx(self, rows: list[int], device: torch.device | str | None = None) -> torch.Tensor:
-        """Row indices as a tensor: indexing with one is ~15x faster than with a Python list;
-        numpy reads a list of ints ~2.5x faster than torch.as_tensor (1,024 rows, one core)."""
-        t = torch.from_numpy(np.fromiter(rows, dtype=np.int64, count=len(rows)))
+    def _idx(self, rows, device: torch.device | str | None = None) -> torch.Tensor:
+        """Row indices ((n,) int64 array, or a list) as a tensor: indexing with one is ~15x faster
+        than with a Python list; numpy reads a list of ints ~2.5x faster than torch.as_tensor
+        (1,024 rows, one core), and an int64 array it takes as it is."""
+        t = torch.from_numpy(np.asarray(rows, dtype=np.int64))
         return t.to(self.device if device is None else device)
 
     def _gather_cpu(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -10,18 +10,19 @@ import numpy as np
 from hyrax.actors.model.state import ComponentSpec
 
 
-def live_rows(comp: ComponentSpec, indices: list[int], num_tokens: int, page_size: int) -> list[int]:
+def live_rows(comp: ComponentSpec, indices: list[int], num_tokens: int, page_size: int) -> np.ndarray:
     """Device pool rows of a request's live state for `comp`, in canonical order
-    (by token position for paged components; the slot for slot components)."""
+    (by token position for paged components; the slot for slot components): (rows,) int64, the
+    form a rank indexes with (no list to build here and convert back there)."""
     if not comp.paged:
-        return list(indices)
+        return np.asarray(indices, dtype=np.int64)
     live = comp.live_positions(num_tokens)
     pos = np.arange(live.start, live.stop, dtype=np.int64)  # (live rows,)
     pages = np.asarray(indices, dtype=np.int64)[pos // page_size]
     if len(pages) and pages.min() < 0:
         p = int(pos[np.argmax(pages < 0)])
         raise RuntimeError(f"{comp.name}: live position {p} has no page")
-    return (pages * page_size + pos % page_size).tolist()
+    return pages * page_size + pos % page_size
 
 
 def pages_needed(comp: ComponentSpec, num_tokens: int, page_size: int) -> int:
