@@ -104,10 +104,9 @@ class DecoderLayer(nn.Module):
                 if s_out != 1.0:
                     y = y * s_out
                 out = y if out is None else out + y
-            x = x + out * r
+            x = torch.add(x, out, alpha=r)  # x + r * out in one op (r is 1 for most families)
         if self.ffn_kind != "none":
-            y = self.feed_forward(self.pre_ff_layernorm(x))
-            x = x + y * r
+            x = torch.add(x, self.feed_forward(self.pre_ff_layernorm(x)), alpha=r)
         return x
 
 
