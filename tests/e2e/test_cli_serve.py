@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 HYRAX = Path(sys.executable).with_name("hyrax")
 TOKEN = "cli-e2e-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-STREAM_TOKENS = 400
+STREAM_TOKENS = 150
 
 
 def _group_alive(pgid: int) -> bool:
