@@ -51,7 +51,9 @@ def _call_id(request: Request) -> str:
 def _admit(request: Request, choices: list) -> Reservation:
     """Admission counts choices (prompts x n), not HTTP requests."""
     if not request.app.state.ready:
-        raise APIError(503, "replicas are not ready", code="unavailable", headers={"Retry-After": "5"})
+        why = "; ".join(request.app.state.health.get("reasons") or [])  # the last health poll's
+        raise APIError(503, f"replicas are not ready{': ' + why if why else ''}", code="unavailable",
+                       headers={"Retry-After": "5"})
     try:
         return request.app.state.client.reserve(len(choices))
     except ValueError as e:

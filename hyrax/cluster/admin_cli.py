@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     m.add_argument("--to", default=None, metavar="ROLE/REPLICA", help="e.g. decode/1 (default: least loaded)")
     d = acts.add_parser("drain", help="migrate everything off a replica and stop admitting to it")
     d.add_argument("replica", metavar="ROLE/REPLICA")
+    d.add_argument("--undrain", action="store_true", help="admit to the replica again (ends a drain)")
     p.set_defaults(func=run)
 
 
@@ -81,7 +82,7 @@ def _request(a) -> tuple[str, str, dict | None]:
         if a.to:
             body["to"] = _replica(a.to)
         return "POST", "/admin/migrate", body
-    return "POST", "/admin/drain", _replica(a.replica)
+    return "POST", "/admin/drain", _replica(a.replica) | ({"undrain": True} if a.undrain else {})
 
 
 def run(a: argparse.Namespace) -> int:

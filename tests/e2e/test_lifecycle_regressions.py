@@ -124,7 +124,8 @@ def test_no_decode_replica_answers_503_with_retry_after_and_leaks_nothing(pd_cle
     try:
         for stream in (False, True):
             resp = HTTP.post(f"{pd.url}/v1/completions", json=_body(stream, max_tokens=4), timeout=60)
-            assert_error(resp, 503, code="unavailable")
+            err = assert_error(resp, 503, code="unavailable")
+            assert "no decode replica accepts requests" in err["message"], err  # says why, not just "not ready"
             assert resp.headers.get("retry-after")
         # a health check while drained records "not ready"; the undrain below must clear it at
         # once (it used to last until the next health poll: a 503 for a request that can be served)

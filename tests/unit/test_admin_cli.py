@@ -22,6 +22,8 @@ def test_admin_actions_map_to_admin_endpoints():
     assert _req("migrate", "a", "--to", "decode/1") == (
         "POST", "/admin/migrate", {"request_id": "a", "to": {"role": "decode", "replica": 1}})
     assert _req("drain", "decode/0") == ("POST", "/admin/drain", {"role": "decode", "replica": 0})
+    assert _req("drain", "decode/0", "--undrain") == (  # a drain the CLI starts, the CLI can end
+        "POST", "/admin/drain", {"role": "decode", "replica": 0, "undrain": True})
 
 
 def test_bad_replica_reference_is_a_clear_error():
