@@ -61,9 +61,10 @@ def with_role_tp(d, role: str, tp: int):
     [old] = [r for r in d.replicas if r.role == role]
     if old.tp == tp:
         return old
-    d.remove_replica(old)
-    d.roles = [RoleSpec(role, 1, tp) if r.name == role else r for r in d.roles]
-    return d.add_replica(role)
+    own = d.own if isinstance(d, Joined) else d  # a borrowed replica is never replaced
+    own.remove_replica(old)
+    own.roles = [RoleSpec(role, 1, tp) if r.name == role else r for r in own.roles]
+    return own.add_replica(role)
 
 
 @contextmanager

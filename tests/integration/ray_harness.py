@@ -207,12 +207,14 @@ def assert_manifest_from_every_rank(manifest: dict, components: list[str], tp: i
 
 
 def stats_delta(before: dict, after: dict) -> dict:
-    """Counters of `after` minus `before` (nested dicts of counters included)."""
+    """Counters of `after` minus `before`; a nested dict of counters lists only the ones that
+    moved, so a replica's earlier history (a replica shared between modules) leaves no 0 entries."""
     out = {}
     for k, v in after.items():
         b = before.get(k)
         if isinstance(v, dict):
-            out[k] = {kk: vv - (b or {}).get(kk, 0) for kk, vv in v.items() if isinstance(vv, (int, float))}
+            moved = {kk: vv - (b or {}).get(kk, 0) for kk, vv in v.items() if isinstance(vv, (int, float))}
+            out[k] = {kk: n for kk, n in moved.items() if n}
         elif isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(b, (int, float, type(None))):
             out[k] = v - (b or 0)
     return out

@@ -10,7 +10,7 @@ import pytest
 
 from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
 from pd_harness import Run, assert_all_clean, assert_outputs, decode_on, drive, pd_deployed, stats, stats_delta
-from ray_harness import DEMO_MODEL, prompt, reference, uid
+from ray_harness import DEMO_MODEL, prompt, reference, replica, uid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,16 +22,19 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def corrupting_pd(ray_session):
+def corrupting_pd(demo_deployment):
     """Prefill TP=2 whose rank 1 corrupts its mamba_ssm shard after checksumming it; decode
     targets TP=1 ("decode") and TP=2 ("colocated"), so the shards are re-sharded 2 -> 1 and
-    kept 2 -> 2. The faults apply to every role, but only the prefill replica exports."""
+    kept 2 -> 2. The faults apply to every role, but only the prefill replica exports. The
+    "colocated" target is the session demo deployment's TP=2 replica, borrowed: it only
+    imports, so the faults would not touch it, and it verifies and rebuilds like any importer
+    (it runs overlap scheduling, the `hyrax serve` default; the "decode" target does not)."""
     from hyrax.cluster.deployment import RoleSpec
 
     faults = UnsafeFaults(corrupt_backup_component="mamba_ssm", only_rank=1)
     config = EngineConfig(deterministic=True, faults=faults, allow_unsafe=True)
-    roles = [RoleSpec("prefill", 1, 2), RoleSpec("decode", 1, 1), RoleSpec("colocated", 1, 2)]
-    with pd_deployed(roles, config) as (d, client):
+    roles = [RoleSpec("prefill", 1, 2), RoleSpec("decode", 1, 1)]
+    with pd_deployed(roles, config, borrowed={"colocated": replica(demo_deployment, "tp2")}) as (d, client):
         yield d, client, config
 
 

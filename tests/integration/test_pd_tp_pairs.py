@@ -20,7 +20,7 @@ from pd_harness import (
     Run, assert_all_clean, assert_outputs, decode_on, drive, formula_bytes, pd_deployed, row_bytes, stats,
     stats_delta, with_role_tp,
 )
-from ray_harness import DEMO_MODEL, prompt, reference, uid
+from ray_harness import DEMO_MODEL, prompt, reference, replica, uid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,12 +86,14 @@ def _check_pair(d, client, prefill_tp: int, prefill_index: int, decode_tp: int) 
 
 
 @pytest.fixture(scope="module")
-def pd_base(ray_session):
-    """The module's one deployment; `pd` swaps its prefill replica for each prefill TP size."""
+def pd_base(demo_deployment):
+    """The module's one deployment; `pd` swaps its prefill replica for each prefill TP size. The
+    TP=2 decode target is the session demo deployment's TP=2 replica, borrowed (it runs overlap
+    scheduling, the `hyrax serve` default; the TP=1 one does not)."""
     from hyrax.cluster.deployment import RoleSpec
 
-    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1), RoleSpec("colocated", 1, 2)]
-    with pd_deployed(roles, CONFIG) as (d, _):
+    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1)]
+    with pd_deployed(roles, CONFIG, borrowed={"colocated": replica(demo_deployment, "tp2")}) as (d, _):
         yield d
 
 
