@@ -52,8 +52,9 @@ def _masks(L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(strict, above), (L, L) each, made once per chunk length and device (they were rebuilt
     by every layer of every step): `strict` float, 1 where row > column; `above` bool, True
     where row < column."""
-    ones = torch.ones(L, L, device=device)
-    return torch.tril(ones, diagonal=-1), torch.triu(ones, diagonal=1).bool()
+    with torch.inference_mode(False):  # normal tensors: a cached inference tensor breaks autograd (training)
+        ones = torch.ones(L, L, device=device)
+        return torch.tril(ones, diagonal=-1), torch.triu(ones, diagonal=1).bool()
 
 
 def _decay(a: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,9 @@ def _decay(a: torch.Tensor) -> torch.Tensor:
     """
     strict, above = _masks(a.shape[-1], a.device)
     seg = torch.cumsum(a[..., :, None] * strict.to(a.dtype), dim=-2)  # rows s+1..l of column s
-    return torch.exp(seg).masked_fill_(above, 0.0)
+    # -inf above before the exp (exp gives exact zeros), not a fill of exp's output in place:
+    # autograd keeps exp's output for its backward (the demo model's training runs through here)
+    return torch.exp(seg.masked_fill_(above, float("-inf")))
 
 
 def ssd_chunked(
@@ -103,7 +106,7 @@ def ssd_chunked(
 
     # within each chunk: y_l = sum_{s<=l} (C_l·B_s) exp(a_{s+1..l}) dt_s x_s
     cb = torch.matmul(Ct, Bt.transpose(-1, -2))  # (b, c, g, 1, l, s): once per group
-    scores = _decay(a).view(Bsz, nc, G, R, L, L).mul_(cb)
+    scores = _decay(a).view(Bsz, nc, G, R, L, L) * cb  # not in place: autograd keeps exp's output
     y = torch.matmul(scores, xdt.view(Bsz, nc, G, R, L, P))  # (b, c, g, r, l, p)
 
     # each chunk's own contribution to the state at its end: (b, c, g, r, p, n)
