@@ -23,6 +23,10 @@ MARK = "@hyrax-holder "  # cluster_holder.MARK: its answers' prefix
 TOKEN = "multinode-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 MODEL = "hyrax-demo"
+# one client for every call (httpx.get/post build a client, and with it an SSL context, per call:
+# ~75 ms each on a 2-core machine, paid by every poll); no keep-alive: each call still opens and
+# closes its own connection, as a fresh client did, and concurrent streams are not capped
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 DEMO = str(Path(__file__).resolve().parents[1] / "models" / "demo")
 
 
@@ -50,7 +54,7 @@ def wait_serving(proc: subprocess.Popen, url: str, log_path: Path, timeout: floa
         if proc.poll() is not None:
             raise AssertionError(f"hyrax serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            return HTTP.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -244,7 +248,7 @@ class Gateway:
                 self.kill()
 
     def admin(self, path: str):
-        r = httpx.get(f"{self.url}/admin/{path}", headers=ADMIN, timeout=30)
+        r = HTTP.get(f"{self.url}/admin/{path}", headers=ADMIN, timeout=30)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -253,7 +257,7 @@ class Gateway:
         return sorted(f"{p['role']}/{p['replica']}" for p in self.admin("pools")["replicas"])
 
     def complete(self, prompt: str, max_tokens: int, **kw) -> str:
-        r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
+        r = HTTP.post(f"{self.url}/v1/completions", timeout=300, json={
             "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
@@ -261,7 +265,7 @@ class Gateway:
     def finished_by_reason(self) -> dict[str, float]:
         """hyrax_requests_finished_total summed over replicas, by finish_reason."""
         out: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+        for line in HTTP.get(f"{self.url}/metrics", timeout=30).text.splitlines():
             if line.startswith("hyrax_requests_finished_total{"):
                 labels, value = line.rsplit(" ", 1)
                 reason = labels.split('finish_reason="', 1)[1].split('"', 1)[0]
@@ -283,7 +287,7 @@ class Stream:
 
     def _read(self, url: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(120, read=120),
+            with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(120, read=120),
                               headers={"X-Request-Id": self.request_id}) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: "):
