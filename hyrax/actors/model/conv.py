@@ -25,7 +25,7 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
     B, T, C = x.shape
     K = weight.shape[-1]
     keep = K - 1
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    f = torch.promote_types(x.dtype, torch.float32)  # the taps' accumulation dtype
     state = pool.index_select(0, slots)  # (B, C, K-1); index_select: advanced indexing is slower
     seq = torch.cat([state.transpose(1, 2).to(f), x.to(f)], dim=1)  # (B, K-1+T, C)
     taps = weight[:, 0].t().to(f)  # (K, C)

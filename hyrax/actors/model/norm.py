@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.shape = (hidden,)
-        self.f = torch.float64 if dtype == torch.float64 else torch.float32
+        self.f = torch.promote_types(dtype, torch.float32)
         self.weight_inside = not offset and dtype in (torch.float32, torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

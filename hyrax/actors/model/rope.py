@@ -8,8 +8,9 @@ from torch import nn
 
 class RopeFrequencies(nn.Module):
     """`inv_freq` (rotary_dim / 2,), `rate` and `sin_sign` (head_dim,) and `partner`
-    (head_dim / block,) as buffers: the model that registers this module moves them with its weights (`model.to(device)`), so a step never
-    copies them from the host. Not persistent: checkpoints do not carry them.
+    (head_dim / block,) as buffers: the model that registers this module moves them with its
+    weights (`model.to(device)`), so a step never copies them from the host.
+    Not persistent: checkpoints do not carry them.
 
     rotate_half moves channel i + r/2 into channel i for the first half of the rotary part and
     i - r/2 into i for the second; channels past `rotary_dim` (whose sin is 0) keep their own.
