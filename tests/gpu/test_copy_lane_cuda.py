@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hyrax.actors.engine.copy_lane import CudaCopyLane
+from hyrax.actors.engine.host_buffers import HostBuffers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -15,7 +16,7 @@ N = 1 << 20
 
 def test_moves_are_ordered_after_queued_compute_and_before_the_next():
     dev = torch.device("cuda", torch.cuda.current_device())
-    lane = CudaCopyLane(dev)
+    lane = CudaCopyLane(dev, HostBuffers(pin=True))
     pool = torch.zeros(2, N, device=dev)
     a = torch.randn(2048, 2048, device=dev)
     for _ in range(8):  # long enough that an unordered copy would read zeros

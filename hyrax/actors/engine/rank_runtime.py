@@ -18,11 +18,12 @@ from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import StateShard
 from hyrax.actors.engine.moves import Location, Place
+from hyrax.actors.engine.packed_state import PackedState, Packing, Packings, row_view
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
-from hyrax.actors.engine.state_hash import hasher
+from hyrax.actors.engine.state_hash import ROW_WORDS, hasher
 from hyrax.actors.engine.step_groups import length_groups
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
@@ -62,12 +63,20 @@ class RankRuntime:
             c.name: torch.zeros(len(c.layers), host_rows.get(c.name, 0), *c.unit_shape, dtype=c.dtype, pin_memory=pin)
             for c in self.components
         }
-        self.backups: dict[str, dict[str, torch.Tensor]] = {}
+        self.backups: dict[str, PackedState] = {}
         self.buffers = HostBuffers(pin)  # the host tensors of backups, reused
         self.hash = hasher(self.device)  # state hashes of rows where they are (state_hash.py)
         self.host_hash = hasher("cpu")  # ... of host tensors (shards another replica exported)
-        self._gather = self._gather_cuda if self.device.type == "cuda" else self._gather_cpu
-        self.lane = copy_lane(self.device)  # state moves: a copy stream of their own on a GPU
+        self.packings = Packings(self.hash)  # where each component lies in a packed move buffer
+        # state moves copy whole rows: the pools (device and host) as (layers, rows, k) of the widest
+        # element that divides a row (packed_state.row_view), and a part's (layers, k, dtype)
+        self._row_pools = {c.name: row_view(self.pools[c.name]) for c in self.components}
+        self._host_row_pools = {c.name: row_view(self.host[c.name]) for c in self.components}
+        self._part = {n: (p.shape[0], p.shape[2], p.dtype) for n, p in self._row_pools.items()}
+        cuda = self.device.type == "cuda"
+        self._gather = self._gather_cuda if cuda else self._gather_cpu
+        self._idx = self._idx_to_device if cuda else self._idx_cpu
+        self.lane = copy_lane(self.device, self.buffers)  # state moves: a copy stream of their own on a GPU
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
         self.last_token: dict[str, int] = {}
@@ -211,12 +220,16 @@ class RankRuntime:
     def _checksummed(self, name: str, data: torch.Tensor) -> None:
         """data: a component's saved rows (layers, rows, *unit), just checksummed."""
 
-    def _idx(self, rows, device: torch.device | str | None = None) -> torch.Tensor:
+    @staticmethod
+    def _idx_cpu(rows) -> torch.Tensor:
         """Row indices ((n,) int64 array, or a list) as a tensor: indexing with one is ~15x faster
         than with a Python list; numpy reads a list of ints ~2.5x faster than torch.as_tensor
         (1,024 rows, one core), and an int64 array it takes as it is."""
-        t = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-        return t.to(self.device if device is None else device)
+        return torch.from_numpy(np.asarray(rows, dtype=np.int64))
+
+    def _idx_to_device(self, rows) -> torch.Tensor:
+        """`_idx_cpu`, on the rank's device."""
+        return self._idx_cpu(rows).to(self.device)
 
     def _gather_cpu(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """src: (layers, pool rows, *unit); idx: (n,) -> out (layers, n, *unit) filled; returns out."""
@@ -229,51 +242,80 @@ class RankRuntime:
         out.copy_(rows, non_blocking=True)
         return rows
 
+    def _packing(self, idx: dict[str, torch.Tensor]) -> Packing:
+        """The packing of these components' rows (idx: component -> (rows,) pool rows), in order."""
+        part = self._part
+        return self.packings(tuple((n, (part[n][0], len(i), part[n][1]), part[n][2]) for n, i in idx.items()))
+
+    @staticmethod
+    def _gather_into(words: torch.Tensor, packing: Packing, pools: dict[str, torch.Tensor],
+                     idx: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each component's rows `idx[name]` of `pools[name]` (layers, pool rows, *unit) gathered
+        into its part of the packed buffer `words` (R, ROW_WORDS); returns the parts' views."""
+        parts = packing.views(words)
+        for name, out in parts.items():
+            torch.index_select(pools[name], 1, idx[name], out=out)
+        return parts
+
+    def _hashed_gather(self, idx: dict[str, torch.Tensor]) -> tuple[PackedState, torch.Tensor]:
+        """The rows `idx` of the device pools gathered into a packed buffer on the device and
+        hashed there: (the buffer, (parts,) hashes before their length terms, not yet read)."""
+        packing = self._packing(idx)
+        words = self.lane.device_words(packing.rows)
+        packing.clear_padding(words)
+        parts = self._gather_into(words, packing, self._row_pools, idx)
+        return PackedState(words, packing, parts), self.hash.packed(words, packing.weights)
+
     def _backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
         """Copy the request's rows of every component to host memory; returns their state hashes,
         computed where the rows are (on a CUDA rank on the GPU, one host read for all components).
 
-        host_rows given: into the pre-allocated host pool; else into host tensors from
-        `self.buffers`, which `discard` gives back.
+        The rows are gathered into one packed buffer (packed_state.py) and hashed there, all
+        components in one pass; on a GPU that buffer is then copied to a pinned host buffer.
+        host_rows given: the parts are copied on into the pre-allocated host pool; else the host
+        buffer (from `self.buffers`, which `discard` gives back) is the backup.
         """
-        saving = self._saving()
-        kept: dict[str, torch.Tensor] = {}
-        hashed = []
-        for c in saving:
-            src, idx = self.pools[c.name], self._idx(rows[c.name])
-            kept[c.name] = self.buffers.take((src.shape[0], len(idx), *src.shape[2:]), src.dtype)
-            hashed.append(self._gather(src, idx, kept[c.name]))
-        sums = dict(zip(kept, self.hash.many(hashed)))
-        for name, data in kept.items():
+        staged, sums = self._hashed_gather({c.name: self._idx(rows[c.name]) for c in self._saving()})
+        host = self.lane.to_host(staged.words)
+        hashes = staged.packing.read(sums)  # the one host read: on a GPU, after the copy to `host`
+        kept = staged if host is staged.words else PackedState(host, staged.packing, staged.packing.views(host))
+        for name, data in kept.parts.items():
             self._checksummed(name, data)
         if host_rows is not None:
-            for name, data in kept.items():
-                self.host[name].index_copy_(1, self._idx(host_rows[name], "cpu"), data)
-                self.buffers.give(data)
+            for name, data in kept.parts.items():
+                self._host_row_pools[name].index_copy_(1, self._idx_cpu(host_rows[name]), data)
+            self.buffers.give(host)
         else:
-            self.discard(req_id)  # an older backup of the request: its buffers go back
+            self.discard(req_id)  # an older backup of the request: its buffer goes back
             self.backups[req_id] = kept
-        return sums
+        return hashes
+
+    def _read_host_pool(self, host_rows: Rows) -> PackedState:
+        """The request's rows of the host pool, packed into a host buffer from `self.buffers`."""
+        idx = {c.name: self._idx_cpu(host_rows[c.name]) for c in self.components if c.name in host_rows}
+        packing = self._packing(idx)
+        words = self.buffers.take((packing.rows, ROW_WORDS), torch.int64)
+        return PackedState(words, packing, self._gather_into(words, packing, self._host_row_pools, idx))
 
     def _restore(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
         """Write the backup into `rows` (newly allocated by the coordinator); return the state
         hash of what is now in those rows, per component restored, hashed on the device (the rows
-        are never read back to the host)."""
-        kept = self.backups.get(req_id, {})
-        written: dict[str, torch.Tensor] = {}
-        for c in self.components:
-            if host_rows is not None:
-                if c.name not in host_rows:
-                    continue
-                data = self.host[c.name].index_select(1, self._idx(host_rows[c.name], "cpu"))
-            elif c.name in kept:
-                data = kept[c.name]
-            else:
-                continue
-            target, idx = self.pools[c.name], self._idx(rows[c.name])
-            target.index_copy_(1, idx, data.to(self.device, non_blocking=True))
-            written[c.name] = target.index_select(1, idx)
-        return dict(zip(written, self.hash.many(list(written.values()))))
+        are never read back to the host): they are gathered again into a packed buffer on the
+        device and hashed there, all components in one pass."""
+        saved = self._read_host_pool(host_rows) if host_rows is not None else self.backups.get(req_id)
+        if saved is None:
+            return {}
+        words = self.lane.to_device(saved.words)
+        data = saved.parts if words is saved.words else saved.packing.views(words)
+        idx = {c.name: self._idx(rows[c.name]) for c in self.components if c.name in saved.parts}
+        for name, i in idx.items():
+            self._row_pools[name].index_copy_(1, i, data[name])
+        check, sums = self._hashed_gather(idx)
+        hashes = check.packing.read(sums)
+        self.lane.drop(check.words)
+        if host_rows is not None:
+            self.buffers.give(saved.words)
+        return hashes
 
     # ---- transfer (PD hand-off, migration) -------------------------------------------------
     def _export(self, rows: Rows) -> tuple[dict[str, int], StateShard]:
@@ -346,8 +388,9 @@ class RankRuntime:
         return full.index_select(dim, torch.tensor(c.shard_index)).contiguous()
 
     def discard(self, req_id: str) -> None:
-        for t in self.backups.pop(req_id, {}).values():
-            self.buffers.give(t)
+        saved = self.backups.pop(req_id, None)
+        if saved is not None:
+            self.buffers.give(saved.words)
 
     def num_backups(self) -> int:
         return len(self.backups)

@@ -57,6 +57,11 @@ def odd_weights(start: int, n: int) -> np.ndarray:
     return (z | np.uint64(1)).view(np.int64)
 
 
+def row_weights(n: int) -> np.ndarray:
+    """The row weights v[0 .. n-1]: (n,) int64."""
+    return odd_weights(_ROW_STREAM, n)
+
+
 def _mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: (R, C) int64, w: (C,) int64 -> (R,) row sums of x * w, wrapping mod 2**64."""
     return torch.mv(x, w)
@@ -78,7 +83,7 @@ class DeviceHasher:
     def __init__(self, device: torch.device):
         self.device = device
         self.word_weights = torch.from_numpy(odd_weights(0, ROW_WORDS)).to(device)  # (ROW_WORDS,)
-        self.row_weights = torch.from_numpy(odd_weights(_ROW_STREAM, 64)).to(device)  # (>= R + 1,), grown on demand
+        self.row_weights = torch.from_numpy(row_weights(64)).to(device)  # (>= R + 1,), grown on demand
         cpu = device.type == "cpu"
         self.row_sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _mv if cpu else _mul_sum_rows
         self.dot: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.dot if cpu else _mul_sum
@@ -88,7 +93,7 @@ class DeviceHasher:
     def _grow(self, rows: int) -> None:
         if rows > len(self.row_weights):
             size = 1 << (rows - 1).bit_length()
-            self.row_weights = torch.from_numpy(odd_weights(_ROW_STREAM, size)).to(self.device)
+            self.row_weights = torch.from_numpy(row_weights(size)).to(self.device)
 
     def _expand(self, rows: int) -> torch.Tensor:
         """The per-word weights of the first `rows` hash rows: (rows * ROW_WORDS,) int64."""
@@ -124,6 +129,12 @@ class DeviceHasher:
         if k:
             h = h + self.dot(x[r * ROW_WORDS:], w[:k]) * v[r]
         return h
+
+    def packed(self, words: torch.Tensor, part_weights: torch.Tensor) -> torch.Tensor:
+        """Hashes, before their length terms, of the parts of a packed buffer (packed_state.py):
+        words: (R, ROW_WORDS) int64, part_weights: (P, R) int64 -> (P,) int64 on this device
+        (no sync): sum_r part_weights[p, r] * (sum_c w[c] * words[r, c])."""
+        return self.row_sums(part_weights, self.row_sums(words, self.word_weights))
 
     def many(self, ts: Sequence[torch.Tensor]) -> list[int]:
         """state_hash of each tensor in `ts` (all on this device), with one read to the host."""

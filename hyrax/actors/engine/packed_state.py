@@ -1,0 +1,140 @@
+"""A request's state on one rank packed into one buffer: every component's rows back to back,
+each starting on a hash row, so that one row-sum pass hashes every component at once.
+
+A save gathers each component's rows straight into its part of the buffer and hashes the
+whole buffer with two matrix-vector products (state_hash.DeviceHasher.packed); a restore
+writes each part into the pools, gathers the written rows into a second packed buffer and
+hashes that the same way. A few torch calls per move instead of a dozen per component (each
+costs ~3-5 us on one CPU core here, which at a few hundred KB per request is more than the
+bytes themselves).
+
+Buffer: `(rows, ROW_WORDS)` int64, `rows` = the sum over parts of their hash rows. Part p
+occupies hash rows `first[p] .. first[p] + rows[p] - 1`; its bytes start at the first of them,
+in the part's row-major order, and the rest of its last hash row is zero. Those zeros are what
+the hash definition pads with, so the row sums over a part's hash rows are exactly the row
+sums of the part hashed alone, and its hash is the same value `state_hash` gives.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hyrax.actors.engine.state_hash import LENGTH_MIX, MASK, ROW_WORDS, DeviceHasher, row_weights
+
+HASH_ROW_BYTES = ROW_WORDS * 8
+# The widest element that divides a row: index_copy_ moves a pool row element by element (~3x
+# slower at 4 B than at 16 B: 512 B rows, one CPU core), index_select by memcpy per row.
+_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+Spec = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape, dtype) per part, in order
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    shape: tuple[int, ...]  # (layers, rows, *unit)
+    dtype: torch.dtype
+    first: int  # first hash row of the part in the buffer
+    nbytes: int
+
+    @property
+    def hash_rows(self) -> int:
+        return -(-self.nbytes // HASH_ROW_BYTES)
+
+
+class Packing:
+    """Where each part of one spec lies in a packed buffer, and the device constants that hash it.
+
+    weights: (parts, rows) int64, row p holds the hash's row weights v[0 .. rows[p] - 1] at the
+    part's hash rows and zeros elsewhere, so `weights @ row_sums` is every part's hash before
+    its length term. pad: (k,) int64, the last hash row of each part that does not fill it.
+    """
+
+    def __init__(self, spec: Spec, hasher: DeviceHasher):
+        parts, first = [], 0
+        for name, shape, dtype in spec:
+            part = Part(name, tuple(shape), dtype, first, math.prod(shape) * dtype.itemsize)
+            parts.append(part)
+            first += part.hash_rows
+        self.parts = tuple(parts)
+        self.rows = first
+        self.names = tuple(p.name for p in parts)
+        weights = np.zeros((len(parts), first), dtype=np.int64)
+        for k, p in enumerate(parts):
+            weights[k, p.first:p.first + p.hash_rows] = row_weights(p.hash_rows)
+        self.weights = torch.from_numpy(weights).to(hasher.device)
+        pad = [p.first + p.hash_rows - 1 for p in parts if p.nbytes % HASH_ROW_BYTES]
+        self.pad = torch.tensor(pad, dtype=torch.int64, device=hasher.device) if pad else None
+        self.length_terms = [p.nbytes * LENGTH_MIX for p in parts]
+        self._strides = [_contiguous_strides(p.shape) for p in parts]
+
+    def clear_padding(self, words: torch.Tensor) -> None:
+        """words: (rows, ROW_WORDS) int64. Zero the last hash row of each part that its bytes do
+        not fill (before the parts are written: they overwrite the rest)."""
+        if self.pad is not None:
+            words.index_fill_(0, self.pad, 0)
+
+    def views(self, words: torch.Tensor) -> dict[str, torch.Tensor]:
+        """words: (rows, ROW_WORDS) int64 -> each part as a (layers, rows, *unit) view of it."""
+        flat = words.view(-1)
+        by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        out = {}
+        for p, stride in zip(self.parts, self._strides):
+            typed = by_dtype.get(p.dtype)
+            if typed is None:
+                typed = by_dtype[p.dtype] = flat.view(p.dtype)
+            out[p.name] = typed.as_strided(p.shape, stride, p.first * HASH_ROW_BYTES // p.dtype.itemsize)
+        return out
+
+    def read(self, sums: torch.Tensor) -> dict[str, int]:
+        """sums: (parts,) int64 from `DeviceHasher.packed` -> each part's state hash (one host read)."""
+        return {name: (h + n) & MASK for name, h, n in zip(self.names, sums.tolist(), self.length_terms)}
+
+
+class Packings:
+    """The packings of one device, made once per spec (the most recent `size` are kept: a
+    request's state has the same spec from one move to the next at the same length)."""
+
+    def __init__(self, hasher: DeviceHasher, size: int = 64):
+        self.hasher = hasher
+        self.size = size
+        self._made: OrderedDict[Spec, Packing] = OrderedDict()
+
+    def __call__(self, spec: Spec) -> Packing:
+        p = self._made.get(spec)
+        if p is None:
+            p = self._made[spec] = Packing(spec, self.hasher)
+            if len(self._made) > self.size:
+                self._made.popitem(last=False)
+        else:
+            self._made.move_to_end(spec)
+        return p
+
+
+@dataclass
+class PackedState:
+    """Rows of several components in one packed host buffer (a backup, or a host-pool read)."""
+
+    words: torch.Tensor  # (rows, ROW_WORDS) int64
+    packing: Packing
+    parts: dict[str, torch.Tensor]  # component -> (layers, rows, *unit) view of `words`
+
+
+def row_view(pool: torch.Tensor) -> torch.Tensor:
+    """pool: (layers, rows, *unit), contiguous -> the same bytes as (layers, rows, k) of the widest
+    element type that divides a row's bytes (k elements: a move copies whole rows, bit for bit)."""
+    unit = math.prod(pool.shape[2:])
+    row_bytes = unit * pool.element_size()
+    dtype = next(d for size, d in _WIDE if row_bytes % size == 0 and pool.data_ptr() % size == 0)
+    return pool.view(*pool.shape[:2], unit).view(torch.uint8).view(dtype)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
