@@ -14,6 +14,13 @@ the round trip spent in the rank's own save + load (copies and hashes; the rest 
 bookkeeping: rows, allocation, manifest), and a bulk round trip (every request retracted in one
 call, then resumed in one call).
 
+Data path at a larger state (informational): the rank's own save + load (`RankRuntime.save` /
+`load`: gathers, packed-buffer hashes, restore writes and read-back hashes; no engine
+bookkeeping) of `LARGE_ROWS` rows of every paged component (page-contiguous, pages shuffled, as
+after churn) and one slot of each slot component, several MB where the demo model's requests stop
+at 2,048 tokens (~1 MB): what the copies and hashes themselves cost against two plain copies,
+without the per-request fixed cost that dominates the rows above.
+
 Restore vs recompute: for prompt length L, time restoring a retracted request (the resume
 above) vs prefilling L tokens from scratch (a fresh request's steps up to its first token:
 what a `recompute` resume has to redo). The crossover row gives the smallest swept L from
@@ -28,6 +35,8 @@ import torch
 
 from bench.common import BENCH_SEED, Profile, load_demo_engine, median, progress, prompt_ids, run_until, time_call
 from bench.report import Row, ratio
+
+LARGE_ROWS = 8192  # rows of each paged component in the data-path row (full_kv 4 MB, swa_kv 8 MB)
 
 
 def _config():
@@ -82,6 +91,7 @@ def _throughput(profile: Profile) -> list[Row]:
     for rid in ids:
         engine.abort(rid)
     engine.step_outputs_flush()
+    data_path = _data_path_row(engine, profile)
     # per request: median over rounds (one preemption by another process must not decide a row)
     moved = sum(runs[0][2] for runs in cycles.values())
     back = sum(median(r[0] for r in runs) for runs in cycles.values())
@@ -100,7 +110,48 @@ def _throughput(profile: Profile) -> list[Row]:
             in_rank, whole, ratio(in_rank, whole)),
         Row(f"retraction bulk ({len(ids)} requests per retract and per resume call) round trip GB/s vs "
             "2 contiguous copies", moved / median(bulk) / gb, moved / (2 * base) / gb, ratio(2 * base, median(bulk))),
+        data_path,
     ]
+
+
+def _data_path_row(engine, profile: Profile) -> Row:
+    """The rank's save + load of a large synthetic request (no request holds those rows: every
+    request was aborted; the load writes back the bytes the save took, verified)."""
+    import numpy as np
+
+    from hyrax.actors.engine.moves import Location, Place
+
+    rank, ps = engine.executor.rank, engine.config.page_size
+    rng = np.random.default_rng(BENCH_SEED)
+    rows = {}
+    for c in rank.components:
+        n = rank.pools[c.name].shape[1]
+        if c.paged:
+            pages = rng.permutation(n // ps)[:LARGE_ROWS // ps]
+            rows[c.name] = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+        else:
+            rows[c.name] = np.array([int(rng.integers(n))])
+    here = Location(Place.RANK_MEMORY)
+
+    def cycle() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        sums, _ = rank.save("bench-large", rows, here)
+        t1 = time.perf_counter()
+        got = rank.load("bench-large", rows, here, {rank.rank: sums})
+        t2 = time.perf_counter()
+        if any(h != want for h, want in got.values()) or set(got) != set(sums):
+            raise RuntimeError(f"retraction: data-path restore did not verify: {got}")
+        return t1 - t0, t2 - t1
+
+    cycle()  # warm-up
+    runs = [cycle() for _ in range(profile.retract_rounds)]
+    rank.discard("bench-large")
+    nbytes = sum(len(r) * c.row_bytes for c, r in zip(rank.components, rows.values()))
+    moved = median(a + b for a, b in runs)
+    base = copy_seconds(nbytes)
+    return Row(f"retraction data path at {nbytes / 2**20:.0f} MB ({LARGE_ROWS} rows per paged component): rank "
+               "save + load GB/s vs 2 contiguous copies", nbytes / moved / 1e9, nbytes / (2 * base) / 1e9,
+               ratio(2 * base, moved))
 
 
 def _time_rank_calls(rank) -> list[float]:

@@ -41,20 +41,22 @@ class IndexAllocator:
         if n > len(self._free):
             raise AllocationError(f"{self.name}: need {n}, {len(self._free)} free")
         if not avoid:
-            out = [self._free.pop() for _ in range(n)]
+            out = self._free[len(self._free) - n:][::-1]
+            del self._free[len(self._free) - n:]
         else:
-            # newest first, the avoided ones only when nothing else is left; scans from the end
-            # of the free list only as far as it must (a restore passes its old indices)
-            out, avoided, k = [], [], len(self._free)
-            while len(out) < n and k > 0:
-                k -= 1
-                i = self._free[k]
-                (avoided if i in avoid else out).append(i)
-            out += avoided[:n - len(out)]
+            # newest first, the avoided ones only when nothing else is left. At most len(avoid)
+            # of the last n + len(avoid) free indices are avoided, so when the list is longer
+            # than that, those last ones hold the n to hand out: only they are scanned.
+            free = self._free
+            cut = max(0, len(free) - n - len(avoid))
+            tail = free[cut:]
+            out = [i for i in reversed(tail) if i not in avoid][:n]
+            if len(out) < n:  # the whole list was scanned (cut == 0): take avoided ones, newest first
+                out += [i for i in reversed(tail) if i in avoid][:n - len(out)]
             taken = set(out)
-            self._free = self._free[:k] + [i for i in self._free[k:] if i not in taken]
-        for i in out:
-            self._owner[i] = owner
+            del free[cut:]  # in place: the untouched head is not copied
+            free.extend([i for i in tail if i not in taken])
+        self._owner.update(dict.fromkeys(out, owner))
         return out
 
     def peek(self, n: int) -> list[int]:
@@ -77,12 +79,14 @@ class IndexAllocator:
             self._owner[i] = owner
 
     def free(self, owner: str, indices: list[int]) -> None:
+        get = self._owner.get
+        if not all(get(i) == owner for i in indices):
+            i = next(i for i in indices if get(i) != owner)
+            raise AllocationError(f"{self.name}: index {i} is owned by {get(i)!r}, not {owner!r}")
+        pop = self._owner.pop
         for i in indices:
-            if self._owner.get(i) != owner:
-                raise AllocationError(f"{self.name}: index {i} is owned by {self._owner.get(i)!r}, not {owner!r}")
-        for i in indices:
-            del self._owner[i]
-            self._free.append(i)
+            pop(i)
+        self._free.extend(indices)
 
     def give(self, old: str, new: str, indices: list[int]) -> None:
         """Indices owned by `old` are owned by `new` from now on (never free in between)."""

@@ -87,6 +87,7 @@ class StateMoves:
         self.stats = stats
         self.release = release  # the engine's one free point (deferred past the step in flight)
         self.cache = cache  # the prefix cache (caching.py): units it owns are never freed here
+        self.row_bytes = {c.name: c.row_bytes for c in components}  # (a property that asks torch each time)
 
     # ---- indices ---------------------------------------------------------------------
     def free_device(self, req: Request) -> None:
@@ -132,7 +133,7 @@ class StateMoves:
             if per_rank:
                 n = len(rows[c.name])
                 manifest.components[c.name] = ComponentRecord(
-                    c.name, [i for i in req.indices[c.name] if i >= 0], n, n * c.row_bytes, per_rank)
+                    c.name, [i for i in req.indices[c.name] if i >= 0], n, n * self.row_bytes[c.name], per_rank)
         was = {c.name: {i for i in req.indices.get(c.name, []) if i >= 0} for c in self.components}
         return Backup(manifest, replace(location, payload=tuple(shards)) if shards is not None else location, was)
 
@@ -235,7 +236,7 @@ class StateMoves:
         ps = self.config.page_size
         for c in self.components:
             rows = np.asarray(target[c.name], dtype=np.int64)  # (rows,)
-            units = np.unique(rows // ps).tolist() if c.paged else rows.tolist()
+            units = _runs(rows // ps) if c.paged else rows.tolist()
             if not self.alloc[c.name].owns(req.id, units):
                 raise AllocationError(f"{req.id}: load target of {c.name} is not owned by the request")
 
@@ -254,3 +255,14 @@ class StateMoves:
             self.stats.restore_fallbacks += count
             self.stats.restores[result.value] += 1
         return result
+
+
+def _runs(units: np.ndarray) -> list[int]:
+    """units: (n,) int64 -> the first of each run of equal values (every value at least once;
+    one per page for the rows of a page table)."""
+    if not len(units):
+        return []
+    first = np.empty(len(units), dtype=bool)
+    first[0] = True
+    np.not_equal(units[1:], units[:-1], out=first[1:])
+    return units[first].tolist()

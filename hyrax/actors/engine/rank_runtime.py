@@ -245,7 +245,7 @@ class RankRuntime:
     def _packing(self, idx: dict[str, torch.Tensor]) -> Packing:
         """The packing of these components' rows (idx: component -> (rows,) pool rows), in order."""
         part = self._part
-        return self.packings(tuple((n, (part[n][0], len(i), part[n][1]), part[n][2]) for n, i in idx.items()))
+        return self.packings(tuple((n, (part[n][0], i.shape[0], part[n][1]), part[n][2]) for n, i in idx.items()))
 
     @staticmethod
     def _gather_into(words: torch.Tensor, packing: Packing, pools: dict[str, torch.Tensor],

@@ -13,16 +13,32 @@ from hyrax.actors.model.state import ComponentSpec
 def live_rows(comp: ComponentSpec, indices: list[int], num_tokens: int, page_size: int) -> np.ndarray:
     """Device pool rows of a request's live state for `comp`, in canonical order
     (by token position for paged components; the slot for slot components): (rows,) int64, the
-    form a rank indexes with (no list to build here and convert back there)."""
+    form a rank indexes with (no list to build here and convert back there). Built page by page:
+    every row of the live pages, (pages, page_size), cut to the live positions."""
     if not comp.paged:
         return np.asarray(indices, dtype=np.int64)
     live = comp.live_positions(num_tokens)
-    pos = np.arange(live.start, live.stop, dtype=np.int64)  # (live rows,)
-    pages = np.asarray(indices, dtype=np.int64)[pos // page_size]
-    if len(pages) and pages.min() < 0:
-        p = int(pos[np.argmax(pages < 0)])
+    if not len(live):
+        return np.empty(0, dtype=np.int64)
+    first = live.start // page_size
+    pages = np.asarray(indices[first:(live.stop - 1) // page_size + 1], dtype=np.int64)  # (live pages,)
+    if pages.min() < 0:
+        p = max(live.start, (first + int(np.argmax(pages < 0))) * page_size)
         raise RuntimeError(f"{comp.name}: live position {p} has no page")
-    return pages * page_size + pos % page_size
+    rows = (pages[:, None] * page_size + _offsets(page_size)).reshape(-1)  # (live pages * page_size,)
+    start = live.start - first * page_size
+    return rows[start:start + len(live)]
+
+
+_OFFSETS: dict[int, np.ndarray] = {}
+
+
+def _offsets(page_size: int) -> np.ndarray:
+    """(page_size,) int64: 0 .. page_size - 1, made once per page size."""
+    o = _OFFSETS.get(page_size)
+    if o is None:
+        o = _OFFSETS[page_size] = np.arange(page_size, dtype=np.int64)
+    return o
 
 
 def pages_needed(comp: ComponentSpec, num_tokens: int, page_size: int) -> int:
