@@ -122,7 +122,13 @@ def test_migrate_mid_decode_across_replicas_and_tp_sizes_matches_uninterrupted_r
             hops.append({"src": src, "dst": dst, "seen": seen, "mover_done": mover.finish_reason is not None,
                          "src_delta": stats_delta(before[id(src)], after[id(src)]),
                          "dst_delta": stats_delta(before[id(dst)], after[id(dst)])})
-            await wait_for(lambda: len(mover.tokens) >= seen + 10, what="tokens after the hop")
+            try:
+                await wait_for(lambda: len(mover.tokens) >= seen + 10, what="tokens after the hop")
+            except AssertionError as e:  # say where the request is: a rare CI timeout here
+                where = {f"{b.role}/{b.index}": (await _ids_on(b)).get(mover.id) for b in (src, dst)}
+                raise AssertionError(f"{e}: hop {src.role}/{src.index} -> {dst.role}/{dst.index}, "
+                                     f"{len(mover.tokens)} tokens (had {seen}), items {mover.items[-3:]}, "
+                                     f"state {where}, dst stats {stats_delta(after[id(dst)], await _stats(dst))}") from None
 
     drive(client, runs, during)
     assert_outputs(runs, want)
