@@ -25,6 +25,7 @@ from hyrax.actors.engine.rank_runtime import RankRuntime, make_rank_runtime
 from hyrax.actors.model.hybrid import resolve_dtype
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
+from hyrax.actors.step_bell import StepRinger
 from hyrax.env import apply_torch_threads
 
 
@@ -40,6 +41,7 @@ class RankWorker:
         self.tp = TP(tp_rank, tp_size)
         self.runtime: RankRuntime | None = None
         self._turn = threading.Lock()
+        self._ringer = StepRinger.unconnected()
         self.device = place_rank(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
 
     def dist_address(self) -> str:
@@ -124,6 +126,21 @@ class RankWorker:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             raise torch.OutOfMemoryError(message)
+
+    def ring_step_bell_at(self, address: tuple[str, int], index: int) -> None:
+        """Connect to a new compiled graph's doorbell (step_bell.py) as rank `index`: from now
+        on `execute_and_ring` rings it after every step."""
+        ringer = StepRinger(tuple(address), index)
+        old, self._ringer = self._ringer, ringer
+        old.close()
+
+    def execute_and_ring(self, plan):
+        """`execute` as the compiled graph runs it: the bell rings when the step has returned
+        or raised, so the coordinator, asleep until then, reads the result as Ray writes it."""
+        try:
+            return self.execute(plan)
+        finally:
+            self._ringer.ring()
 
     def save(self, req_id, rows, location):
         with self._turn:

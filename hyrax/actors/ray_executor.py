@@ -56,7 +56,7 @@ class RayExecutor(RankCalls):
         if graph is None:
             return [r.execute.remote(plan) for r in self.ranks]
         try:
-            return _GraphStep(graph.submit(plan))
+            return _GraphStep(graph, *graph.submit(plan))
         except Exception as e:  # a rank died (its channel is closed) or stopped reading plans
             self.close()
             raise RankFailure(f"execute could not be sent: {type(e).__name__}: {e}") from e
@@ -86,7 +86,7 @@ class RayExecutor(RankCalls):
         """Rank 0's result, with every rank's checkpoint checksums. A rank that raised while every rank answered is a StepError (the
         ranks live on); a rank that died, hung or left the others waiting is a RankFailure."""
         if isinstance(handle, _GraphStep):
-            return StepResult.gathered(self._collect_graph(handle.refs))
+            return StepResult.gathered(self._collect_graph(handle))
         refs = handle
         try:
             results = ray.get(refs, timeout=self.timeout_s)
@@ -99,11 +99,13 @@ class RayExecutor(RankCalls):
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
         return StepResult.gathered(results)
 
-    def _collect_graph(self, refs: list) -> list:
-        """Every rank's answer from the graph, one ref each (each must be read, once)."""
+    def _collect_graph(self, step: _GraphStep) -> list:
+        """Every rank's answer from the graph, one ref each (each must be read, once), read
+        after the ranks rang the graph's bell (until then this thread sleeps)."""
         deadline = time.monotonic() + self.timeout_s
+        step.graph.wait(step.step, deadline)
         results, raised = [], None
-        for ref in refs:
+        for ref in step.refs:
             try:
                 results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01)))
             except ray.exceptions.RayTaskError as e:
@@ -121,7 +123,7 @@ class RayExecutor(RankCalls):
 
 
 class _GraphStep:
-    """A step sent through the compiled graph: one ref per rank."""
+    """A step sent through a compiled graph: the graph, the step's number in it, one ref per rank."""
 
-    def __init__(self, refs: list):
-        self.refs = refs
+    def __init__(self, graph: CompiledSteps, step: int, refs: list):
+        self.graph, self.step, self.refs = graph, step, refs

@@ -12,6 +12,10 @@ thread, so `RankWorker` serialises its calls with a lock. The engine never issue
 move that depends on a step still in flight (it commits that step first, and rows a step
 may write are freed only after it commits), so the lock's order is enough.
 
+Waiting for a step's result, the coordinator sleeps on a doorbell the ranks ring at the end of
+each graph step (step_bell.py) and reads the graph's channels after it rang: Ray's channel read
+polls, so a coordinator blocked in it burns a core the ranks' forward may need.
+
 When the graph cannot be built (a Ray without `ray.dag`, an actor already in another
 graph), the executor keeps plain actor calls and says why (`RayExecutor.step_path`). When a
 rank fails, the graph goes with it: the coordinator kills and replaces the ranks, and the
@@ -21,29 +25,53 @@ from __future__ import annotations
 
 import threading
 
+from hyrax.actors.step_bell import StepBell
+
+BELL_CONNECT_S = 30.0  # how long the ranks get to connect to a new graph's bell
+
 
 def _actor_ids(ranks: list) -> tuple:
     return tuple(r._actor_id for r in ranks)
 
 
 class CompiledSteps:
-    """One compiled graph: the plan in, every rank's `execute` result out, in rank order."""
+    """One compiled graph: the plan in, every rank's `execute` result out, in rank order; and
+    the doorbell its ranks ring after each step (`RankWorker.execute_and_ring`)."""
 
     def __init__(self, ranks: list):
+        import ray
         from ray.dag import InputNode, MultiOutputNode
 
-        with InputNode() as plan:
-            dag = MultiOutputNode([r.execute.bind(plan) for r in ranks])
-        self.graph = dag.experimental_compile()
+        self.graph = None
+        self.bell = StepBell(ray.util.get_node_ip_address(), len(ranks))
+        try:
+            joined = [r.ring_step_bell_at.remote(self.bell.address, k) for k, r in enumerate(ranks)]
+            ray.get(joined, timeout=BELL_CONNECT_S)  # connected: the listen backlog holds them
+            self.bell.accept(BELL_CONNECT_S)
+            with InputNode() as plan:
+                dag = MultiOutputNode([r.execute_and_ring.bind(plan) for r in ranks])
+            self.graph = dag.experimental_compile()
+        except BaseException:
+            self.bell.close()
+            raise
         self.over = _actor_ids(ranks)
+        self.sent = 0  # steps submitted: the rings a step's collect waits for
 
     def serves(self, ranks: list) -> bool:
         """Whether the graph was built over these very actors (not replaced ones)."""
         return _actor_ids(ranks) == self.over
 
-    def submit(self, plan) -> list:
-        """Start a step on every rank; one ref per rank, for `ray.get` each."""
-        return self.graph.execute(plan)
+    def submit(self, plan) -> tuple[int, list]:
+        """Start a step on every rank: (its number in this graph, one ref per rank for `ray.get`)."""
+        refs = self.graph.execute(plan)
+        self.sent += 1
+        return self.sent, refs
+
+    def wait(self, step: int, deadline: float) -> None:
+        """Sleep until every rank rang for this graph's `step`-th step (its result is then in
+        the channel or about to be), a rank's bell ended, or `deadline` (time.monotonic());
+        reading the refs comes next."""
+        self.bell.wait(step, deadline)
 
     def close(self, wait: bool = False) -> None:
         """Tear the graph down. Without `wait` the caller does not block: with a rank hung
@@ -52,6 +80,7 @@ class CompiledSteps:
         graph, self.graph = self.graph, None
         if graph is None:
             return
+        self.bell.close()  # the ranks' next ring fails and closes their end
         t = threading.Thread(target=graph.teardown, name="hyrax-graph-teardown", daemon=True)
         t.start()
         if wait:

@@ -6,6 +6,8 @@ from the test process (the coordinator actor does the same in its engine loop).
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -72,6 +74,32 @@ def test_steps_run_through_the_graph_and_equal_the_reference(tp2_ranks):
         run_to_completion(engine)
         assert engine.finished_requests.pop(rid).output_ids == want[1]
         engine.check_invariants()
+    finally:
+        executor.close(wait=True)
+
+
+def test_waiting_for_a_graph_step_sleeps_instead_of_polling(tp2_ranks):
+    """Ray's channel read polls (a reader waiting for a step's result keeps a core busy, CPU the
+    ranks' forward needs); the coordinator waits on the ranks' step bell instead (step_bell.py).
+    The waiting thread's CPU time over the steps' collects stays a small part of their wall time
+    (polling: 50-100 %)."""
+    executor = RayExecutor(tp2_ranks, 60.0, compiled=True)
+    inner, spent = executor.collect, {"cpu": 0.0, "wall": 0.0}
+
+    def timed_collect(handle):
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return inner(handle)
+        finally:
+            spent["cpu"] += time.thread_time() - c
+            spent["wall"] += time.perf_counter() - t
+
+    executor.collect = timed_collect  # instance attribute: this executor only
+    try:
+        assert _run(_engine(executor)) == reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
+        assert executor.step_path == "compiled graph"
+        assert spent["wall"] > 0.05, spent  # the collects did wait for the ranks
+        assert spent["cpu"] < 0.2 * spent["wall"], spent
     finally:
         executor.close(wait=True)
 

@@ -1,0 +1,107 @@
+"""The compiled graph's step doorbell (hyrax/actors/step_bell.py), over real loopback sockets:
+the coordinator's wait sleeps until every rank rang, wakes at once when a rank's end closes,
+and gives up at its deadline."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hyrax.actors.step_bell import STOPPED, StepBell, StepRinger
+
+
+def _bell(ranks: int) -> tuple[StepBell, list[StepRinger]]:
+    bell = StepBell("127.0.0.1", ranks)
+    ringers = [StepRinger(bell.address, k) for k in reversed(range(ranks))]  # any order
+    bell.accept(5.0)
+    return bell, ringers[::-1]
+
+
+def _later(seconds: float, fn) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(seconds), fn()))
+    t.start()
+    return t
+
+
+def test_wait_sleeps_until_every_rank_rang_then_returns():
+    bell, (r0, r1) = _bell(2)
+    try:
+        r0.ring()
+        t = _later(0.15, r1.ring)
+        t0, c0 = time.monotonic(), time.thread_time()
+        bell.wait(1, time.monotonic() + 10)
+        waited, cpu = time.monotonic() - t0, time.thread_time() - c0
+        t.join()
+        assert bell.rung == [1, 1]
+        assert 0.1 < waited < 5
+        assert cpu < 0.25 * waited, (cpu, waited)  # asleep in select, not polling
+        # later steps count on; a ring ahead (overlap: step 3 rang while step 2 is collected) satisfies it
+        r0.ring(), r0.ring(), r1.ring()
+        bell.wait(2, time.monotonic() + 5)
+        assert min(bell.rung) >= 2 and bell.rung[0] == 3
+    finally:
+        bell.close()
+        r0.close(), r1.close()
+
+
+def test_a_rank_whose_end_closed_is_not_waited_for():
+    bell, (r0, r1) = _bell(2)
+    try:
+        r0.ring()
+        t = _later(0.1, r1.close)  # the rank died (its process' sockets close) or its ring failed
+        t0 = time.monotonic()
+        bell.wait(1, time.monotonic() + 30)
+        t.join()
+        assert time.monotonic() - t0 < 5
+        assert bell.rung == [1, STOPPED]
+    finally:
+        bell.close()
+        r0.close()
+
+
+def test_wait_returns_at_its_deadline_and_after_close():
+    bell, (r0,) = _bell(1)
+    try:
+        t0 = time.monotonic()
+        bell.wait(1, t0 + 0.2)
+        assert 0.15 < time.monotonic() - t0 < 3
+        assert bell.rung == [0]
+        bell.close()
+        t0 = time.monotonic()
+        bell.wait(5, t0 + 30)  # a closed bell (graph torn down) never blocks
+        assert time.monotonic() - t0 < 1
+        r0.ring()  # the rank's next ring fails quietly and closes its end
+        r0.ring()
+    finally:
+        bell.close()
+        r0.close()
+
+
+def test_a_ring_split_across_reads_is_reassembled():
+    bell, (r0,) = _bell(1)
+    try:
+        sock = r0._sock
+        sock.setblocking(True)
+        payload = (7).to_bytes(8, "little")
+        sock.sendall(payload[:3])
+        bell.wait(1, time.monotonic() + 0.2)
+        assert bell.rung == [0]
+        sock.sendall(payload[3:])
+        bell.wait(1, time.monotonic() + 5)
+        assert bell.rung == [7]
+    finally:
+        bell.close()
+        r0.close()
+
+
+def test_a_bad_rank_index_is_refused():
+    bell = StepBell("127.0.0.1", 2)
+    ringers = [StepRinger(bell.address, 1), StepRinger(bell.address, 1)]
+    try:
+        with pytest.raises(ValueError, match="index 1"):
+            bell.accept(5.0)
+    finally:
+        bell.close()
+        for r in ringers:
+            r.close()
