@@ -24,11 +24,9 @@ import numpy as np
 import torch
 
 from hyrax.actors.engine.state_hash import LENGTH_MIX, MASK, ROW_WORDS, DeviceHasher, row_weights
+from hyrax.actors.model.row_copy import wide_dtype
 
 HASH_ROW_BYTES = ROW_WORDS * 8
-# The widest element that divides a row: index_copy_ moves a pool row element by element (~3x
-# slower at 4 B than at 16 B: 512 B rows, one CPU core), index_select by memcpy per row.
-_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 Spec = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape, dtype) per part, in order
 
 
@@ -125,10 +123,11 @@ class PackedState:
 
 def row_view(pool: torch.Tensor) -> torch.Tensor:
     """pool: (layers, rows, *unit), contiguous -> the same bytes as (layers, rows, k) of the widest
-    element type that divides a row's bytes (k elements: a move copies whole rows, bit for bit)."""
+    element type that divides a row's bytes (k elements: a move copies whole rows, bit for bit;
+    index_copy_ moves a row element by element, ~3x slower at 4 B than at 16 B: row_copy.py)."""
     unit = math.prod(pool.shape[2:])
     row_bytes = unit * pool.element_size()
-    dtype = next(d for size, d in _WIDE if row_bytes % size == 0 and pool.data_ptr() % size == 0)
+    dtype = wide_dtype(row_bytes, pool)
     return pool.view(*pool.shape[:2], unit).view(torch.uint8).view(dtype)
 
 

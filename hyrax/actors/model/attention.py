@@ -16,6 +16,7 @@ from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.components import TOKEN, WINDOW, ComponentSpec
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.norm import AllReduce, RMSNorm
+from hyrax.actors.model.row_copy import index_copy_rows_
 from hyrax.actors.model.sharding import TP
 
 
@@ -125,7 +126,7 @@ class Attention(nn.Module):
         kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd)
         if T > 1:  # a decode step has no padding: its tokens are already in token_index order
             kv = kv.index_select(0, batch.token_index)
-        pool.index_copy_(0, idx.write_rows, kv.to(pool.dtype))
+        index_copy_rows_(pool, idx.write_rows, kv.to(pool.dtype))
         out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
         if self.output_gate:
             out = out * torch.sigmoid(gate)

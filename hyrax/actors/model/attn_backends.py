@@ -25,6 +25,7 @@ from torch import nn
 
 from hyrax.actors.model.batch import AttnIndex, ForwardBatch
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.row_copy import index_copy_rows_
 
 BACKENDS = ("auto", "sdpa", "vllm_flash_attn")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -130,7 +131,7 @@ class FlashPaged:
             window_size=(window - 1, 0) if window is not None else (-1, -1),
             block_table=idx.block_table,
         )
-        return q.new_zeros(B * T, H, D).index_copy_(0, batch.token_index, out).view(B, T, H, D)
+        return index_copy_rows_(q.new_zeros(B * T, H, D), batch.token_index, out).view(B, T, H, D)
 
     def check_page_size(self, page_size: int) -> None:
         if page_size % FLASH_PAGE_MULTIPLE:

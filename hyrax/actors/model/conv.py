@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyrax.actors.model.row_copy import index_copy_rows_
+
 
 def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q_lens: torch.Tensor,
                      weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -41,5 +43,5 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
         new_state = seq.gather(1, take[:, :, None].expand(B, keep, C))
     if bias is not None:
         out += bias.to(f)
-    pool.index_copy_(0, slots, new_state.transpose(1, 2).to(pool.dtype))
+    index_copy_rows_(pool, slots, new_state.transpose(1, 2).to(pool.dtype))
     return nn.functional.silu(out).to(x.dtype)

@@ -23,6 +23,7 @@ from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.conv import causal_conv_step
 from hyrax.actors.model.norm import AllReduce
+from hyrax.actors.model.row_copy import index_copy_rows_
 from hyrax.actors.model.sharding import TP
 
 
@@ -128,6 +129,6 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(f).exp() * nn.functional.softplus(a.reshape(B, T, nv).to(f) + self.dt_bias.to(f)) * valid
         slots = batch.slots[STATE]
         o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool.index_select(0, slots))
-        state_pool.index_copy_(0, slots, new_state)
+        index_copy_rows_(state_pool, slots, new_state)
         y = self._gated_norm(o, z.reshape(B, T, nv, dv))
         return self.allreduce(self.out_proj(y.reshape(B, T, nv * dv)))

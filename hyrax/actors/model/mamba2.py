@@ -20,6 +20,7 @@ from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.conv import causal_conv_step
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
+from hyrax.actors.model.row_copy import index_copy_rows_
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.ssd import ssd_chunked, ssd_step
 
@@ -127,6 +128,6 @@ class Mamba2Mixer(nn.Module):
             dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
             y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
                                        Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
-        ssm_pool.index_copy_(0, ssm_slots, new_state)
+        index_copy_rows_(ssm_pool, ssm_slots, new_state)
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.allreduce(self.out_proj(y.to(x.dtype)))
