@@ -123,3 +123,17 @@ def test_backup_and_restore_through_separate_device_buffers_verify_and_catch_a_f
     assert e.resume([b])[b].value == "checksum_mismatch"
     assert rank.buffers.lent == 0
     assert isinstance(rank.buffers, HostBuffers)
+
+
+def test_views_of_a_buffer_that_starts_inside_its_storage():
+    # a packed buffer need not start at its storage's first byte (a slice of a larger buffer)
+    h = hasher("cpu")
+    packing = Packing((("a", (1, 2, 3), torch.float32), ("b", (2, 1, 4), torch.bfloat16)), h)
+    big = torch.zeros((packing.rows + 3, ROW_WORDS), dtype=torch.int64)
+    words = big[3:]
+    views = packing.views(words)
+    views["a"].fill_(1.5)
+    views["b"].fill_(-2.0)
+    assert big[:3].eq(0).all()
+    assert views["a"].data_ptr() == words.data_ptr()
+    assert torch.equal(views["b"].float(), torch.full((2, 1, 4), -2.0))

@@ -77,14 +77,14 @@ class Packing:
 
     def views(self, words: torch.Tensor) -> dict[str, torch.Tensor]:
         """words: (rows, ROW_WORDS) int64 -> each part as a (layers, rows, *unit) view of it."""
-        flat = words.view(-1)
-        by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, tuple[torch.Tensor, int]] = {}  # words as that dtype, its storage offset
         out = {}
         for p, stride in zip(self.parts, self._strides):
             typed = by_dtype.get(p.dtype)
             if typed is None:
-                typed = by_dtype[p.dtype] = flat.view(p.dtype)
-            out[p.name] = typed.as_strided(p.shape, stride, p.first * HASH_ROW_BYTES // p.dtype.itemsize)
+                t = words.view(p.dtype)  # (rows, ROW_WORDS * 8 / itemsize): as_strided takes any shape
+                typed = by_dtype[p.dtype] = (t, t.storage_offset())
+            out[p.name] = typed[0].as_strided(p.shape, stride, typed[1] + p.first * HASH_ROW_BYTES // p.dtype.itemsize)
         return out
 
     def read(self, sums: torch.Tensor) -> dict[str, int]:
