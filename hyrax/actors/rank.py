@@ -26,6 +26,7 @@ from hyrax.actors.model.hybrid import resolve_dtype
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.step_bell import StepRinger
+from hyrax.actors.step_graph import from_wire, to_wire
 from hyrax.env import apply_torch_threads
 
 
@@ -134,11 +135,12 @@ class RankWorker:
         old, self._ringer = self._ringer, ringer
         old.close()
 
-    def execute_and_ring(self, plan):
-        """`execute` as the compiled graph runs it: the bell rings when the step has returned
-        or raised, so the coordinator, asleep until then, reads the result as Ray writes it."""
+    def execute_and_ring(self, wire: bytes) -> bytes:
+        """`execute` as the compiled graph runs it: plan and result travel pickled
+        (step_graph.to_wire); the bell rings when the step has returned or raised, so the
+        coordinator, asleep until then, reads the result as Ray writes it."""
         try:
-            return self.execute(plan)
+            return to_wire(self.execute(from_wire(wire)))
         finally:
             self._ringer.ring()
 

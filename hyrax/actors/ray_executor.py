@@ -12,7 +12,7 @@ import ray
 from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
-from hyrax.actors.step_graph import CompiledSteps, compile_steps
+from hyrax.actors.step_graph import CompiledSteps, compile_steps, from_wire
 
 # after one rank raised in a step, how long the others get to answer before the step counts
 # as a rank failure (a rank left waiting in a collective never answers)
@@ -107,7 +107,7 @@ class RayExecutor(RankCalls):
         results, raised = [], None
         for ref in step.refs:
             try:
-                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01)))
+                results.append(from_wire(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))))
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e, ray.exceptions.RayActorError):
                     self.close()
