@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine_helpers import HYBRID, greedy, make_engine, make_prompts, tiny_model
+from hyrax.actors.engine import packed_state
 from hyrax.actors.engine.copy_lane import InlineLane
 from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.packed_state import HASH_ROW_BYTES, Packing, Packings, row_view
@@ -34,8 +35,10 @@ SPECS = [
 ]
 
 
+@pytest.mark.parametrize("dense_max", [0, 1 << 16], ids=["by-part", "dense"])
 @pytest.mark.parametrize("spec", SPECS, ids=["mixed", "aligned-and-empty", "one"])
-def test_each_part_hashes_as_state_hash_of_it_alone_even_in_a_dirty_reused_buffer(spec):
+def test_each_part_hashes_as_state_hash_of_it_alone_even_in_a_dirty_reused_buffer(spec, dense_max, monkeypatch):
+    monkeypatch.setattr(packed_state, "DENSE_MAX", dense_max)
     h = hasher("cpu")
     packing = Packing(tuple((f"c{k}", shape, dtype) for k, (shape, dtype) in enumerate(spec)), h)
     tensors = {f"c{k}": _random(shape, dtype, seed=k) for k, (shape, dtype) in enumerate(spec)}
@@ -44,7 +47,7 @@ def test_each_part_hashes_as_state_hash_of_it_alone_even_in_a_dirty_reused_buffe
     views = packing.views(words)
     for name, t in tensors.items():
         views[name].copy_(t)
-    got = packing.read(h.packed(words, packing.weights))
+    got = packing.read(packing.hash(words))
     assert got == {name: state_hash(t) for name, t in tensors.items()}
     assert sum(-(-t.numel() * t.element_size() // HASH_ROW_BYTES) for t in tensors.values()) == packing.rows
 
@@ -56,7 +59,13 @@ def test_padding_left_dirty_would_change_the_hash():
     t = _random((1, 3, 5), torch.float32, seed=1)
     words = torch.full((packing.rows, ROW_WORDS), -1, dtype=torch.int64)
     packing.views(words)["a"].copy_(t)
-    assert packing.read(h.packed(words, packing.weights))["a"] != state_hash(t)
+    assert packing.read(packing.hash(words))["a"] != state_hash(t)
+
+
+def test_large_packings_keep_no_weight_matrix_that_grows_with_the_state():
+    # a 64 MB state: its dense (parts, hash rows) matrix would be 1 MB per cached spec
+    packing = Packing((("a", (1, 1 << 14, 1024), torch.float32), ("b", (3, 1, 2048), torch.float32)), hasher("cpu"))
+    assert len(packing.parts) * packing.rows > packed_state.DENSE_MAX and not hasattr(packing, "weights")
 
 
 def test_packings_are_made_once_per_spec_and_bounded():

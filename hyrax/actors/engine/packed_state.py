@@ -27,6 +27,7 @@ from hyrax.actors.engine.state_hash import LENGTH_MIX, MASK, ROW_WORDS, DeviceHa
 from hyrax.actors.model.row_copy import wide_dtype
 
 HASH_ROW_BYTES = ROW_WORDS * 8
+DENSE_MAX = 1 << 16  # entries of a packing's (parts, hash rows) weight matrix: 512 KiB, states up to ~32 MB
 Spec = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (name, shape, dtype) per part, in order
 
 
@@ -44,11 +45,14 @@ class Part:
 
 
 class Packing:
-    """Where each part of one spec lies in a packed buffer, and the device constants that hash it.
+    """Where each part of one spec lies in a packed buffer, and how to hash it on the device.
 
-    weights: (parts, rows) int64, row p holds the hash's row weights v[0 .. rows[p] - 1] at the
-    part's hash rows and zeros elsewhere, so `weights @ row_sums` is every part's hash before
-    its length term. pad: (k,) int64, the last hash row of each part that does not fill it.
+    `hash(words)`: (parts,) int64, each part's hash before its length term. Chosen here by size:
+    up to DENSE_MAX (parts x hash rows) entries, one matrix-vector product with `weights`
+    (parts, rows) int64, whose row p holds the row weights v[0 .. rows[p] - 1] at the part's
+    hash rows and zeros elsewhere; beyond that (a matrix that would grow with the state, kept
+    per cached spec) one dot per part with a prefix of v, whose per-call cost is small there.
+    pad: (k,) int64, the last hash row of each part that does not fill it.
     """
 
     def __init__(self, spec: Spec, hasher: DeviceHasher):
@@ -60,14 +64,29 @@ class Packing:
         self.parts = tuple(parts)
         self.rows = first
         self.names = tuple(p.name for p in parts)
-        weights = np.zeros((len(parts), first), dtype=np.int64)
-        for k, p in enumerate(parts):
-            weights[k, p.first:p.first + p.hash_rows] = row_weights(p.hash_rows)
-        self.weights = torch.from_numpy(weights).to(hasher.device)
+        self.hasher = hasher
+        if len(parts) * first <= DENSE_MAX:
+            weights = np.zeros((len(parts), first), dtype=np.int64)
+            for k, p in enumerate(parts):
+                weights[k, p.first:p.first + p.hash_rows] = row_weights(p.hash_rows)
+            self.weights = torch.from_numpy(weights).to(hasher.device)
+            self.hash = self._hash_dense
+        else:
+            self.hash = self._hash_by_part
         pad = [p.first + p.hash_rows - 1 for p in parts if p.nbytes % HASH_ROW_BYTES]
         self.pad = torch.tensor(pad, dtype=torch.int64, device=hasher.device) if pad else None
         self.length_terms = [p.nbytes * LENGTH_MIX for p in parts]
         self._strides = [_contiguous_strides(p.shape) for p in parts]
+
+    def _hash_dense(self, words: torch.Tensor) -> torch.Tensor:
+        """words: (rows, ROW_WORDS) int64 -> (parts,) int64 on the device, not read."""
+        return self.hasher.packed(words, self.weights)
+
+    def _hash_by_part(self, words: torch.Tensor) -> torch.Tensor:
+        h = self.hasher
+        sums = h.row_sums(words, h.word_weights)  # (rows,)
+        v = h.row_weight_prefix(max(p.hash_rows for p in self.parts))
+        return torch.stack([h.dot(sums[p.first:p.first + p.hash_rows], v[:p.hash_rows]) for p in self.parts])
 
     def clear_padding(self, words: torch.Tensor) -> None:
         """words: (rows, ROW_WORDS) int64. Zero the last hash row of each part that its bytes do

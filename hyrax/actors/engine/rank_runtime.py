@@ -264,7 +264,7 @@ class RankRuntime:
         words = self.lane.device_words(packing.rows)
         packing.clear_padding(words)
         parts = self._gather_into(words, packing, self._row_pools, idx)
-        return PackedState(words, packing, parts), self.hash.packed(words, packing.weights)
+        return PackedState(words, packing, parts), packing.hash(words)
 
     def _backup(self, req_id: str, rows: Rows, host_rows: Rows | None) -> dict[str, int]:
         """Copy the request's rows of every component to host memory; returns their state hashes,

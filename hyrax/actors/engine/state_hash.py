@@ -130,6 +130,11 @@ class DeviceHasher:
             h = h + self.dot(x[r * ROW_WORDS:], w[:k]) * v[r]
         return h
 
+    def row_weight_prefix(self, n: int) -> torch.Tensor:
+        """v[0 .. n-1] on this device: (n,) int64 (a view of the cached weights)."""
+        self._grow(n)
+        return self.row_weights[:n]
+
     def packed(self, words: torch.Tensor, part_weights: torch.Tensor) -> torch.Tensor:
         """Hashes, before their length terms, of the parts of a packed buffer (packed_state.py):
         words: (R, ROW_WORDS) int64, part_weights: (P, R) int64 -> (P,) int64 on this device
