@@ -7,6 +7,7 @@ from the test process (the coordinator actor does the same in its engine loop).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -24,7 +25,7 @@ from hyrax.actors.model.state import derive_components
 from hyrax.actors.rank import RankWorker
 from hyrax.actors.ray_executor import RayExecutor
 from hyrax.actors.step_graph import compile_steps
-from ray_harness import DEMO_MODEL, prompt, reference
+from ray_harness import DEMO_CONFIG, DEMO_MODEL, assert_clean, call, deployed, prompt, reference, replica, run_all
 
 CONFIG = EngineConfig(deterministic=True, overlap=True, kv_capacity_tokens=4096, mamba_slots=16)
 PROMPTS = [prompt(n, seed=300 + n) for n in (5, 33, 70)]
@@ -133,3 +134,18 @@ def test_a_rank_killed_under_the_graph_is_a_rank_failure(ray_session):
         for r in ranks:
             ray.kill(r, no_restart=True)
         executor.close(wait=True)
+
+
+def test_a_replica_with_the_graph_serves_through_it(ray_session):
+    """The coordinator actor builds the graph and its step bell over its own ranks (the bell
+    listens on the coordinator's node address) and serves the reference outputs through it."""
+    from hyrax.cluster.deployment import RoleSpec
+
+    config = replace(DEMO_CONFIG, compiled_graph=True)
+    prompts = [prompt(n, seed=400 + n) for n in (7, 40)]
+    with deployed(DEMO_MODEL, [RoleSpec("graph-tp2", 1, 2)], config) as d:
+        coord = replica(d, "graph-tp2").coordinator
+        streams = run_all(coord, prompts, MAX_TOKENS, prefix="graph-tp2-")
+        assert [s.tokens for s in streams] == reference(DEMO_MODEL, config, prompts, MAX_TOKENS)
+        assert call(coord.health)["step_path"] == "compiled graph"
+        assert_clean(coord)
