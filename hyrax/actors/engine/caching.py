@@ -30,7 +30,7 @@ from hyrax.actors.engine.prefix_cache import (
 )
 from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.stats import PrefixCacheStats
-from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
+from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec, captures_mid_step
 
 RING = 2  # checkpoint slots a request holds: one committed, one being written (overlap depth 1)
 
@@ -65,7 +65,8 @@ class PrefixCaching:
         self.alloc = alloc  # the engine's allocators, the checkpoint pools among them
         for name in self.ckpt_pools:
             alloc[name] = IndexAllocator(name, sizes.checkpoints)
-        self.policy = TrackPolicy(config.mamba_track_interval, config.page_size)
+        self.policy = TrackPolicy(config.mamba_track_interval, config.page_size,
+                                  inside=not config.deterministic and captures_mid_step(components))
         self.track = MambaTrack(self.policy)
         self.deterministic = config.deterministic
         self.prefill_chunk = config.prefill_chunk
@@ -137,7 +138,7 @@ class PrefixCaching:
             return plan
         copies: list[UnitCopy] = []
         writes: list[CheckpointWrite] = []
-        get, is_boundary = table.requests.get, self.policy.is_boundary
+        get, is_boundary, write_at = table.requests.get, self.policy.is_boundary, self.policy.write_at
         for e in plan.entries:
             req = get(e.req_id)
             hold = req.cache
@@ -147,7 +148,7 @@ class PrefixCaching:
                 copies.extend(self._hit_copies(req, hold.hit))
                 hold.hit = None
             end = e.start + len(e.token_ids)
-            if not is_boundary(end, req.num_prompt):
+            if not is_boundary(end, req.num_prompt) and (len(e.token_ids) == 1 or write_at(e.start, end, req.num_prompt) is None):
                 continue  # most decode steps: no write (the check `_plan_track` starts with)
             w = self._plan_track(req, hold, e.start, end)
             if w is not None:
@@ -170,10 +171,10 @@ class PrefixCaching:
         return out
 
     def _plan_track(self, req: Request, hold: CacheHold, start: int, end: int) -> TrackWrite | None:
-        """The write of a step running start..end-1, if it ends on a boundary. Steps between
-        boundaries leave the track alone (no per-request work on most decode steps): the next
+        """The write of a step running start..end-1, if it checkpoints (`TrackPolicy.write_at`).
+        Other steps leave the track alone (no per-request work on most decode steps): the next
         boundary's plan covers every position since the last one."""
-        if not self.policy.is_boundary(end, req.num_prompt):
+        if self.policy.write_at(start, end, req.num_prompt) is None:
             return None
         if hold.track is None:  # the ring is taken at the first boundary a request reaches
             ring = self._ring(req)

@@ -254,6 +254,7 @@ class Engine:
         replica offers each request that got its first token to a decode replica."""
         done = self.results.apply(plan, result)
         self.caching.commit(plan, result, self.table)
+        self.results.release_windows(plan)
         finishing = {r.id for r, _ in done.stopped}
         prefill, lps, outputs = self.config.role == "prefill", done.logprobs, self._outputs
         for rid, toks in done.tokens.items():

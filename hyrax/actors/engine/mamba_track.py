@@ -34,6 +34,10 @@ class TrackPolicy:
 
     interval: int = 64
     page_size: int = 16
+    # the model writes a checkpoint as of any token inside a step (batch.Capture; not in
+    # deterministic mode, where chunks end on fixed cuts): a step that passes a boundary without
+    # ending on one checkpoints the last boundary it passed, and chunks need not stop there
+    inside: bool = False
 
     def __post_init__(self):
         if self.page_size < 1 or self.interval < 1 or self.interval % self.page_size:
@@ -45,6 +49,19 @@ class TrackPolicy:
 
     def is_boundary(self, position: int, prompt_len: int) -> bool:
         return position > 0 and (position % self.interval == 0 or position == self.prompt_end(prompt_len))
+
+    def write_at(self, start: int, end: int, prompt_len: int) -> int | None:
+        """Where a step running start..end-1 checkpoints: `end` if it is a boundary, else (with
+        `inside`) the last boundary it passes, else nowhere (None)."""
+        if self.is_boundary(end, prompt_len):
+            return end
+        if not self.inside:
+            return None
+        last = (end - 1) // self.interval * self.interval
+        pe = self.prompt_end(prompt_len)
+        if pe < end:
+            last = max(last, pe)
+        return last if last > start else None
 
     def chunk_end(self, start: int, end: int, prompt_len: int) -> int:
         """Where a prefill chunk meant to run start..end-1 stops: at the prompt's last whole page
@@ -142,16 +159,18 @@ class MambaTrack:
 
     def plan(self, st: TrackState, req_id: str, start: int, end: int, prompt_len: int
              ) -> tuple[TrackState, TrackWrite | None]:
-        """A step runs positions start..end-1; if `end` is a boundary, the write it carries."""
+        """A step runs positions start..end-1; the write it carries if it checkpoints
+        (`TrackPolicy.write_at`)."""
         if start != st.planned or end <= start:
             raise ValueError(f"{req_id}: planned up to {st.planned}, a step cannot run {start}..{end - 1}")
-        if not self.policy.is_boundary(end, prompt_len):
+        at = self.policy.write_at(start, end, prompt_len)
+        if at is None:
             return replace(st, planned=end), None
         n, busy = len(st.ring), st.busy()
         free = [i % n for i in range(st.producer, st.producer + n) if i % n not in busy]
         if not free:
             return replace(st, planned=end, skipped=st.skipped + 1), None
-        w = TrackWrite(req_id, end, free[0], st.ring[free[0]])
+        w = TrackWrite(req_id, at, free[0], st.ring[free[0]])
         return replace(st, planned=end, producer=(free[0] + 1) % n, pending=st.pending + (w,)), w
 
     def process(self, st: TrackState, w: TrackWrite | None) -> TrackState:

@@ -57,6 +57,9 @@ class RankRuntime:
         self.components = model.components
         self.sizes = sizes
         self.pools = allocate_device_pools(self.components, sizes, self.device)
+        # slot component -> its checkpoint pool, where a forward writes checkpoints inside a step
+        self._capture_into = {c.name: checkpoint_pool(c.name) for c in self.components
+                              if not c.paged and checkpoint_pool(c.name) in self.pools}
         self.paged = frozenset(c.name for c in self.components if c.paged)
         pin = self.device.type == "cuda"
         self.host = {
@@ -98,6 +101,7 @@ class RankRuntime:
         last = self.last_token
         seqs = [SeqSlice(e.token_ids if not e.token_ids or e.token_ids[-1] >= 0 else self._resolve(e, last),
                          e.start, e.page_tables, e.slots) for e in plan.entries]
+        inside = self._captures(plan, seqs) if plan.checkpoints else frozenset()
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself
             logits = torch.cat([self._forward([s]) for s in seqs])
@@ -125,7 +129,7 @@ class RankRuntime:
             self.last_token.pop(rid, None)
             if self.grammars is not None:
                 self.grammars.forget(rid)
-        sums = {w.req_id: self._write_checkpoint(w) for w in plan.checkpoints}
+        sums = {w.req_id: self._write_checkpoint(w, w.req_id in inside) for w in plan.checkpoints}
         if self.rank != 0:
             return StepResult([], checkpoints=sums)
         if any(sp.logprobs is not None for sp in specs):
@@ -144,9 +148,22 @@ class RankRuntime:
         src, dst = self.pools[cp.src_pool], self.pools[cp.dst_pool]
         dst.index_copy_(1, self._unit_rows(cp.dst_pool, cp.dst), src.index_select(1, self._unit_rows(cp.src_pool, cp.src)))
 
-    def _write_checkpoint(self, w) -> dict[str, dict[int, int]]:
-        """Copy the request's slots into its checkpoint slots; their state hashes, as this rank's."""
-        for name, slot, ckpt in w.slots:
+    def _captures(self, plan: StepPlan, seqs: list[SeqSlice]) -> frozenset[str]:
+        """Checkpoints inside an entry's slice (not at its end) are the forward's to write: their
+        slices (in `seqs`, in place) carry a capture. Returns those requests."""
+        at = {w.req_id: w for w in plan.checkpoints}
+        inside = []
+        for i, e in enumerate(plan.entries):
+            w = at.get(e.req_id)
+            if w is not None and w.position < e.start + len(e.token_ids):
+                seqs[i] = seqs[i]._replace(capture=(w.position - e.start, {name: ckpt for name, _, ckpt in w.slots}))
+                inside.append(e.req_id)
+        return frozenset(inside)
+
+    def _write_checkpoint(self, w, captured: bool) -> dict[str, dict[int, int]]:
+        """Copy the request's slots into its checkpoint slots (unless the forward `captured` them
+        inside the step); their state hashes, as this rank's."""
+        for name, slot, ckpt in (() if captured else w.slots):
             self.pools[checkpoint_pool(name)][:, ckpt] = self.pools[name][:, slot]
         sums = self._slot_checksum({name: ckpt for name, _, ckpt in w.slots})
         return {name: {self.rank: h} for name, h in sums.items()}
@@ -189,7 +206,7 @@ class RankRuntime:
         return torch.stack(out)
 
     def _forward(self, seqs: list[SeqSlice]) -> torch.Tensor:
-        batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device)
+        batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device, self._capture_into)
         return self.model(batch, self.pools)
 
     # ---- state moves: save and load over a location ----------------------------------------

@@ -87,6 +87,10 @@ class Results:
         row = -1  # this entry's index among the sampling entries (logprobs rows)
         now = time.monotonic()
         get, running, stop, windows = self.table.requests.get, State.RUNNING, self.stop.reason, self.windows
+        # a checkpoint this step wrote (maybe inside its slice: before its end) goes to the prefix
+        # cache with the window pages before it: those requests' pages leave after that
+        # (`release_windows`), not here
+        later = {w.req_id for w in plan.checkpoints} if windows and plan.checkpoints else ()
         new_tokens = out.tokens
         generated = 0
         for e in plan.entries:
@@ -98,7 +102,7 @@ class Results:
             if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
             req.num_computed = e.start + len(e.token_ids)
-            if windows:
+            if windows and req.id not in later:
                 self._release_window(req)
             if sample is None:
                 continue
@@ -114,6 +118,15 @@ class Results:
                 out.stopped.append((req, reason))
         self.stats.generation_tokens += generated
         return out
+
+    def release_windows(self, plan: StepPlan) -> None:
+        """After the prefix cache took this step's checkpoints: the window pages `apply` left."""
+        if not self.windows:
+            return
+        for w in plan.checkpoints:
+            req = self.table.requests.get(w.req_id)
+            if req is not None and req.state is State.RUNNING:
+                self._release_window(req)
 
     def _release_window(self, req: Request) -> None:
         """Pages of a window component whose positions all left the window go back."""

@@ -19,6 +19,7 @@ from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
 from hyrax.actors.engine.view import FreePool, RequestView, SchedulerView
+from hyrax.actors.model.components import captures_mid_step
 from hyrax.actors.model.state import TOKEN, WINDOW, ComponentSpec
 
 
@@ -89,11 +90,11 @@ class Scheduler:
         self.config = config
         self.prefill_role = config.role == "prefill"
         self.page_size = config.page_size
-        # a prefill chunk that crosses track boundaries ends on the last one (a checkpoint is taken
-        # there: prefix cache), and in deterministic mode always, so that a cache hit and a cold
-        # run cut the same chunks
-        self.cuts = (TrackPolicy(config.mamba_track_interval, config.page_size)
-                     if config.caches_prefixes or config.deterministic else None)
+        # a prefill chunk that crosses the prompt's last whole page ends there (a checkpoint is
+        # taken there: prefix cache) unless the model writes checkpoints inside a step; in
+        # deterministic mode always, so that a cache hit and a cold run cut the same chunks
+        cut = config.deterministic or (config.caches_prefixes and not captures_mid_step(components))
+        self.cuts = TrackPolicy(config.mamba_track_interval, config.page_size) if cut else None
 
     def chunk_len(self, r: RequestView, budget: int) -> int:
         """Tokens `r` runs this step (0: none)."""

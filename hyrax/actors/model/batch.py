@@ -30,6 +30,9 @@ class SeqSlice(NamedTuple):
     start: int
     page_tables: Mapping[str, Sequence[int]]  # paged component -> page ids (-1: released page); read only
     slots: dict[str, int]  # slot component -> slot index
+    # (k, {slot component -> checkpoint row}): also write each slot's state as it is after the
+    # slice's first k tokens (0 < k < len) into that row of the component's checkpoint pool
+    capture: tuple[int, Mapping[str, int]] | None = None
 
 
 # The longest key tile a paged attention kernel reads at once (vllm-flash-attn 2.6's kBlockN
@@ -63,6 +66,17 @@ class AttnIndex:
 
 
 @dataclass
+class Capture:
+    """The sequences of a step whose recurrent state is also wanted part-way through their
+    slice (a prefix-cache checkpoint inside a prefill chunk), n of them."""
+
+    rows: torch.Tensor  # (n,) long: their rows in the batch
+    lens: torch.Tensor  # (n,) long: tokens of their slice before the capture point, 0 < lens < q_lens
+    slots: dict[str, torch.Tensor]  # slot component -> (n,) long: the rows written in its checkpoint pool
+    into: Mapping[str, str]  # slot component -> the key of its checkpoint pool among the forward's pools
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # (B, T) long, 0 at padding
     positions: torch.Tensor  # (B, T) long
@@ -74,6 +88,7 @@ class ForwardBatch:
     page_size: int
     context_lens: torch.Tensor  # (B,) long: tokens in context after this step (from position 0)
     max_context: int  # the longest of them, known on the host (no device sync to read it)
+    capture: Capture | None = None  # states also wanted inside the step (None: none)
 
     @cached_property
     def cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,9 +145,11 @@ def to_device(host: dict[str, np.ndarray], device: torch.device | str) -> dict[s
 
 
 def build_forward_batch(
-    seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu"
+    seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu",
+    capture_into: Mapping[str, str] | None = None,
 ) -> ForwardBatch:
-    """The step's batch on `device`, computed on the host (numpy) and moved in one copy (`to_device`)."""
+    """The step's batch on `device`, computed on the host (numpy) and moved in one copy (`to_device`).
+    `capture_into`: slot component -> its checkpoint pool's key, needed when a slice captures."""
     if not seqs:
         raise ValueError("empty batch")
     B = len(seqs)
@@ -176,7 +193,19 @@ def build_forward_batch(
             f"{comp.name}.pad_keys": np.flatnonzero(~key_valid),
             f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
         })
+    captured = [(b, s.capture) for b, s in enumerate(seqs) if s.capture is not None]
+    if captured:
+        if capture_into is None or any(not 0 < k < q_lens[b] for b, (k, _) in captured):
+            raise ValueError(f"invalid captures {[(b, k, int(q_lens[b])) for b, (k, _) in captured]} "
+                             f"(checkpoint pools: {capture_into})")
+        host["capture.rows"] = np.fromiter((b for b, _ in captured), dtype=np.int64, count=len(captured))
+        host["capture.lens"] = np.fromiter((k for _, (k, _) in captured), dtype=np.int64, count=len(captured))
+        for name in slot_names:
+            host[f"capture.{name}"] = np.fromiter((rows[name] for _, (_, rows) in captured), dtype=np.int64,
+                                                  count=len(captured))
     dev = to_device(host, device)
+    capture = Capture(dev["capture.rows"], dev["capture.lens"], {name: dev[f"capture.{name}"] for name in slot_names},
+                      capture_into) if captured else None
     attn = {name: AttnIndex(
         write_rows=dev[f"{name}.write_rows"], read_rows=dev[f"{name}.read_rows"], pad_keys=dev[f"{name}.pad_keys"],
         key_pos=dev[f"{name}.key_pos"],
@@ -186,5 +215,5 @@ def build_forward_batch(
     return ForwardBatch(
         input_ids=dev["input_ids"], positions=dev["positions"], q_valid=dev["q_valid"], q_lens=dev["q_lens"],
         token_index=dev["token_index"], attn=attn, slots={name: dev[name] for name in slot_names},
-        page_size=page_size, context_lens=dev["context_lens"], max_context=max_context,
+        page_size=page_size, context_lens=dev["context_lens"], max_context=max_context, capture=capture,
     )

@@ -31,6 +31,9 @@ class ComponentSpec:
     shard_index: tuple[int, ...]  # global indices along shard_dim held by this rank
     global_size: int  # unsharded size of shard_dim
     window: int | None = None
+    # slot kinds: the layers can write the state as of any token inside a step into a checkpoint
+    # slot (batch.Capture), so a prefix-cache checkpoint need not end a prefill chunk
+    captures_mid_step: bool = False
 
     @property
     def paged(self) -> bool:
@@ -70,12 +73,19 @@ def ssm_dtype(model_dtype: torch.dtype) -> torch.dtype:
 
 def recurrent_pair(conv_name: str, state_name: str, layers: tuple[int, ...], dtype: torch.dtype,
                    conv_channels: list[int], kernel: int, conv_dim: int, heads, head_unit: tuple[int, int],
-                   n_heads: int) -> list[ComponentSpec]:
+                   n_heads: int, captures_mid_step: bool = False) -> list[ComponentSpec]:
     """A conv-state component ((channels, kernel - 1), sharded on channels) and a recurrent-state
     component ((heads, *head_unit), float32/64, sharded on heads), as Mamba2 and Gated DeltaNet keep."""
     return [
         ComponentSpec(name=conv_name, kind=SLOT, layers=layers, unit_shape=(len(conv_channels), kernel - 1),
-                      dtype=dtype, shard_dim=0, shard_index=tuple(conv_channels), global_size=conv_dim),
+                      dtype=dtype, shard_dim=0, shard_index=tuple(conv_channels), global_size=conv_dim,
+                      captures_mid_step=captures_mid_step),
         ComponentSpec(name=state_name, kind=SLOT, layers=layers, unit_shape=(len(heads), *head_unit),
-                      dtype=ssm_dtype(dtype), shard_dim=0, shard_index=tuple(heads), global_size=n_heads),
+                      dtype=ssm_dtype(dtype), shard_dim=0, shard_index=tuple(heads), global_size=n_heads,
+                      captures_mid_step=captures_mid_step),
     ]
+
+
+def captures_mid_step(components) -> bool:
+    """Whether every slot component's layers capture state inside a step (true with none)."""
+    return all(c.captures_mid_step for c in components if c.kind == SLOT)

@@ -45,3 +45,13 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
         out += bias.to(f)
     index_copy_rows_(pool, slots, new_state.transpose(1, 2).to(pool.dtype))
     return nn.functional.silu(out).to(x.dtype)
+
+
+def conv_state_after(state: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """A slot's conv state after the first `lens` tokens of a step: the last `kernel - 1`
+    inputs up to there. state: (n, C, K-1) the slots before the step; x: (n, T, C) the step's
+    inputs; lens: (n,) long, 0 < lens <= T. Returns (n, C, K-1) in state's dtype."""
+    keep = state.shape[-1]
+    seq = torch.cat([state.transpose(1, 2), x.to(state.dtype)], dim=1)  # (n, K-1+T, C)
+    take = lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (n, K-1)
+    return seq.gather(1, take[:, :, None].expand(-1, keep, seq.shape[2])).transpose(1, 2)

@@ -18,11 +18,11 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.conv import causal_conv_step
+from hyrax.actors.model.conv import causal_conv_step, conv_state_after
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_
 from hyrax.actors.model.sharding import TP
-from hyrax.actors.model.ssd import ssd_chunked, ssd_step
+from hyrax.actors.model.ssd import ssd_chunked, ssd_state_after, ssd_step
 
 
 CONV, SSM = "mamba_conv", "mamba_ssm"  # the state components a Mamba2 layer keeps
@@ -35,7 +35,7 @@ def state_components(cfg: ModelConfig, tp: TP, dtype: torch.dtype) -> list[Compo
         return []
     return recurrent_pair(CONV, SSM, cfg.layers_of("mamba2"), dtype, sharding.mamba_conv_channels(cfg, tp),
                           cfg.mamba_d_conv, cfg.mamba_conv_dim, sharding.mamba_heads(cfg, tp),
-                          (cfg.mamba_d_head, cfg.mamba_d_state), cfg.mamba_n_heads)
+                          (cfg.mamba_d_head, cfg.mamba_d_state), cfg.mamba_n_heads, captures_mid_step=True)
 
 
 def _section_scales(cfg: ModelConfig) -> torch.Tensor | None:
@@ -115,6 +115,11 @@ class Mamba2Mixer(nn.Module):
             zxbcdt = zxbcdt * self.in_scale
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.nh], dim=-1)
 
+        cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
+        if cap is not None:  # the conv inputs up to each capture point, before the slots move on
+            pools[cap.into[CONV]][self.local_layer].index_copy_(0, cap.slots[CONV], conv_state_after(
+                conv_pool.index_select(0, conv_slots.index_select(0, cap.rows)), xbc.index_select(0, cap.rows),
+                cap.lens))
         xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
@@ -126,6 +131,12 @@ class Mamba2Mixer(nn.Module):
             y = y[:, None]
         else:
             dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
+            if cap is not None:  # the state at each capture point: dt = 0 from there on
+                rows = cap.rows
+                before = (torch.arange(T, device=x.device)[None, :] < cap.lens[:, None])[..., None]
+                pools[cap.into[SSM]][self.local_layer].index_copy_(0, cap.slots[SSM], ssd_state_after(
+                    xs.index_select(0, rows).view(-1, T, self.nh, P), dt.index_select(0, rows) * before, A,
+                    Bm.index_select(0, rows).view(-1, T, G, N), state.index_select(0, rows)))
             y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
                                        Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
         index_copy_rows_(ssm_pool, ssm_slots, new_state)

@@ -128,6 +128,29 @@ def ssd_chunked(
     return (y[:, :T] if pad else y), state.reshape(Bsz, H, P, N)
 
 
+def ssd_state_after(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, init_state: torch.Tensor,
+) -> torch.Tensor:
+    """The state after a batch's tokens, without the outputs: what `ssd_chunked` returns as its
+    final state, in one contraction over the whole length. Zero `dt` from a token on to get the
+    state before it (a prefix-cache checkpoint inside a prefill chunk).
+
+    x: (B, T, H, P); dt: (B, T, H); A: (H,); Bm: (B, T, G, N); init_state: (B, H, P, N).
+    Returns (B, H, P, N) in init_state's dtype.
+        S_T = exp(sum_t a_t) S_0 + sum_s exp(sum_{t>s} a_t) dt_s x_s (x) B_s,   a_t = dt_t A
+    """
+    f = init_state.dtype
+    Bsz, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    dt = dt.to(f)
+    acum = torch.cumsum(dt * A.to(f), dim=1)  # (b, t, h)
+    total = acum[:, -1:]  # (b, 1, h)
+    weight = torch.exp(total - acum) * dt  # (b, t, h): token s's share of the final state
+    xw = (x.to(f) * weight[..., None]).view(Bsz, T, G, H // G, P)  # heads grouped as B is
+    contrib = torch.einsum("btgrp,btgn->bgrpn", xw, Bm.to(f)).reshape(Bsz, H, P, N)
+    return contrib.add_(init_state.to(f) * torch.exp(total[:, 0])[:, :, None, None])
+
+
 def ssd_sequential(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
     D: torch.Tensor, init_state: torch.Tensor,
