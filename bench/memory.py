@@ -40,7 +40,7 @@ def _formula_rows(profile: Profile) -> list[Row]:
         if engine.retract([rid], mode="cpu_tensor", hold=True)[rid] != "cpu_tensor":
             raise RuntimeError("memory: a cpu_tensor backup fell back")
         m = engine.requests[rid].backup.manifest
-        held = rank.backups[rid]
+        held = rank.backups[rid].parts  # each component's rows, views of the backup's one packed buffer
         for c in engine.components:
             measured[c.name] += held[c.name].numel() * held[c.name].element_size()
             recorded[c.name] += m.components[c.name].bytes
