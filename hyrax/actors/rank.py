@@ -128,10 +128,10 @@ class RankWorker:
                 torch.cuda.empty_cache()
             raise torch.OutOfMemoryError(message)
 
-    def ring_step_bell_at(self, address: tuple[str, int], index: int) -> None:
-        """Connect to a new compiled graph's doorbell (step_bell.py) as rank `index`: from now
-        on `execute_and_ring` rings it after every step."""
-        ringer = StepRinger(tuple(address), index)
+    def ring_step_bell_at(self, address: tuple[str, int], index: int, key: bytes) -> None:
+        """Connect to a new compiled graph's doorbell (step_bell.py) as rank `index`, with the
+        bell's `key`: from now on `execute_and_ring` rings it after every step."""
+        ringer = StepRinger(tuple(address), index, key)
         old, self._ringer = self._ringer, ringer
         old.close()
 

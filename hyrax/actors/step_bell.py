@@ -9,7 +9,9 @@ coordinator sleeps in `select` until every rank has rung, then reads the channel
 rings just before Ray writes its result, so the read finds it or waits microseconds).
 
 How: the coordinator listens on its node's address (as the TP group's store does; ranks may sit
-on other nodes); each rank connects once (`StepRinger`), sends its index, then 8 bytes after every graph step, whether
+on other nodes); each rank connects once (`StepRinger`), sends the bell's key (16 random bytes
+the coordinator handed it through Ray: a connection without it is dropped, whoever made it)
+and its index, then 8 bytes after every graph step, whether
 the step returned or raised: how many steps it has run in this graph (graph steps run in the
 order they were sent, so the coordinator waits for ring N to collect its N-th step). A rank that
 died, or whose ring failed, ends its stream: from then on the coordinator no longer waits for
@@ -17,7 +19,9 @@ that rank's bell and Ray's read decides (its result, its error, or the timeout).
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import selectors
 import socket
 import struct
@@ -26,6 +30,7 @@ import time
 
 _STEP = struct.Struct("<q")  # a ring: how many steps the rank ran in this graph; first, its index
 STOPPED = sys.maxsize  # a rank whose bell ended counts as having rung for every step
+KEY_BYTES = 16
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +44,10 @@ class StepBell:
 
     def __init__(self, host: str, ranks: int):
         self.ranks = ranks
-        self._server = socket.create_server((host, 0), family=_family(host), backlog=max(ranks, 1))
+        self.key = secrets.token_bytes(KEY_BYTES)  # what a rank's connection must send first
+        # room in the listen queue beyond the ranks: they connect before `accept` runs, and a few
+        # strangers queued first must not keep them out
+        self._server = socket.create_server((host, 0), family=_family(host), backlog=ranks + 16)
         self.address: tuple[str, int] = (host, self._server.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._conns: list[socket.socket] = []
@@ -47,14 +55,24 @@ class StepBell:
         self.rung = [0] * ranks  # per rank: how many steps it rang for (STOPPED: its bell ended)
 
     def accept(self, timeout_s: float) -> None:
-        """Take every rank's connection (each sends its index first). Raises TimeoutError or
-        ValueError when a rank did not connect or sent a bad index."""
-        self._server.settimeout(timeout_s)
+        """Take every rank's connection (each sends the key, then its index). A connection that
+        does not send the key at once is dropped. Raises TimeoutError when a rank did not connect
+        in time, ValueError when one sent a bad index."""
+        deadline = time.monotonic() + timeout_s
         seen: set[int] = set()
-        for _ in range(self.ranks):
-            conn, _ = self._server.accept()
-            conn.settimeout(timeout_s)
-            index = _STEP.unpack(_recv_exact(conn, _STEP.size))[0]
+        while len(seen) < self.ranks:
+            self._server.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn, peer = self._server.accept()
+            conn.settimeout(max(min(deadline - time.monotonic(), 2.0), 0.001))
+            try:
+                hello = _recv_exact(conn, KEY_BYTES + _STEP.size)
+            except OSError:  # ConnectionError, a timeout: not a rank
+                hello = b""
+            if not hmac.compare_digest(hello[:KEY_BYTES], self.key) or len(hello) != KEY_BYTES + _STEP.size:
+                log.warning("step bell: dropped a connection from %s without the bell's key", peer)
+                conn.close()
+                continue
+            index = _STEP.unpack(hello[KEY_BYTES:])[0]
             if not 0 <= index < self.ranks or index in seen:
                 conn.close()
                 raise ValueError(f"step bell: rank index {index} is not one of {self.ranks} ranks or came twice")
@@ -108,10 +126,10 @@ class StepRinger:
     """A rank's end: connects at once; `ring` never raises (a failed ring closes the
     connection, which the coordinator sees as the end of this rank's bell)."""
 
-    def __init__(self, address: tuple[str, int], index: int, timeout_s: float = 10.0):
+    def __init__(self, address: tuple[str, int], index: int, key: bytes, timeout_s: float = 10.0):
         self._sock: socket.socket | None = socket.create_connection(address, timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.sendall(_STEP.pack(index))
+        self._sock.sendall(bytes(key) + _STEP.pack(index))
         self._sock.setblocking(False)  # 8 bytes a step: only a coordinator that stopped reading fills the buffer
         self.steps = 0
 
@@ -145,6 +163,6 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     while len(data) < n:
         chunk = conn.recv(n - len(data))
         if not chunk:
-            raise ConnectionError("step bell: a rank closed its connection before sending its index")
+            raise ConnectionError("step bell: a connection closed before it sent the key and an index")
         data += chunk
     return data

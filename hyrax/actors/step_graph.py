@@ -59,7 +59,7 @@ class CompiledSteps:
         self.graph = None
         self.bell = StepBell(ray.util.get_node_ip_address(), len(ranks))
         try:
-            joined = [r.ring_step_bell_at.remote(self.bell.address, k) for k, r in enumerate(ranks)]
+            joined = [r.ring_step_bell_at.remote(self.bell.address, k, self.bell.key) for k, r in enumerate(ranks)]
             ray.get(joined, timeout=BELL_CONNECT_S)  # connected: the listen backlog holds them
             self.bell.accept(BELL_CONNECT_S)
             with InputNode() as plan:

@@ -13,7 +13,7 @@ from hyrax.actors.step_bell import STOPPED, StepBell, StepRinger
 
 def _bell(ranks: int) -> tuple[StepBell, list[StepRinger]]:
     bell = StepBell("127.0.0.1", ranks)
-    ringers = [StepRinger(bell.address, k) for k in reversed(range(ranks))]  # any order
+    ringers = [StepRinger(bell.address, k, bell.key) for k in reversed(range(ranks))]  # any order
     bell.accept(5.0)
     return bell, ringers[::-1]
 
@@ -97,7 +97,7 @@ def test_a_ring_split_across_reads_is_reassembled():
 
 def test_a_bad_rank_index_is_refused():
     bell = StepBell("127.0.0.1", 2)
-    ringers = [StepRinger(bell.address, 1), StepRinger(bell.address, 1)]
+    ringers = [StepRinger(bell.address, 1, bell.key), StepRinger(bell.address, 1, bell.key)]
     try:
         with pytest.raises(ValueError, match="index 1"):
             bell.accept(5.0)
@@ -105,3 +105,42 @@ def test_a_bad_rank_index_is_refused():
         bell.close()
         for r in ringers:
             r.close()
+
+
+def test_connections_without_the_key_are_dropped_and_the_ranks_still_join():
+    """The bell listens on the node's address: a stranger that connects first (sending nothing,
+    a wrong key, or a right index without the key) takes no rank's place."""
+    import socket
+
+    bell = StepBell("127.0.0.1", 2)
+    strangers = [socket.create_connection(bell.address) for _ in range(3)]
+    strangers[1].sendall(b"\0" * 16 + (0).to_bytes(8, "little"))  # index 0, wrong key
+    strangers[2].sendall((1).to_bytes(8, "little") + b"x" * 16)  # index first, no key
+    strangers[0].close()  # connected, then gone
+    ringers = [StepRinger(bell.address, k, bell.key) for k in (1, 0)]
+    try:
+        bell.accept(10.0)
+        for r in ringers:
+            r.ring()
+        bell.wait(1, time.monotonic() + 5)
+        assert bell.rung == [1, 1]
+        assert StepBell("127.0.0.1", 1).key != bell.key  # a fresh key per bell
+    finally:
+        bell.close()
+        for s in [*strangers, *ringers]:
+            s.close()
+
+
+def test_accept_gives_up_at_its_deadline_when_only_strangers_came():
+    import socket
+
+    bell = StepBell("127.0.0.1", 1)
+    stranger = socket.create_connection(bell.address)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            bell.accept(1.0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        bell.close()
+        stranger.close()
