@@ -1,14 +1,15 @@
 """index_copy_rows_ (the pools' row scatter, as wide elements) writes exactly what index_copy_
-writes, for every row size and dtype the pools use and for rows that are not contiguous."""
+writes, for every row size and dtype the pools use and for rows that are not contiguous;
+index_select_rows (the gather) reads exactly what index_select reads."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hyrax.actors.model.row_copy import index_copy_rows_, wide_dtype
+from hyrax.actors.model.row_copy import index_copy_rows_, index_select_rows, wide_dtype
 
 
-@pytest.mark.parametrize("unit,dtype", [
+UNITS = [
     ((8, 32, 32), torch.float32),   # an SSM row: 16-byte elements
     ((384, 3), torch.float32),      # a conv row
     ((2, 2, 32), torch.bfloat16),   # a KV row in bf16
@@ -16,7 +17,10 @@ from hyrax.actors.model.row_copy import index_copy_rows_, wide_dtype
     ((5,), torch.bfloat16),         # 10 bytes: 2-byte elements
     ((7,), torch.uint8),            # 7 bytes: bytes
     ((4, 4), torch.float64),
-])
+]
+
+
+@pytest.mark.parametrize("unit,dtype", UNITS)
 def test_matches_index_copy_bit_for_bit(unit, dtype):
     g = torch.Generator().manual_seed(0)
     pool = (torch.randn(20, *unit, generator=g) * 100).to(dtype)
@@ -26,6 +30,26 @@ def test_matches_index_copy_bit_for_bit(unit, dtype):
     got = index_copy_rows_(pool, index, rows)
     assert got is pool
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("unit,dtype", UNITS)
+def test_gather_matches_index_select_bit_for_bit(unit, dtype):
+    g = torch.Generator().manual_seed(1)
+    pool = (torch.randn(20, *unit, generator=g) * 100).to(dtype)
+    index = torch.tensor([7, 0, 19, 3, 7, 12])  # a row twice
+    got = index_select_rows(pool, index)
+    want = pool.index_select(0, index)
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert index_select_rows(pool, index[:0]).shape == (0, *unit)
+    layered = pool.view(2, 10, *unit)[1]  # one layer of a pool of layers: starts mid-buffer
+    assert torch.equal(index_select_rows(layered, index % 10).view(torch.uint8),
+                       layered.index_select(0, index % 10).view(torch.uint8))
+
+
+def test_gather_of_a_pool_that_is_not_contiguous_reads_its_values():
+    pool = torch.arange(10 * 3 * 4, dtype=torch.float32).view(10, 4, 3).transpose(1, 2)  # (10, 3, 4), strided
+    assert torch.equal(index_select_rows(pool, torch.tensor([9, 2])), pool[[9, 2]])
 
 
 def test_rows_that_are_not_contiguous_are_written_as_their_values():
