@@ -10,7 +10,10 @@ from hyrax.cluster.cli import main
 from hyrax.tasks import recall
 from hyrax.tasks.evaluate import run_server
 
-N = 40  # 2 passes over the same problems: plain, then `hyrax eval` under forced retraction
+# 2 passes over the same problems: plain, then `hyrax eval` under forced retraction. Two waves of 8
+# concurrent requests a pass (~15 forced retractions in the second); the accuracy over the whole
+# held-out split is tests/tasks/test_demo_accuracy.py's claim, this one is the HTTP path.
+N = 16
 
 
 def _answers(local, since: int) -> dict[tuple[int, ...], list[int]]:
@@ -34,7 +37,7 @@ def test_hyrax_eval_scores_the_demo_model_and_forced_retraction_changes_no_answe
         assert main(["eval", "--base-url", local.url, "--limit", str(N), "--concurrency", "8", "--json"]) == 0
     finally:
         local.loop.set_forced_retraction(0)
-    assert local.loop.stats()["retractions"] - before >= 8
+    assert local.loop.stats()["retractions"] - before >= 8, local.loop.stats()["retractions"] - before
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["n"] == N and out["accuracy"] >= 0.95 and out["errors"] == 0, out
     assert set(out) >= {"accuracy", "invalid_rate", "n"}
