@@ -47,6 +47,37 @@ def ssd_step(
     return y + D[None, :, None] * x, state
 
 
+def ssd_step_rows_(
+    pool: torch.Tensor, rows: list[int], x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+    Bm: torch.Tensor, Cm: torch.Tensor, D: torch.Tensor,
+) -> torch.Tensor:
+    """`ssd_step` on a pool's rows where they lie: sequence b's state is pool[rows[b]], updated
+    in place; no other row is touched. `rows` are distinct host integers.
+
+    pool: (slots, H, P, N), contiguous; x: (B, H, P); dt: (B, H); A: (H,); Bm, Cm: (B, G, N);
+    D: (H,). Returns y: (B, H, P) in pool's dtype.
+
+    One row at a time, so the row stays in the core's cache from its first pass to its last:
+    scale, accumulate and contract each read it once from memory, and no gathered copy is
+    written and scattered back. At a 110M-parameter Bamba's rows (24 x 64 x 64 float32, 393 kB;
+    16 rows are 6.3 MB, past the L2 cache) the gathered form made five passes over memory.
+    """
+    f = pool.dtype
+    Bsz, H, P = x.shape
+    G, N = Bm.shape[1], Bm.shape[2]
+    R = H // G
+    x, dt = x.to(f), dt.to(f)
+    y = torch.empty(Bsz, G, R * P, 1, dtype=f, device=pool.device)
+    states = pool.view(pool.shape[0], G, R, P, N)
+    decays = torch.exp(dt * A.to(f)).view(Bsz, G, R, 1, 1).unbind(0)
+    dtxs = (dt[:, :, None] * x).view(Bsz, G, R, P, 1).unbind(0)
+    # per row: S = decay * S + (dt x) (x) B, then y = S . C (a matrix-vector product per group)
+    for row, decay, dtx, Bb, Cb, yb in zip(rows, decays, dtxs, Bm.to(f).view(Bsz, G, 1, 1, N).unbind(0),
+                                           Cm.to(f).view(Bsz, G, N, 1).unbind(0), y.unbind(0)):
+        torch.bmm(states[row].mul_(decay).addcmul_(dtx, Bb).view(G, R * P, N), Cb, out=yb)
+    return y.view(Bsz, H, P).addcmul_(D.to(f)[:, None], x)
+
+
 @functools.lru_cache(maxsize=64)
 def _masks(L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(strict, above), (L, L) each, made once per chunk length and device (they were rebuilt
