@@ -25,26 +25,52 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
     125 us, T=256 246 vs 337 us, T=2048 2.1 vs 6.8 ms; C=3328, B=16, T=1: 0.29 vs 1.2 ms).
     """
     B, T, C = x.shape
+    if T == 1:  # every sequence has its one token (a batch never holds an empty slice)
+        return _conv_one_token(x, pool, slots, weight, bias)
     K = weight.shape[-1]
     keep = K - 1
     f = torch.promote_types(x.dtype, torch.float32)  # the taps' accumulation dtype
     state = pool.index_select(0, slots)  # (B, C, K-1); index_select: advanced indexing is slower
     seq = torch.cat([state.transpose(1, 2).to(f), x.to(f)], dim=1)  # (B, K-1+T, C)
     taps = weight[:, 0].t().to(f)  # (K, C)
-    if T == 1:  # every sequence has its one token (a batch never holds an empty slice)
-        # one dot product over the window per channel; the new state is the window shifted by the token
-        out = (seq * taps).sum(1, keepdim=True)
-        new_state = seq[:, 1:]
-    else:
-        out = torch.mul(seq[:, :T], taps[0])
-        for k in range(1, K):
-            out.addcmul_(seq[:, k:k + T], taps[k])
-        take = q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
-        new_state = seq.gather(1, take[:, :, None].expand(B, keep, C))
+    out = torch.mul(seq[:, :T], taps[0])
+    for k in range(1, K):
+        out.addcmul_(seq[:, k:k + T], taps[k])
+    take = q_lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (B, K-1)
+    new_state = seq.gather(1, take[:, :, None].expand(B, keep, C))
     if bias is not None:
         out += bias.to(f)
     index_copy_rows_(pool, slots, new_state.transpose(1, 2).to(pool.dtype))
     return nn.functional.silu(out).to(x.dtype)
+
+
+def _conv_one_token(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`causal_conv_step` of one token per sequence (x: (B, 1, C)), read and written in the
+    slots' own (C, K-1) layout: the taps are multiply-added in order (the state's K-1 columns,
+    then the token, then the bias: the same operations, so the same bits, as the multi-token
+    path), and the new state is the rows' flat contents moved one element left with the token
+    in each channel's last place. No (B, K, C) window, product or transposed state is built
+    (five fewer passes; B=16, C=1664, one thread, min of runs: 401 -> 283 us; C=384 256 -> 218).
+    """
+    B, _, C = x.shape
+    keep = weight.shape[-1] - 1
+    f = torch.promote_types(x.dtype, torch.float32)
+    state = pool.index_select(0, slots)  # (B, C, K-1)
+    window = state.to(f)
+    taps = weight[:, 0].to(f)  # (C, K)
+    token = x[:, 0]  # (B, C)
+    out = torch.mul(window[:, :, 0], taps[:, 0])  # (B, C)
+    for k in range(1, keep):
+        out.addcmul_(window[:, :, k], taps[:, k])
+    out.addcmul_(token.to(f), taps[:, keep])
+    if bias is not None:
+        out += bias.to(f)
+    new_state = torch.empty_like(state)
+    new_state.view(B, -1)[:, :-1] = state.view(B, -1)[:, 1:]  # column j + 1 -> j (the last: overwritten)
+    new_state[:, :, keep - 1] = token
+    index_copy_rows_(pool, slots, new_state)
+    return nn.functional.silu(out).to(x.dtype)[:, None]
 
 
 def conv_state_after(state: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
