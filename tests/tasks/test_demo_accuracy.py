@@ -16,6 +16,9 @@ from hyrax.tasks import recall
 from hyrax.tasks.evaluate import run_in_process
 
 N = 64
+# The token-for-token arms (deterministic steps, ~3x the time of batched ones) run the first 32:
+# still four waves of max_running=8, and 29 forced retractions in either backup mode.
+N_FORCED = 32
 BASE = dict(max_running=8, mamba_slots=8, deterministic=True)
 FORCED = dict(BASE, forced_retraction_interval=3)
 # The arms that only score answers (no token-for-token comparison) batch their steps: in
@@ -43,10 +46,11 @@ def test_shipped_checkpoint_is_accurate_without_retraction(baseline):
 
 @pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
 def test_forced_retraction_gives_identical_answers(problems, baseline, mode):
-    completions, tokens, stats = run_in_process(DEMO_DIR, problems, EngineConfig(**FORCED, retraction_backup=mode))
+    some = problems[:N_FORCED]  # deterministic steps are batch-invariant: the baseline's first answers
+    completions, tokens, stats = run_in_process(DEMO_DIR, some, EngineConfig(**FORCED, retraction_backup=mode))
     assert stats["retractions"] >= 10 and stats["restore_fallbacks"] == 0, stats
-    assert tokens == baseline[1]  # token for token, every problem
-    assert recall.score(problems, completions)["accuracy"] >= 0.95
+    assert tokens == baseline[1][:N_FORCED]  # token for token, every problem
+    assert recall.score(some, completions)["accuracy"] >= 0.95
 
 
 def test_forced_retraction_with_recompute_stays_accurate(problems, baseline):
