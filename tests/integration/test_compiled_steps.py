@@ -32,14 +32,39 @@ PROMPTS = [prompt(n, seed=300 + n) for n in (5, 33, 70)]
 MAX_TOKENS = 12
 
 
+class RankPair:
+    """TP=2 rank actors shared by the module's tests (each builds its own Engine and executor
+    over them); a test that kills one discards the pair, and the next `live()` starts another."""
+
+    def __init__(self):
+        self.ranks: list | None = None
+        self.started = 0
+
+    def live(self) -> list:
+        if self.ranks is None:
+            ranks = [RankWorker.options(num_cpus=0).remote("graph-test", self.started, k, 2) for k in range(2)]
+            self.started += 1  # a pair started after a discarded one is another replica
+            addr = ray.get(ranks[0].dist_address.remote())
+            ray.get([r.setup.remote(DEMO_MODEL, CONFIG, addr) for r in ranks], timeout=300)
+            self.ranks = ranks
+        return self.ranks
+
+    def discard(self) -> None:
+        for r in self.ranks or ():
+            ray.kill(r, no_restart=True)
+        self.ranks = None
+
+
 @pytest.fixture(scope="module")
-def tp2_ranks(ray_session):
-    ranks = [RankWorker.options(num_cpus=0).remote("graph-test", 0, k, 2) for k in range(2)]
-    addr = ray.get(ranks[0].dist_address.remote())
-    ray.get([r.setup.remote(DEMO_MODEL, CONFIG, addr) for r in ranks], timeout=300)
-    yield ranks
-    for r in ranks:
-        ray.kill(r, no_restart=True)
+def rank_pair(ray_session):
+    pair = RankPair()
+    yield pair
+    pair.discard()
+
+
+@pytest.fixture
+def tp2_ranks(rank_pair):
+    return rank_pair.live()
 
 
 def _engine(executor: RayExecutor) -> Engine:
@@ -115,10 +140,8 @@ def test_without_the_graph_steps_are_actor_calls(tp2_ranks):
     assert graph is None and why.startswith("actor calls (AttributeError"), why
 
 
-def test_a_rank_killed_under_the_graph_is_a_rank_failure(ray_session):
-    ranks = [RankWorker.options(num_cpus=0).remote("graph-kill", 0, k, 2) for k in range(2)]
-    addr = ray.get(ranks[0].dist_address.remote())
-    ray.get([r.setup.remote(DEMO_MODEL, CONFIG, addr) for r in ranks], timeout=300)
+def test_a_rank_killed_under_the_graph_is_a_rank_failure(rank_pair):
+    ranks = rank_pair.live()  # the pair the tests above used (started here when run alone)
     executor = RayExecutor(ranks, 30.0, compiled=True)
     engine = _engine(executor)
     try:
@@ -131,8 +154,7 @@ def test_a_rank_killed_under_the_graph_is_a_rank_failure(ray_session):
             for _ in range(5):
                 engine.step()
     finally:
-        for r in ranks:
-            ray.kill(r, no_restart=True)
+        rank_pair.discard()
         executor.close(wait=True)
 
 
