@@ -47,22 +47,32 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence, token by token (reference; prefill and decode share it).
+    """The recurrence, token by token (prefill and decode share it). Updates `state` IN PLACE
+    (the model passes the rows it gathered from its pool) and returns it.
 
     q, k: (B, T, H, Dk) (already expanded to value heads, normalised and scaled); v: (B, T, H, Dv);
-    g, beta: (B, T, H); state: (B, H, Dk, Dv). Returns o: (B, T, H, Dv) and the final state,
-    both in state's dtype.
+    g, beta: (B, T, H); state: (B, H, Dk, Dv), contiguous. Returns o: (B, T, H, Dv) and the final
+    state, both in state's dtype. Per token: S <- exp(g) S; S <- S + k (x) beta (v - k^T S);
+    o = q^T S. The state is the step's largest tensor (16 MB at 16 sequences of 16 heads of
+    128 x 128): scaled and updated in place, it is never allocated anew per token.
     """
     f = state.dtype
     q, k, v, g, beta = (t.to(f) for t in (q, k, v, g, beta))
+    B, H, Dk, Dv = state.shape
     s = state
+    heads = s.view(B * H, Dk, Dv)
     out = []
+
+    def read(x: torch.Tensor) -> torch.Tensor:
+        """x^T S per head, (B, H, Dk) -> (B, H, Dv): a (1, Dk) x (Dk, Dv) product per head (the
+        einsum "bhkv,bhk->bhv" ran as a batched matrix-vector product, 3-7x slower on the CPU)."""
+        return torch.matmul(x.reshape(B * H, 1, Dk), heads).view(B, H, Dv)
+
     for t in range(q.shape[1]):
-        s = s * g[:, t].exp()[..., None, None]
-        mem = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
-        delta = (v[:, t] - mem) * beta[:, t, :, None]
-        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
-        out.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+        s.mul_(g[:, t].exp()[..., None, None])
+        delta = (v[:, t] - read(k[:, t])) * beta[:, t, :, None]
+        heads.baddbmm_(k[:, t].reshape(B * H, Dk, 1), delta.reshape(B * H, 1, Dv))  # S += k (x) delta
+        out.append(read(q[:, t]))
     return torch.stack(out, dim=1), s
 
 
