@@ -60,6 +60,9 @@ class GatedGroupRMSNorm(nn.Module):
         self.n_groups = n_groups
         self.first = first_channel
         self.split = local_channels < group_size  # a group spans several ranks
+        # one whole group on this rank (Bamba, and most models at TP 1): the weight goes into the
+        # rms_norm call, which multiplies it after normalising as the separate product did
+        self.weight_inside = local_channels == group_size and first_channel % group_size == 0
         self.allreduce = allreduce
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,9 @@ class GatedGroupRMSNorm(nn.Module):
         f = y.dtype
         gate = torch.nn.functional.silu(z.to(f))
         h = y if self.norm_first else y * gate
+        if self.weight_inside:
+            h = nn.functional.rms_norm(h, (self.group_size,), self.weight.to(f), self.eps)
+            return h * gate if self.norm_first else h
         if not self.split:
             g = h.view(*h.shape[:-1], -1, self.group_size)
             h = nn.functional.rms_norm(g, (self.group_size,), None, self.eps).view(h.shape)
