@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.middleware.base import BaseHTTPMiddleware
 
 from hyrax import __version__
 from hyrax.api import admin_routes, dashboard_routes, docs_routes, openai_routes, tokenize_routes
@@ -27,28 +26,49 @@ class GatewaySettings:
     extra_version: dict = field(default_factory=dict)
 
 
-class BodyLimit(BaseHTTPMiddleware):
-    """413 for bodies over the limit, judged by Content-Length or by reading at most limit+1 bytes."""
+class BodyLimit:
+    """413 for request bodies over the limit, judged by Content-Length or, without one, by
+    reading at most limit + 1 bytes (then handed to the route as they were received).
+
+    A plain ASGI middleware: responses pass through it untouched. As a BaseHTTPMiddleware it
+    relayed every chunk of a streamed response through a memory stream and a task of its own,
+    the largest cost of a streamed token in the gateway."""
 
     def __init__(self, app, limit: int):
-        super().__init__(app)
-        self.limit = limit
+        self.app, self.limit = app, limit
 
-    async def dispatch(self, request: Request, call_next):
-        if request.method in ("POST", "PUT", "PATCH"):
-            n = request.headers.get("content-length")
-            too_big = n is not None and n.isdigit() and int(n) > self.limit
-            if not too_big and n is None:
-                body = b""
-                async for part in request.stream():
-                    body += part
-                    if len(body) > self.limit:
-                        too_big = True
-                        break
-                request._body = body
-            if too_big:
-                return error_response(413, f"request body exceeds {self.limit} bytes", code="body_too_large")
-        return await call_next(request)
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        n = dict(scope["headers"]).get(b"content-length")
+        if n is not None:
+            if n.isdigit() and int(n) > self.limit:
+                return await self._too_big(scope, receive, send)
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body ended
+                return await self.app(scope, _replay([message], receive), send)
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._too_big(scope, receive, send)
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+    async def _too_big(self, scope, receive, send) -> None:
+        await error_response(413, f"request body exceeds {self.limit} bytes", code="body_too_large")(
+            scope, receive, send)
+
+
+def _replay(messages: list[dict], receive):
+    """An ASGI receive that returns `messages` first, then what `receive` returns."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 def create_app(client, settings: GatewaySettings) -> FastAPI:

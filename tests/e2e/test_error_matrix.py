@@ -172,14 +172,18 @@ def test_oversized_body_is_413_with_or_without_content_length(local, gateway_wit
 
     import json
 
-    def chunked():  # no Content-Length: the limit is enforced while reading
-        data = json.dumps(big).encode()
+    def chunked(body):  # no Content-Length: the limit is enforced while reading
+        data = json.dumps(body).encode()
         for i in range(0, len(data), 512):
             yield data[i:i + 512]
 
-    r = HTTP.post(f"{url}/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    r = HTTP.post(f"{url}/v1/completions", content=chunked(big), headers={"Content-Type": "application/json"})
     assert "content-length" not in r.request.headers
     assert_error(r, 413, code="body_too_large")
+    # a chunked body within the limit reaches the route whole, as it was sent
+    r = HTTP.post(f"{url}/v1/completions", content=chunked(small), headers={"Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
     assert HTTP.get(f"{url}/health").status_code == 200
 
 
