@@ -7,9 +7,11 @@ use) uses one directly. Ray-free.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from hyrax.actors.engine.commands import (Abort, CachedPrefix, Command, FlushCache, ListRequests, Load, MigrateOut,
@@ -82,6 +84,8 @@ class EngineLoop:
         self.lock = TurnLock()
         self.wake = threading.Event()
         self.streams: dict[str, Sink] = {}  # request id -> the consumer its items go to
+        # streams opened since the loop last looked, in arrival order: (request id, sink, admit)
+        self._opening: deque[tuple[str, Sink, Callable[[], dict | None]]] = deque()
         self._local: dict[asyncio.AbstractEventLoop, tuple[Sink, Fanout]] = {}  # in-process callers
         self.batches_posted = 0  # messages to consumers: one per consumer per step at most
         self.early_aborts = EarlyAborts()
@@ -96,6 +100,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self.stopping:
             with self.lock:
+                self._open_streams()
                 self.engine.reclaim_expired_offers()
                 self._watch()
             if not self.healthy or not self.engine.has_work():
@@ -103,8 +108,11 @@ class EngineLoop:
                 self.wake.clear()
                 continue
             with self.lock:
+                self._open_streams()  # what arrived while this thread waited for the lock
                 self._deliver(self._step())
             self.lock.let_waiters_in()
+        with self.lock:
+            self._refuse_opening("the replica is shutting down")
 
     def _step(self) -> list:
         """One engine step (under the lock); a failed one answers its requests instead."""
@@ -215,10 +223,20 @@ class EngineLoop:
         self.open_stream(rid, sink, admit)
 
     def open_stream(self, request_id: str, sink: Sink, admit: Callable[[], dict | None]) -> None:
-        """Register the stream of `request_id` with `sink` and admit the request; `admit` may
-        return the stream's first item. A refusal (its abort came first, invalid input) is the
-        stream's one and last item."""
-        with self.lock:
+        """Queue the stream of `request_id` (items to `sink`) and its admission, `admit`, which
+        may return the stream's first item; the loop thread registers it and admits the request
+        before its next step. The caller never waits for the lock: over Ray it is the
+        coordinator's event loop, which also streams every other request's tokens and takes
+        the next submissions, and a step in flight holds the lock for the whole step (with
+        several requests arriving at once, each waited for a step of its own)."""
+        self._opening.append((request_id, sink, admit))
+        self.wake.set()
+
+    def _open_streams(self) -> None:
+        """Under the lock: register and admit the queued streams, in arrival order. A refusal
+        (its abort came first, invalid input) is the stream's one and last item."""
+        while self._opening:
+            request_id, sink, admit = self._opening.popleft()
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
             if not self.early_aborts.take(request_id):  # else its client left before it got here
@@ -228,7 +246,22 @@ class EngineLoop:
                     first = {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
             if first is not None:
                 self._deliver([], (request_id, first))
-        self.wake.set()
+
+    @contextlib.contextmanager
+    def _turn(self):
+        """The lock, the streams queued so far opened first: a command (an abort, a retraction,
+        a listing) sees every request submitted before it, as when submitting took the lock."""
+        with self.lock:
+            self._open_streams()
+            yield
+
+    def _refuse_opening(self, why: str) -> None:
+        """Under the lock: end every queued stream with an error instead of admitting it."""
+        while self._opening:
+            request_id, sink, _ = self._opening.popleft()
+            self.streams[request_id] = sink
+            self._deliver([], (request_id, {"error": why, "finished": True, "finish_reason": "error",
+                                            "token_ids": []}))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
         """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
@@ -264,7 +297,7 @@ class EngineLoop:
     def _abandon(self, request_id: str) -> None:
         """A caller left before its stream's last item: abort the request if the stream had not
         ended here (a hand-off already offered is the lease's business)."""
-        with self.lock:
+        with self._turn():
             if self.streams.pop(request_id, None) is not None and request_id in self.engine.requests:
                 self.engine.abort(request_id)
                 self._deliver(self.engine.step_outputs_flush())
@@ -289,7 +322,7 @@ class EngineLoop:
     def migrate_out(self, request_id: str) -> bool:
         """Export a running request; its stream ends with the hand-off for the new replica.
         False when it is not running here (any more): unknown, finished, retracted, offered."""
-        with self.lock:
+        with self._turn():
             req = self.engine.requests.get(request_id)
             if req is None or request_id not in self.streams or req.state != State.RUNNING:
                 return False
@@ -303,11 +336,11 @@ class EngineLoop:
         return True
 
     def release(self, request_id: str) -> bool:
-        with self.lock:
+        with self._turn():
             return self.engine.release_handoff(request_id)
 
     def abort(self, request_id: str) -> bool:
-        with self.lock:
+        with self._turn():
             ok = self.engine.abort(request_id)
             if not ok and request_id not in self.streams:
                 self.early_aborts.remember(request_id)
@@ -317,7 +350,7 @@ class EngineLoop:
     def retract(self, cmd: Retract) -> dict[str, Outcome]:
         """An operator's retraction: does what was asked, the last running request included."""
         which = cmd.selection
-        with self.lock:
+        with self._turn():
             self.engine.sync()  # what runs is what the step in flight leaves running
             if which.all:
                 ids = [r.id for r in self.engine.running]
@@ -330,7 +363,7 @@ class EngineLoop:
     def resume(self, cmd: Resume) -> dict[str, Outcome]:
         """Release retracted requests (oldest first for `count`)."""
         which = cmd.selection
-        with self.lock:
+        with self._turn():
             if which.all:
                 ids = [r.id for r in self.engine.retracted]
             elif which.count is not None:
@@ -342,30 +375,30 @@ class EngineLoop:
         return out
 
     def set_forced_retraction(self, interval: int) -> int:
-        with self.lock:
+        with self._turn():
             self.engine.set_forced_retraction(interval)
         return interval
 
     def list_requests(self) -> list[dict]:
-        with self.lock:
+        with self._turn():
             return self.engine.describe_requests()
 
     def pools(self) -> dict:
-        with self.lock:
+        with self._turn():
             return self.engine.pool_usage()
 
     def check_invariants(self) -> bool:
-        with self.lock:
+        with self._turn():
             self.engine.check_invariants()
         return True
 
     def is_idle_clean(self) -> bool:
-        with self.lock:
-            return (not self.engine.has_unfinished() and not self.engine.has_inflight()
+        with self._turn():
+            return (not self._opening and not self.engine.has_unfinished() and not self.engine.has_inflight()
                     and self.engine.is_idle_clean())
 
     def stats(self) -> dict:
-        with self.lock:
+        with self._turn():
             s = self.engine.stats.summary()
             s.update(self.engine.counts())
         steps = sorted(self.step_seconds)
@@ -376,17 +409,17 @@ class EngineLoop:
         return s
 
     def flush_cache(self) -> dict[str, int]:
-        with self.lock:
+        with self._turn():
             return self.engine.flush_cache()
 
     def cached_prefix(self, token_ids) -> int:
-        with self.lock:
+        with self._turn():
             return self.engine.cached_prefix(list(token_ids))
 
     def load(self) -> int:
         """Requests queued or running: the router's measure of how busy this replica is."""
         c = self.engine.counts()
-        return c["running"] + c["waiting"] + c["retracted"] + c["handoff"]
+        return c["running"] + c["waiting"] + c["retracted"] + c["handoff"] + len(self._opening)
 
     def shutdown(self) -> None:
         self.stopping = True
