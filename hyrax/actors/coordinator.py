@@ -185,34 +185,47 @@ class RoleCoordinator:
                 self.loop.abort(rid)
             time.sleep(0.25)
 
-    def release(self, request_id: str) -> bool:
-        return self.loop.release(request_id)
+    # Calls that take the engine loop's lock run in a worker thread: a step in flight holds the
+    # lock for the whole step, and this actor's event loop must keep streaming every gateway's
+    # tokens and taking submissions meanwhile (an abort from a client that left, a dashboard's
+    # poll of the pools, a metrics scrape waited for a step on the event loop before).
+    async def release(self, request_id: str) -> bool:
+        return await asyncio.to_thread(self.loop.release, request_id)
 
-    def run(self, cmd: Command):
+    async def run(self, cmd: Command):
         """A gateway's command (commands.py): the replica's requests and pools are named by
         role and replica here; every other command goes to the engine loop as it is."""
+        return await asyncio.to_thread(self._run, cmd)
+
+    def _run(self, cmd: Command):
         match cmd:
             case ListRequests():
-                return self.list_requests()
+                return self._list_requests()
             case Pools():
-                return self.pools()
+                return self._pools()
         return self.loop.run(cmd)
 
-    def list_requests(self) -> list[dict]:
+    async def list_requests(self) -> list[dict]:
+        return await asyncio.to_thread(self._list_requests)
+
+    def _list_requests(self) -> list[dict]:
         reqs = self.loop.list_requests()
         for r in reqs:
             r["role"], r["replica"] = self.role, self.replica
         return reqs
 
-    def pools(self) -> dict:
+    async def pools(self) -> dict:
+        return await asyncio.to_thread(self._pools)
+
+    def _pools(self) -> dict:
         return {"role": self.role, "replica": self.replica, "tp_size": self.tp_size,
                 "components": self.loop.pools()}
 
-    def check_invariants(self) -> bool:
-        return self.loop.check_invariants()
+    async def check_invariants(self) -> bool:
+        return await asyncio.to_thread(self.loop.check_invariants)
 
-    def is_idle_clean(self) -> bool:
-        return self.loop.is_idle_clean()
+    async def is_idle_clean(self) -> bool:
+        return await asyncio.to_thread(self.loop.is_idle_clean)
 
     def load(self) -> int:
         return self.loop.load()
@@ -225,8 +238,8 @@ class RoleCoordinator:
                 "device": self.device, "attention_backend": self.attention_backend, "memory": self.memory,
                 "step_path": self.executor.step_path}
 
-    def stats(self) -> dict:
-        return self.loop.stats()
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.loop.stats)
 
     def rank_handles(self) -> list:
         return list(self.ranks)
