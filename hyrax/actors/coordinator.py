@@ -185,12 +185,18 @@ class RoleCoordinator:
                 self.loop.abort(rid)
             time.sleep(0.25)
 
-    # Calls that take the engine loop's lock run in a worker thread: a step in flight holds the
-    # lock for the whole step, and this actor's event loop must keep streaming every gateway's
+    def release(self, request_id: str) -> bool:
+        """An importer took this replica's hand-off of `request_id`: free it here. On the event
+        loop, not in a worker thread, so that it takes effect before any call that arrives after
+        it: a request migrated away and back imports here again only once its first hand-off is
+        released (from a thread, the later import could be admitted first and find the id in
+        use)."""
+        return self.loop.release(request_id)
+
+    # Other calls that take the engine loop's lock run in a worker thread: a step in flight holds
+    # the lock for the whole step, and this actor's event loop must keep streaming every gateway's
     # tokens and taking submissions meanwhile (an abort from a client that left, a dashboard's
     # poll of the pools, a metrics scrape waited for a step on the event loop before).
-    async def release(self, request_id: str) -> bool:
-        return await asyncio.to_thread(self.loop.release, request_id)
 
     async def run(self, cmd: Command):
         """A gateway's command (commands.py): the replica's requests and pools are named by
