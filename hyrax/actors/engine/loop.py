@@ -28,6 +28,11 @@ from hyrax.actors.model.errors import HyraxInputError
 log = logging.getLogger("hyrax.engine")
 
 
+def _error_item(message: str) -> dict:
+    """A stream's last item when it ends in an error."""
+    return {"error": message, "finished": True, "finish_reason": "error", "token_ids": []}
+
+
 def _ack_in_process(source, request_id: str) -> None:
     source.release(request_id)
 
@@ -99,20 +104,18 @@ class EngineLoop:
     # ---- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self.stopping:
-            with self.lock:
-                self._open_streams()
+            with self._turn():
                 self.engine.reclaim_expired_offers()
                 self._watch()
             if not self.healthy or not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
                 continue
-            with self.lock:
-                self._open_streams()  # what arrived while this thread waited for the lock
+            with self._turn():  # and what arrived while this thread waited for the lock
                 self._deliver(self._step())
             self.lock.let_waiters_in()
         with self.lock:
-            self._refuse_opening("the replica is shutting down")
+            self._open_streams(refuse="the replica is shutting down")
 
     def _step(self) -> list:
         """One engine step (under the lock); a failed one answers its requests instead."""
@@ -232,18 +235,21 @@ class EngineLoop:
         self._opening.append((request_id, sink, admit))
         self.wake.set()
 
-    def _open_streams(self) -> None:
-        """Under the lock: register and admit the queued streams, in arrival order. A refusal
-        (its abort came first, invalid input) is the stream's one and last item."""
+    def _open_streams(self, refuse: str | None = None) -> None:
+        """Under the lock: register and admit the queued streams, in arrival order (`refuse`:
+        end each with this error instead). A refusal (its abort came first, invalid input) is
+        the stream's one and last item."""
         while self._opening:
             request_id, sink, admit = self._opening.popleft()
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
-            if not self.early_aborts.take(request_id):  # else its client left before it got here
+            if refuse is not None:
+                first = _error_item(refuse)
+            elif not self.early_aborts.take(request_id):  # else its client left before it got here
                 try:
                     first = admit()
                 except HyraxInputError as e:
-                    first = {"error": str(e), "finished": True, "finish_reason": "error", "token_ids": []}
+                    first = _error_item(str(e))
             if first is not None:
                 self._deliver([], (request_id, first))
 
@@ -254,14 +260,6 @@ class EngineLoop:
         with self.lock:
             self._open_streams()
             yield
-
-    def _refuse_opening(self, why: str) -> None:
-        """Under the lock: end every queued stream with an error instead of admitting it."""
-        while self._opening:
-            request_id, sink, _ = self._opening.popleft()
-            self.streams[request_id] = sink
-            self._deliver([], (request_id, {"error": why, "finished": True, "finish_reason": "error",
-                                            "token_ids": []}))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
         """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
@@ -394,7 +392,7 @@ class EngineLoop:
 
     def is_idle_clean(self) -> bool:
         with self._turn():
-            return (not self._opening and not self.engine.has_unfinished() and not self.engine.has_inflight()
+            return (not self.engine.has_unfinished() and not self.engine.has_inflight()
                     and self.engine.is_idle_clean())
 
     def stats(self) -> dict:

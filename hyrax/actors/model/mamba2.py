@@ -20,7 +20,7 @@ from hyrax.actors.model.components import ComponentSpec, recurrent_pair, ssm_dty
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.conv import causal_conv_step, conv_state_after
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
-from hyrax.actors.model.row_copy import index_copy_rows_
+from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.ssd import ssd_chunked, ssd_state_after, ssd_step, ssd_step_rows_
 
@@ -38,8 +38,7 @@ def rows_on_host(pool: torch.Tensor, *inputs: torch.Tensor) -> bool:
     """Whether a step may address `pool`'s rows by host integers: a CPU pool (reading the slot
     ids costs no device wait), run eagerly (not traced by torch.compile, whose graph would
     specialise on them) and with no autograd recording writes into it from `inputs`."""
-    return (pool.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)))
+    return pool.device.type == "cpu" and not any(traced_or_recorded(t) for t in inputs)
 
 
 def state_components(cfg: ModelConfig, tp: TP, dtype: torch.dtype) -> list[ComponentSpec]:

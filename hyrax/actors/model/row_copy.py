@@ -33,7 +33,7 @@ def index_copy_rows_(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
     which it is when autograd records the write (training: a reinterpreted view has no
     gradient) and inside a torch.compile graph (the compiler writes its own scatter loop, and
     a complex128 view is outside what it lowers)."""
-    if _bypass(rows):
+    if traced_or_recorded(rows):
         return pool.index_copy_(0, index, rows)
     rows = rows.contiguous()
     unit = math.prod(pool.shape[1:])
@@ -43,17 +43,17 @@ def index_copy_rows_(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
     return pool
 
 
-def _bypass(t: torch.Tensor) -> bool:
-    """Plain torch indexing, not a reinterpreted view: autograd records it (a view of another
+def traced_or_recorded(t: torch.Tensor) -> bool:
+    """Whether work on `t` must stay plain torch ops: autograd records it (a view of another
     dtype has no gradient), or a torch.compile graph is being traced (it writes its own loops,
-    and a complex128 view is outside what it lowers)."""
+    specialises on host values, and a complex128 view is outside what it lowers)."""
     return (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
 def index_select_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """pool[index] along dim 0: (R, *unit), index (n,) int64 -> a new contiguous (n, *unit),
     the same as `pool.index_select(0, index)` (which it is under autograd or torch.compile)."""
-    if _bypass(pool) or not pool.is_contiguous():
+    if traced_or_recorded(pool) or not pool.is_contiguous():
         return pool.index_select(0, index)
     unit = math.prod(pool.shape[1:])
     wide = wide_dtype(unit * pool.element_size(), pool)
