@@ -131,7 +131,7 @@ def profile_plans(components: tuple[ComponentSpec, ...], config: EngineConfig):
                                   {name: i for name in slotted}, greedy)
                         for i, length in enumerate(lengths))
         plans.append(StepPlan(-1 - k, entries, {name: tuple(range(len(lengths))) for name in slotted},
-                              config.deterministic, forget=tuple(e.req_id for e in entries)))
+                              config.deterministic))
     return sizes, plans
 
 

@@ -104,7 +104,7 @@ class StepPlan:
     entries: tuple[PlanEntry, ...]
     zero_slots: dict[str, tuple[int, ...]]  # freshly allocated slots, zeroed before the forward
     deterministic: bool = False
-    forget: tuple[str, ...] = ()  # requests that left the replica: ranks drop their last token
+    forget: tuple[str, ...] = ()  # requests that left before this plan: ranks drop their last token first
     copies: tuple[UnitCopy, ...] = ()  # after zeroing, before the forward
     checkpoints: tuple[CheckpointWrite, ...] = ()  # after the forward
 

@@ -95,6 +95,12 @@ class RankRuntime:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; returns the sampled tokens of the entries that sample (rank 0; other
         ranks: an empty result), with logprobs where an entry asked."""
+        # before the step: a request that left and came back (migrated away and home again)
+        # runs in this plan under the same id, and what its first stay left must not outlive it
+        for rid in plan.forget:
+            self.last_token.pop(rid, None)
+            if self.grammars is not None:
+                self.grammars.forget(rid)
         for name, slots in plan.zero_slots.items():
             if slots:
                 self.pools[name][:, list(slots)] = 0
@@ -127,10 +133,6 @@ class RankRuntime:
         if self.broadcast is not None and sampling:
             tokens = self.broadcast(tokens)
         self.last_token.update(zip(ids, tokens))
-        for rid in plan.forget:
-            self.last_token.pop(rid, None)
-            if self.grammars is not None:
-                self.grammars.forget(rid)
         sums = {w.req_id: self._write_checkpoint(w, w.req_id in inside) for w in plan.checkpoints}
         if self.rank != 0:
             return StepResult([], checkpoints=sums)

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from hyrax.actors.engine.allocator import IndexAllocator
@@ -23,6 +24,8 @@ from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.stats import EngineStats
+
+log = logging.getLogger("hyrax.engine")
 
 
 class Recovery:
@@ -42,6 +45,7 @@ class Recovery:
         """`plan` raised on live ranks: end its requests, and those of the step in flight;
         out of memory: lower the batch cap and rebuild them instead."""
         self.last_step_error = str(error)
+        log.warning("step %d failed (%d requests): %s", plan.step, len(plan.entries), error)
         later = self._collect_later(plan)
         if not isinstance(error, StepOutOfMemory):
             self.stats.step_errors += 1
