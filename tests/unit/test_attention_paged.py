@@ -189,3 +189,23 @@ def test_a_decode_batch_of_unequal_contexts_with_poisoned_padding_rows_matches_d
     assert out.shape[1] == 1
     for b, x in enumerate(xs):
         torch.testing.assert_close(out[b, 0], dense(attn, model, x)[-1], atol=TOL, rtol=0)
+
+
+def test_the_cpu_route_of_the_step_metadata_equals_the_packed_route(monkeypatch):
+    """On a CPU device the step's arrays become tensors without packing them (batch.PACK_ON_CPU);
+    every field equals the packed, one-copy route's in dtype, shape and values."""
+    import numpy as np
+
+    import hyrax.actors.model.batch as batch_module
+
+    rng = np.random.default_rng(3)
+    host = {"ids": rng.integers(0, 99, (3, 5)), "flat": rng.integers(-1, 9, 7),
+            "mask": rng.random((3, 5)) < 0.5, "none": np.zeros(0, dtype=np.int64),
+            "strided": rng.integers(0, 9, (4, 6))[:, ::2]}
+    cpu = batch_module.to_device(host, "cpu")
+    monkeypatch.setattr(batch_module, "PACK_ON_CPU", True)
+    packed = batch_module.to_device(host, "cpu")
+    assert cpu.keys() == packed.keys() == host.keys()
+    for name in host:
+        assert cpu[name].dtype == packed[name].dtype and cpu[name].shape == packed[name].shape, name
+        assert torch.equal(cpu[name], packed[name]), name

@@ -19,9 +19,16 @@ import torch
 from engine_helpers import HYBRID, make_engine, tiny_config, tiny_model
 from flash_reference import varlen_paged_reference
 from hyrax.actors.engine.request import SamplingParams
+import hyrax.actors.model.batch as batch_module
 from hyrax.actors.model.attn_backends import FlashPaged
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.testing.sync_counter import Counts, Kind, SyncCounter, rank_counter
+
+@pytest.fixture(autouse=True)
+def _cuda_route(monkeypatch):
+    """The step's metadata takes the route it takes on CUDA (packed, one copy), not the CPU's."""
+    monkeypatch.setattr(batch_module, "PACK_ON_CPU", True)
+
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 RANDOM = SamplingParams(max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=3, ignore_eos=True)
