@@ -92,6 +92,8 @@ def test_tokens_behave_as_the_tuple_they_stand_for():
                 for stride in (None, 1, 2, -1):
                     assert t[a:b:stride] == ref[a:b:stride]
         assert [t[i] for i in range(-len(ref), len(ref))] == [ref[i] for i in range(-len(ref), len(ref))]
+        if ref:
+            assert t.last() == ref[-1:]
         with pytest.raises(IndexError):
             t[len(ref)]
 

@@ -18,7 +18,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
-from hyrax.actors.engine.view import FreePool, RequestView, SchedulerView
+from hyrax.actors.engine.view import FreePool, RequestView, SchedulerView, Tokens
 from hyrax.actors.model.components import captures_mid_step
 from hyrax.actors.model.state import TOKEN, WINDOW, ComponentSpec
 
@@ -222,7 +222,7 @@ class Scheduler:
         if (end - start != 1 or not start % self.page_size or draw >= r.params.max_tokens
                 or (self.prefill_role and draw) or not self._paged_set <= idx.keys()):
             return None
-        return PlanEntry(r.id, ids[start:end], start, {name: idx[name] for name in self.paged_names},
+        return PlanEntry(r.id, ids.last() if type(ids) is Tokens else ids[start:], start, {name: idx[name] for name in self.paged_names},
                          {name: idx[name][0] for name in self.slot_names}, SamplingSpec.of(r.params, r.seed, draw, ids))
 
     def _entry(self, r: RequestView, n: int, add: Mapping[str, list[int]], slots: dict[str, tuple[int, ...]],

@@ -51,6 +51,14 @@ class Tokens(Sequence[int]):
             out += (PLACEHOLDER,) * (b - max(a, real))
         return out
 
+    def last(self) -> tuple[int]:
+        """`self[n - 1 : n]` for a decode step (its one token) without the general slice's work."""
+        if self.extra:
+            return (PLACEHOLDER,)
+        if self.n_out:
+            return (self.outputs[self.n_out - 1],)
+        return (self.prompt[-1],)
+
     def __iter__(self):
         yield from self.prompt
         yield from self.outputs[: self.n_out]
