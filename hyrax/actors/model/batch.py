@@ -8,6 +8,7 @@ their pool through row indices computed here, in torch, from each request's page
 Everything is computed on the host (where the request data is; reading a size or checking a
 page costs nothing there) and goes to the device in one copy (`to_device`): on a GPU the
 step's forward then never waits for the host, nor the host for it, until the tokens are read.
+On a CPU device the arrays become tensors as they are, without a copy.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ PACK_ON_CPU = False
 def to_device(host: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
     """The same arrays (integer or bool, any shapes) as tensors on `device`, moved in ONE copy:
     packed into one int64 host buffer (pinned on CUDA), `upload`ed, and split there into views
-    (bool fields converted on the device)."""
+    (bool fields converted on the device). On a CPU device (unless PACK_ON_CPU), each array
+    as a tensor sharing its memory."""
     device = torch.device(device)
     if device.type == "cpu" and not PACK_ON_CPU:  # the host is the device: each array as it is (fresh), no copy
         return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in host.items()}
