@@ -18,11 +18,12 @@ import torch
 
 from engine_helpers import HYBRID, make_engine, tiny_config, tiny_model
 from flash_reference import varlen_paged_reference
-from hyrax.actors.engine.request import SamplingParams
 import hyrax.actors.model.batch as batch_module
+from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.attn_backends import FlashPaged
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.testing.sync_counter import Counts, Kind, SyncCounter, rank_counter
+
 
 @pytest.fixture(autouse=True)
 def _cuda_route(monkeypatch):

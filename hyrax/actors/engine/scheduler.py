@@ -222,7 +222,8 @@ class Scheduler:
         if (end - start != 1 or not start % self.page_size or draw >= r.params.max_tokens
                 or (self.prefill_role and draw) or not self._paged_set <= idx.keys()):
             return None
-        return PlanEntry(r.id, ids.last() if type(ids) is Tokens else ids[start:], start, {name: idx[name] for name in self.paged_names},
+        token = ids.last() if type(ids) is Tokens else ids[start:]  # a view made by hand holds a tuple
+        return PlanEntry(r.id, token, start, {name: idx[name] for name in self.paged_names},
                          {name: idx[name][0] for name in self.slot_names}, SamplingSpec.of(r.params, r.seed, draw, ids))
 
     def _entry(self, r: RequestView, n: int, add: Mapping[str, list[int]], slots: dict[str, tuple[int, ...]],
