@@ -22,6 +22,7 @@ from hyrax.actors.engine.batch_cap import BatchCap
 from hyrax.actors.engine.caching import PrefixCaching
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.executor import Executor, StepError, StepOutOfMemory, StepResult
+from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.inspection import all_free, check_invariants, describe_requests, pool_usage
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
@@ -275,7 +276,7 @@ class Engine:
             self.moves.release_backup(req)
         else:  # waiting: a prefix-cache hit it matched, nothing of its own
             self.caching.detach(req)
-            req.indices = {}
+            req.indices = IndexTable()
 
     def _finish(self, req: Request, reason: str) -> None:
         """A request ends here: it leaves, and its stream ends with `reason`."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from hyrax.actors.engine.allocator import AllocationError, IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.manifest import ComponentRecord, Manifest
 from hyrax.actors.engine.request import Request
@@ -96,7 +97,7 @@ class StateMoves:
         owned = {c.name: self.cache.owned(req, c.name, req.indices.get(c.name, [])) for c in self.components}
         self.release(req.id, {n: i for n, i in owned.items() if i})
         self.cache.detach(req)
-        req.indices = {}
+        req.indices = IndexTable()
 
     def rows(self, indices: dict[str, list[int]], num_tokens: int) -> Rows:
         """The pool rows holding the live state of `num_tokens` tokens, per component."""
@@ -202,7 +203,7 @@ class StateMoves:
         if new is None:
             return Outcome.NO_CAPACITY
         t0 = time.perf_counter()
-        req.indices = new
+        req.indices = IndexTable({name: tuple(units) for name, units in new.items()})
         try:
             target = self.target_rows(req, backup)
             self.precheck(req, m, target)
@@ -250,7 +251,7 @@ class StateMoves:
         here = req.backup is None or req.backup.location.here
         self.release_backup(req)
         req.num_computed = 0
-        req.indices = {}
+        req.indices = IndexTable()
         if here:  # a failed import is counted as a transfer result, not a restore
             self.stats.restore_fallbacks += count
             self.stats.restores[result.value] += 1

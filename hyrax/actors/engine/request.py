@@ -6,9 +6,9 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
 
 from hyrax.actors.engine.grammar import GrammarSpec
+from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.model.errors import HyraxInputError
 
 
@@ -96,8 +96,9 @@ class Request:
     state: State = State.WAITING
     num_computed: int = 0  # tokens whose state is in the device pools (the snapshot point)
     # page table, or (slot,), per component: tuples, replaced (never edited) when they change, so the
-    # scheduler's view and the plans share them without a copy (a restore may set lists: copied once)
-    indices: dict[str, Sequence[int]] = field(default_factory=dict)
+    # scheduler's view and the plans share them without a copy; views see it through its snapshot
+    # (indices.py), the same object while nothing changes
+    indices: IndexTable = field(default_factory=IndexTable)
     hold: bool = False  # retracted and held until resumed explicitly
     backup: object | None = None  # a Backup while retracted with state kept
     retractions: int = 0

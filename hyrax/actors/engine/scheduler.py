@@ -15,6 +15,7 @@ from operator import attrgetter
 from typing import Iterator, Mapping, Sequence
 
 from hyrax.actors.engine.config import EngineConfig
+from hyrax.actors.engine.indices import IndexSnapshot
 from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
@@ -218,13 +219,24 @@ class Scheduler:
         ids, start = r.ids, r.computed
         end = len(ids)
         draw = end - r.num_prompt
+        p = r.params
+        if end - start != 1 or not start % self.page_size or draw >= p.max_tokens or (self.prefill_role and draw):
+            return None
         idx = r.indices
-        if (end - start != 1 or not start % self.page_size or draw >= r.params.max_tokens
-                or (self.prefill_role and draw) or not self._paged_set <= idx.keys()):
+        if type(idx) is IndexSnapshot:  # the tables and slots dicts of the request's last steady entry, if unchanged
+            split = idx.split(self.paged_names, self.slot_names)
+            if split is None:
+                return None
+            tables, slots = split
+        elif self._paged_set <= idx.keys():  # a view made by hand
+            tables, slots = {name: idx[name] for name in self.paged_names}, {name: idx[name][0] for name in self.slot_names}
+        else:
             return None
         token = ids.last() if type(ids) is Tokens else ids[start:]  # a view made by hand holds a tuple
-        return PlanEntry(r.id, token, start, {name: idx[name] for name in self.paged_names},
-                         {name: idx[name][0] for name in self.slot_names}, SamplingSpec.of(r.params, r.seed, draw, ids))
+        if p.grammar is None and not p.processes_logits:  # SamplingSpec.of's common case, without the call
+            return PlanEntry(r.id, token, start, tables, slots,
+                             SamplingSpec(p.temperature, p.top_p, p.top_k, r.seed, draw, p.logprobs))
+        return PlanEntry(r.id, token, start, tables, slots, SamplingSpec.of(p, r.seed, draw, ids))
 
     def _entry(self, r: RequestView, n: int, add: Mapping[str, list[int]], slots: dict[str, tuple[int, ...]],
                pools: _Pools, grants: dict) -> PlanEntry:

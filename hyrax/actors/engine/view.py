@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
+from hyrax.actors.engine.indices import IndexSnapshot, IndexTable
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.request import Request, SamplingParams
 
@@ -85,7 +86,7 @@ class RequestView(NamedTuple):
     ids: Sequence[int]  # prompt + outputs, the in-flight token as PLACEHOLDER (`Tokens`, or a tuple)
     params: SamplingParams
     seed: int
-    indices: Mapping[str, tuple[int, ...]]  # page table, or (slot,), per component
+    indices: Mapping[str, tuple[int, ...]]  # page table, or (slot,), per component (an `IndexSnapshot`)
 
     @property
     def num_outputs(self) -> int:
@@ -121,12 +122,13 @@ class SchedulerView:
 def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
     """`req` as the next step finds it. `ahead`, for a request the step in flight runs: (its
     computed length once that step commits, whether that step samples a token for it). O(1) in
-    the request's length (`Tokens`)."""
+    the request's length (`Tokens`), and in its indices while they do not change (their snapshot)."""
     have = len(req.output_ids)
     computed, extra = (req.num_computed, 0) if ahead is None else ahead
+    idx = req.indices
+    snap = idx.snapshot() if type(idx) is IndexTable else IndexSnapshot({n: tuple(u) for n, u in idx.items()})
     return RequestView(req.id, req.arrival, len(req.prompt_ids), computed,
-                       Tokens(req.prompt_ids, req.output_ids, have, extra), req.params, req.seed,
-                       {name: tuple(idx) for name, idx in req.indices.items()})  # tuple(a tuple) is no copy
+                       Tokens(req.prompt_ids, req.output_ids, have, extra), req.params, req.seed, snap)
 
 
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
