@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -108,6 +109,9 @@ class ForwardBatch:
         return self.input_ids.shape[1]
 
 
+_TOKEN_IDS, _START, _SLOTS, _PAGE_TABLES = (attrgetter(f) for f in ("token_ids", "start", "slots", "page_tables"))
+
+
 def _ragged(rows: list[list[int]], width: int, fill: int) -> np.ndarray:
     """(len(rows), width) int64 array of the rows left-aligned, `fill` after each: one copy
     of all the values, not one small array per row."""
@@ -163,25 +167,28 @@ def build_forward_batch(
     if not seqs:
         raise ValueError("empty batch")
     B = len(seqs)
-    q_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=B)
-    starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=B)
+    # per-request fields read with map + C getters: a generator per field cost ~2x as much
+    ids = list(map(_TOKEN_IDS, seqs))
+    q_lens = np.fromiter(map(len, ids), dtype=np.int64, count=B)
+    starts = np.fromiter(map(_START, seqs), dtype=np.int64, count=B)
     ctx = starts + q_lens  # tokens in context after this step
     T, max_context = int(q_lens.max()), int(ctx.max())
     ar_t = np.arange(T)
     q_valid = ar_t[None, :] < q_lens[:, None]
     positions = np.where(q_valid, starts[:, None] + ar_t[None, :], 0)
     token_index = np.flatnonzero(q_valid)  # on the host: no device sync
-    host = {"input_ids": _ragged([s.token_ids for s in seqs], T, 0), "positions": positions, "q_valid": q_valid,
+    host = {"input_ids": _ragged(ids, T, 0), "positions": positions, "q_valid": q_valid,
             "q_lens": q_lens, "token_index": token_index, "context_lens": ctx}
     max_tiles = -(-max_context // KV_TILE_ROWS)
     rows_b = np.arange(B)[:, None]
     slot_names, paged = [], []
+    slot_maps, table_maps = list(map(_SLOTS, seqs)), list(map(_PAGE_TABLES, seqs))
     for comp in components:
         if not comp.paged:
-            host[comp.name] = np.fromiter((s.slots[comp.name] for s in seqs), dtype=np.int64, count=B)
+            host[comp.name] = np.fromiter(map(itemgetter(comp.name), slot_maps), dtype=np.int64, count=B)
             slot_names.append(comp.name)
             continue
-        tables = [s.page_tables[comp.name] for s in seqs]
+        tables = list(map(itemgetter(comp.name), table_maps))
         n_pages = max(1, max(map(len, tables)))
         pt = _ragged(tables, n_pages, -1)
 
