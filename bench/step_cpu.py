@@ -10,8 +10,12 @@ runs single-threaded, so the forward's work is on the timed thread and is subtra
 
 Only steady decode steps count: every request running, each past its first two tokens.
 
-Row: median CPU ms per step at 64 running requests (hyrax) vs at 1 (baseline); target: ratio
-<= 2 (the step's fixed cost dominates; per-request work stays small).
+The two sides are measured in alternating rounds (1, 64, 1, 64, ...), a fresh engine each: on a
+shared 2-core VM the same code's batch-1 median moved 1.0-1.9 ms between runs minutes apart,
+and one side measured in a quiet minute and the other in a busy one decided the ratio.
+
+Row: median over rounds of the median CPU ms per step at 64 running requests (hyrax) vs at 1
+(baseline); target: ratio <= 2 (the step's fixed cost dominates; per-request work stays small).
 """
 from __future__ import annotations
 
@@ -95,9 +99,14 @@ def _per_step_cpu(batch: int, steps: int) -> list[float]:
 
 def run(profile: Profile) -> list[Row]:
     steps = max(40, profile.coord_steps * 4)
-    out = {}
-    for batch in (1, BIG):
-        progress(f"step cpu: {batch} running request(s), {steps} decode steps")
-        out[batch] = median(_per_step_cpu(batch, steps)) * 1e3
+    rounds = 3 if profile.judge_timing else 1
+    per_round: dict[int, list[float]] = {1: [], BIG: []}
+    for k in range(rounds):
+        for batch in (1, BIG):
+            progress(f"step cpu: round {k + 1} of {rounds}, {batch} running request(s), {steps} decode steps")
+            per_round[batch].append(median(_per_step_cpu(batch, steps)) * 1e3)
+    progress("step cpu: ms per step by round: " + "; ".join(
+        f"{b} running {', '.join(f'{x:.2f}' for x in xs)}" for b, xs in per_round.items()))
+    out = {batch: median(xs) for batch, xs in per_round.items()}
     return [Row(f"coordination: per-step CPU ms excl. forward, {BIG} running vs 1 (scheduler, batch building, "
                 f"sampling, streaming)", out[BIG], out[1], out[BIG] / out[1], profile.target("<= 2"))]
