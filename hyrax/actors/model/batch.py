@@ -112,6 +112,14 @@ class ForwardBatch:
 _TOKEN_IDS, _START, _SLOTS, _PAGE_TABLES = (attrgetter(f) for f in ("token_ids", "start", "slots", "page_tables"))
 
 
+def _valid_rows(name: str, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """`rows` where `valid`, else 0; a valid position on a page that is not allocated (a
+    negative page, so a negative row) is an error."""
+    if ((rows < 0) & valid).any():
+        raise RuntimeError(f"{name}: a step touches a position whose page is not allocated")
+    return np.where(valid, rows, 0)
+
+
 def _ragged(rows: list[list[int]], width: int, fill: int) -> np.ndarray:
     """(len(rows), width) int64 array of the rows left-aligned, `fill` after each: one copy
     of all the values, not one small array per row."""
@@ -195,19 +203,24 @@ def build_forward_batch(
         def rows_at(pos: np.ndarray, valid: np.ndarray, pt=pt) -> np.ndarray:
             """Pool rows of token positions `pos` (B, n); where not `valid`, 0."""
             page = pt[rows_b, np.minimum(pos // page_size, n_pages - 1)]  # pos >= 0
-            if ((page < 0) & valid).any():
-                raise RuntimeError(f"{comp.name}: a step touches a position whose page is not allocated")
-            return np.where(valid, page * page_size + pos % page_size, 0)
+            return _valid_rows(comp.name, page * page_size + pos % page_size, valid)
 
         read_start = np.maximum(starts - comp.window + 1, 0) if comp.kind == WINDOW else np.zeros_like(starts)
         n_keys = ctx - read_start
         K = int(n_keys.max())
         key_pos = read_start[:, None] + np.arange(K)[None, :]
         key_valid = np.arange(K)[None, :] < n_keys[:, None]
+        if n_pages * page_size >= K and not read_start.any():
+            # every request's keys are its positions 0 .. K-1: each page's rows in order, without a
+            # page lookup per key (the same rows as rows_at; a third of its cost at 64 x 80 keys)
+            every = (pt[:, :, None] * page_size + np.arange(page_size)).reshape(B, n_pages * page_size)[:, :K]
+            read_rows = _valid_rows(comp.name, every, key_valid)
+        else:
+            read_rows = rows_at(key_pos, key_valid)
         paged.append(comp.name)
         host.update({
             f"{comp.name}.write_rows": rows_at(positions, q_valid).reshape(-1)[token_index],
-            f"{comp.name}.read_rows": rows_at(key_pos, key_valid),
+            f"{comp.name}.read_rows": read_rows,
             f"{comp.name}.pad_keys": np.flatnonzero(~key_valid),
             f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
         })
