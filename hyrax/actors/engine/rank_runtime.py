@@ -107,8 +107,8 @@ class RankRuntime:
         for cp in plan.copies:
             self._copy_units(cp)
         last = self.last_token
-        seqs = [SeqSlice(t if not t or t[-1] >= 0 else (last[e.req_id],) if len(t) == 1 else self._resolve(e, last),
-                         e.start, e.page_tables, e.slots) for e in plan.entries for t in (e.token_ids,)]
+        seqs = [SeqSlice(e.token_ids if not e.token_ids or e.token_ids[-1] >= 0 else self._resolve(e, last),
+                         e.start, e.page_tables, e.slots) for e in plan.entries]
         inside = self._captures(plan, seqs) if plan.checkpoints else frozenset()
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself

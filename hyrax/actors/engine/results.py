@@ -75,9 +75,6 @@ class Results:
                  release: Callable[[str, dict[str, list[int]]], None], owned):
         self.table, self.stats, self.stop = table, stats, stop
         self.windows = tuple(c for c in components if c.kind == WINDOW)
-        # (name, rows a request keeps) per window component: `apply` looks for pages that left the
-        # window inline (a call per request per step costs more than the look, which usually finds none)
-        self._kept = tuple((c.name, c.window - 1) for c in self.windows)
         self.page_size = page_size
         self.release = release  # the engine's one free point
         self.owned = owned  # (request, pool, units) -> the units the request owns (not the prefix cache's)
@@ -89,11 +86,11 @@ class Results:
         tokens, lps = iter(result.tokens), result.logprobs
         row = -1  # this entry's index among the sampling entries (logprobs rows)
         now = time.monotonic()
-        get, running, stop, kept, ps = self.table.requests.get, State.RUNNING, self.stop.reason, self._kept, self.page_size
+        get, running, stop, windows = self.table.requests.get, State.RUNNING, self.stop.reason, self.windows
         # a checkpoint this step wrote (maybe inside its slice: before its end) goes to the prefix
         # cache with the window pages before it: those requests' pages leave after that
         # (`release_windows`), not here
-        later = {w.req_id for w in plan.checkpoints} if kept and plan.checkpoints else ()
+        later = {w.req_id for w in plan.checkpoints} if windows and plan.checkpoints else ()
         new_tokens = out.tokens
         generated = 0
         for e in plan.entries:
@@ -104,13 +101,9 @@ class Results:
             req = get(e.req_id)
             if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
-            n = req.num_computed = e.start + len(e.token_ids)
-            if kept and req.id not in later:
-                for name, keep in kept:  # `releasable_pages`' test: a page before the first live one is held
-                    gone = (n - keep) // ps if n > keep else 0
-                    if gone and max(req.indices[name][:gone]) >= 0:
-                        self._release_window(req)
-                        break
+            req.num_computed = e.start + len(e.token_ids)
+            if windows and req.id not in later:
+                self._release_window(req)
             if sample is None:
                 continue
             req.output_ids.append(tok)

@@ -87,7 +87,6 @@ class Scheduler:
         self.slotted = tuple(c for c in components if not c.paged)
         self.slot_names = tuple(c.name for c in self.slotted)
         self.paged_names = tuple(c.name for c in self.paged)
-        self._paged_set = frozenset(self.paged_names)
         self.config = config
         self.prefill_role = config.role == "prefill"
         self.page_size = config.page_size
@@ -222,20 +221,12 @@ class Scheduler:
         p = r.params
         if end - start != 1 or not start % self.page_size or draw >= p.max_tokens or (self.prefill_role and draw):
             return None
-        idx = r.indices
-        if type(idx) is IndexSnapshot:  # the tables and slots dicts of the request's last steady entry, if unchanged
-            split = idx.split(self.paged_names, self.slot_names)
-            if split is None:
-                return None
-            tables, slots = split
-        elif self._paged_set <= idx.keys():  # a view made by hand
-            tables, slots = {name: idx[name] for name in self.paged_names}, {name: idx[name][0] for name in self.slot_names}
-        else:
+        idx = r.indices  # a view made by hand may hold a plain mapping: snapshot it here
+        split = (idx if type(idx) is IndexSnapshot else IndexSnapshot(idx)).split(self.paged_names, self.slot_names)
+        if split is None:
             return None
+        tables, slots = split  # the request's last steady entry's dicts, while its indices are unchanged
         token = ids.last() if type(ids) is Tokens else ids[start:]  # a view made by hand holds a tuple
-        if p.grammar is None and not p.processes_logits:  # SamplingSpec.of's common case, without the call
-            return PlanEntry(r.id, token, start, tables, slots,
-                             SamplingSpec(p.temperature, p.top_p, p.top_k, r.seed, draw, p.logprobs))
         return PlanEntry(r.id, token, start, tables, slots, SamplingSpec.of(p, r.seed, draw, ids))
 
     def _entry(self, r: RequestView, n: int, add: Mapping[str, list[int]], slots: dict[str, tuple[int, ...]],
