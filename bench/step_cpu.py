@@ -16,6 +16,9 @@ and one side measured in a quiet minute and the other in a busy one decided the 
 
 Row: median over rounds of the median CPU ms per step at 64 running requests (hyrax) vs at 1
 (baseline); target: ratio <= 2 (the step's fixed cost dominates; per-request work stays small).
+Also printed (not rows): the same medians by part of the step - planning, the rank outside the
+forward, commit, delivery - and each part's extra microseconds per additional running request,
+so that a change to one part shows where the step's growth went.
 """
 from __future__ import annotations
 
@@ -36,42 +39,62 @@ def _config(batch: int):
     return EngineConfig(kv_capacity_tokens=16384, mamba_slots=batch + 4, max_running=max(batch, 8), overlap=True)
 
 
+PARTS = ("plan", "rank", "commit", "deliver")  # where a step's CPU goes (printed per request, not rows)
+
+
 class _StepTimer:
-    """Wraps an EngineLoop's `_step`/`_deliver` and its model's `forward` (instance attributes,
-    this loop only) and records, per steady decode step, thread CPU seconds outside forward."""
+    """Wraps an EngineLoop's `_step`/`_deliver`, its engine's `_plan`/`commit`, its executor's
+    `submit` and its model's `forward` (instance attributes, this loop only) and records, per
+    steady decode step, thread CPU seconds outside forward: in all (`samples`) and by part
+    (`parts`: planning - view, schedule, claims, prefix-cache writes; the rank outside the
+    forward - batch building, sampling; commit - results, prefix cache, outputs; delivery)."""
 
     def __init__(self, loop, batch: int):
         self.loop, self.batch = loop, batch
         self.samples: list[float] = []
-        self._forward_cpu = 0.0
+        self.parts: dict[str, list[float]] = {name: [] for name in PARTS}
+        self._spent = dict.fromkeys(("forward", *PARTS), 0.0)
         self._t0: float | None = None
         engine = loop.engine
         model = engine.executor.rank.model
-        inner_forward, inner_step, inner_deliver = model.forward, loop._step, loop._deliver
+        inner_step, inner_deliver = loop._step, loop._deliver
 
-        def forward(*args, **kwargs):
-            t = time.thread_time()
-            try:
-                return inner_forward(*args, **kwargs)
-            finally:
-                self._forward_cpu += time.thread_time() - t
+        def timed(label: str, inner):
+            def call(*args, **kwargs):
+                t = time.thread_time()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self._spent[label] += time.thread_time() - t
+            return call
 
         def step():
             steady = len(engine.running) == batch and all(len(r.output_ids) >= 2 for r in engine.running)
-            self._forward_cpu, self._t0 = 0.0, (time.thread_time() if steady else None)
+            self._spent = dict.fromkeys(self._spent, 0.0)
+            self._t0 = time.thread_time() if steady else None
             return inner_step()
 
         def deliver(outs, last=None):
+            t = time.thread_time()
             inner_deliver(outs, last)
             if self._t0 is not None and last is None:
-                self.samples.append(time.thread_time() - self._t0 - self._forward_cpu)
+                now, spent = time.thread_time(), self._spent
+                self.samples.append(now - self._t0 - spent["forward"])
+                spent["rank"] -= spent["forward"]  # the forward runs inside the rank's submit
+                spent["deliver"] = now - t
+                for name in PARTS:
+                    self.parts[name].append(spent[name])
                 self._t0 = None
 
-        model.forward, loop._step, loop._deliver = forward, step, deliver
+        model.forward = timed("forward", model.forward)
+        engine._plan, engine.commit = timed("plan", engine._plan), timed("commit", engine.commit)
+        engine.executor.submit = timed("rank", engine.executor.submit)
+        loop._step, loop._deliver = step, deliver
 
 
-def _per_step_cpu(batch: int, steps: int) -> list[float]:
-    """Thread CPU seconds per steady decode step (forward excluded) with `batch` streams."""
+def _per_step_cpu(batch: int, steps: int) -> tuple[list[float], dict[str, list[float]]]:
+    """Thread CPU seconds per steady decode step (forward excluded) with `batch` streams, in
+    all and by part (`PARTS`)."""
     from hyrax.actors.engine.loop import EngineLoop
 
     engine = load_demo_engine(_config(batch))
@@ -94,19 +117,27 @@ def _per_step_cpu(batch: int, steps: int) -> list[float]:
         loop.shutdown()
     if len(timer.samples) < steps // 2:
         raise RuntimeError(f"step_cpu: only {len(timer.samples)} steady steps at batch {batch}")
-    return timer.samples
+    return timer.samples, timer.parts
 
 
 def run(profile: Profile) -> list[Row]:
     steps = max(40, profile.coord_steps * 4)
     rounds = 3 if profile.judge_timing else 1
     per_round: dict[int, list[float]] = {1: [], BIG: []}
+    part_rounds: dict[int, dict[str, list[float]]] = {1: {n: [] for n in PARTS}, BIG: {n: [] for n in PARTS}}
     for k in range(rounds):
         for batch in (1, BIG):
             progress(f"step cpu: round {k + 1} of {rounds}, {batch} running request(s), {steps} decode steps")
-            per_round[batch].append(median(_per_step_cpu(batch, steps)) * 1e3)
+            samples, parts = _per_step_cpu(batch, steps)
+            per_round[batch].append(median(samples) * 1e3)
+            for name in PARTS:
+                part_rounds[batch][name].append(median(parts[name]) * 1e6)
     progress("step cpu: ms per step by round: " + "; ".join(
         f"{b} running {', '.join(f'{x:.2f}' for x in xs)}" for b, xs in per_round.items()))
+    # where the difference goes: each part's extra CPU per additional running request (medians)
+    progress("step cpu: us per step by part at 1 / {0} running, and per extra request: ".format(BIG) + "; ".join(
+        f"{n} {median(part_rounds[1][n]):.0f} / {median(part_rounds[BIG][n]):.0f}, "
+        f"{(median(part_rounds[BIG][n]) - median(part_rounds[1][n])) / (BIG - 1):.1f}" for n in PARTS))
     out = {batch: median(xs) for batch, xs in per_round.items()}
     return [Row(f"coordination: per-step CPU ms excl. forward, {BIG} running vs 1 (scheduler, batch building, "
                 f"sampling, streaming)", out[BIG], out[1], out[BIG] / out[1], profile.target("<= 2"))]
