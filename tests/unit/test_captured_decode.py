@@ -84,9 +84,10 @@ def test_compiled_decode_writes_the_engine_pools_in_place(compiled):
 
 def _decode_batch(model):
     """A decode batch of 3 sequences (slots 1, 4, 6 of 8; pages 0-5 of 8, 4 rows each) and
-    pools of random state."""
+    pools of random state (seeded: the same numbers whatever ran before)."""
     comps = model.components
-    pools = {c.name: torch.randn(len(c.layers), 32 if c.paged else 8, *c.unit_shape) for c in comps}
+    g = torch.Generator().manual_seed(11)
+    pools = {c.name: torch.randn(len(c.layers), 32 if c.paged else 8, *c.unit_shape, generator=g) for c in comps}
     seqs = []
     for i, (slot, start) in enumerate(((1, 5), (4, 7), (6, 2))):
         tables = {c.name: [2 * i, 2 * i + 1] for c in comps if c.paged}
@@ -107,9 +108,11 @@ def test_key_padding_gives_the_same_logits_and_state(extra):
         assert not i.key_valid.view(-1)[i.pad_keys].any()  # every listed key is invalid
         assert (~i.key_valid).sum() == len(set(i.pad_keys.tolist()))  # and every invalid key is listed
     padded_pools = {n: t.clone() for n, t in pools.items()}
-    torch.testing.assert_close(model(padded, padded_pools), model(batch, pools), rtol=1e-5, atol=1e-5)
+    # float32 through attention over a different number of key columns: sums in another order
+    # (up to ~4e-5 on logits of ~6 over 200 random pools); a padding key read changes them by ~1
+    torch.testing.assert_close(model(padded, padded_pools), model(batch, pools), rtol=1e-4, atol=1e-4)
     for n in pools:
-        torch.testing.assert_close(padded_pools[n], pools[n], rtol=1e-5, atol=1e-5, msg=n)
+        torch.testing.assert_close(padded_pools[n], pools[n], rtol=1e-4, atol=1e-4, msg=n)
     with pytest.raises(ValueError, match="does not pass K"):
         pad_key_columns(batch, {n: i.read_rows.shape[1] for n, i in batch.attn.items()})
 
