@@ -178,6 +178,6 @@ def run(profile: Profile) -> list[Row]:
     for tp in profile.coord_tps:
         for (label, batch), (step_s, fwd_s) in _over_ray(tp, profile.coord_batches, steps).items():
             ray_rows.append((label == " overlap", tp, _row(f"Ray TP={tp}{label}", batch, step_s, fwd_s, profile)))
-    from bench import step_cpu
+    from bench import sampling, step_cpu
 
-    return rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])] + step_cpu.run(profile)
+    return rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])] + step_cpu.run(profile) + sampling.run(profile)

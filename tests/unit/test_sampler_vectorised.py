@@ -81,3 +81,20 @@ def test_degenerate_rows_take_the_most_likely_token():
     bad[1, 4] = 0.0  # one finite token: the only choice
     toks = sample(bad, [SamplingSpec(1.0, 1.0, 0, 1, 0), SamplingSpec(1.0, 0.5, 3, 1, 0)])
     assert toks[1] == 4
+
+
+@pytest.mark.parametrize("every_row_samples", [True, False])
+def test_a_nan_or_infinite_logit_among_finite_ones_takes_the_most_likely_token(every_row_samples):
+    """Softmax turns a row with a NaN or +inf logit into NaNs (and zeros): not a distribution to
+    invert, whichever of its tokens the CDF search would land on. Such a row takes its argmax;
+    the other rows draw as they would alone."""
+    rows = [_logits(1), _logits(2), _logits(3)]
+    rows[0][5] = float("inf")
+    rows[1][2] = float("nan")
+    specs = [SamplingSpec(1.0, 1.0, 0, 40 + k, 9) for k in range(3)]
+    if not every_row_samples:  # a greedy row beside them: the sampled rows are a subset
+        rows.append(_logits(4))
+        specs.append(SamplingSpec(0.0, 1.0, 0, 0, 0))
+    toks = sample(torch.stack(rows), specs)
+    assert toks[0] == 5 and toks[1] == int(torch.argmax(rows[1]))
+    assert toks[2] == sample(rows[2].unsqueeze(0), [specs[2]])[0]

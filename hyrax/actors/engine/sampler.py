@@ -84,10 +84,13 @@ def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
     probs = torch.softmax(x, dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
-    ok = torch.isfinite(probs).all(dim=-1) & (total[:, 0] > 0)
+    # usable: some mass, and no NaN (softmax gives values in [0, 1] or NaN, and a NaN anywhere in
+    # a row reaches its cumulative sum's end, where `> 0` is False): one (R,) check, not (R, V)
+    ok = total[:, 0] > 0
     pos = torch.searchsorted(cdf, u.unsqueeze(1).to(cdf.dtype) * total, right=True)
     # rounding can put u * total at the very end: take the last token with mass, never one without
-    last = V - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1, keepdim=True)
+    # (compared first, then the 1-byte mask flipped: not a copy of the float64 row)
+    last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1, keepdim=True)
     return torch.minimum(pos, last)[:, 0], ok
 
 
@@ -173,8 +176,12 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequ
         row, temperature, u, top_k, top_p = upload(torch.from_numpy(host), logits.device).unbind(0)  # (R,) each
         idx = row.long()
         filters = RowFilters(top_k.long(), top_p, max(ks), any(s.top_p < 1.0 for s in chosen))
-        tok, ok = draw_tokens(logits[idx], temperature, u, filters)  # logits are float64, as the columns
-        out[idx] = torch.where(ok, tok, out[idx])  # a degenerate distribution: the most likely token
+        if len(rows) == len(specs):  # every row samples: no copy of the logits, no scatter back
+            tok, ok = draw_tokens(logits, temperature, u, filters)  # logits are float64, as the columns
+            out = torch.where(ok, tok, out)  # a degenerate distribution: the most likely token
+        else:
+            tok, ok = draw_tokens(logits[idx], temperature, u, filters)
+            out[idx] = torch.where(ok, tok, out[idx])
     return out.tolist()
 
 
