@@ -98,3 +98,53 @@ def test_a_nan_or_infinite_logit_among_finite_ones_takes_the_most_likely_token(e
     toks = sample(torch.stack(rows), specs)
     assert toks[0] == 5 and toks[1] == int(torch.argmax(rows[1]))
     assert toks[2] == sample(rows[2].unsqueeze(0), [specs[2]])[0]
+
+
+def _nucleus_reference(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One row's kept tokens (bool), from the definition: the most likely tokens in order until
+    their mass reaches top_p (at least one); every token tied with the last one kept too."""
+    if top_p >= 1.0:
+        return row > float("-inf")
+    p = torch.softmax(row, -1).tolist()
+    mass, floor = 0.0, None
+    for t in sorted(range(len(p)), key=lambda t: -p[t]):
+        if floor is not None and mass >= top_p:
+            break
+        floor, mass = row[t].item(), mass + p[t]
+    return row >= floor
+
+
+WIDE_V = 5000  # the CPU route looks among the most likely 625 tokens first
+
+
+def _wide_rows() -> tuple[torch.Tensor, list[float]]:
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(8, WIDE_V, generator=g, dtype=torch.float64)
+    rows = [base[0] * 4, base[1] * 4, base[2] * 0.1, base[3] * 1.5,  # peaked; flat; between
+            torch.round(base[4] * 2) / 2, torch.round(base[5] * 3),  # many ties, at the floor too
+            base[6], base[7] * 2, base[0]]
+    rows[-1][7] = 100.0  # top_p 1 over a row whose first token's probability rounds to 1: still every token
+    return torch.stack(rows), [0.5, 0.9, 0.9, 0.5, 0.9, 0.95, 1.0, 0.99, 1.0]
+
+
+@pytest.mark.parametrize("top_k", [0, 300])
+def test_the_nucleus_on_the_cpu_route_is_the_definitions(top_k):
+    from hyrax.actors.engine.sampler import NUCLEUS_FIRST_MAX, NUCLEUS_FIRST_SHARE, RowFilters, filter_logits
+
+    x, ps = _wide_rows()
+    first = min(WIDE_V // NUCLEUS_FIRST_SHARE, NUCLEUS_FIRST_MAX)  # tokens the first look covers
+    if top_k:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))  # as top-k leaves a row (tested above)
+    f = RowFilters(torch.zeros(len(ps), dtype=torch.long), torch.tensor(ps, dtype=torch.float64), 0, True)
+    got = filter_logits(x, f) > float("-inf")
+    want = torch.stack([_nucleus_reference(r, p) for r, p in zip(x, ps)])
+    assert torch.equal(got, want), [(k, int(got[k].sum()), int(want[k].sum())) for k in range(len(ps))]
+    sizes = want.sum(dim=-1).tolist()
+    if not top_k:  # a nucleus decided at each stage and one only by the whole sort
+        edges = [0, first, WIDE_V + 1]
+        assert all(any(a < n <= b for n in sizes) for a, b in zip(edges, edges[1:])), sizes
+    # and each row as it is alone: what else is in the batch decides nothing
+    for k in range(len(ps)):
+        alone = RowFilters(torch.zeros(1, dtype=torch.long), torch.tensor(ps[k:k + 1], dtype=torch.float64), 0, True)
+        assert torch.equal(filter_logits(x[k:k + 1], alone) > float("-inf"), want[k:k + 1]), k
