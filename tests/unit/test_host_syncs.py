@@ -18,6 +18,7 @@ import torch
 
 from engine_helpers import HYBRID, make_engine, tiny_config, tiny_model
 from flash_reference import varlen_paged_reference
+import hyrax.actors.engine.sampler as sampler_module
 import hyrax.actors.model.batch as batch_module
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.attn_backends import FlashPaged
@@ -27,8 +28,10 @@ from hyrax.testing.sync_counter import Counts, Kind, SyncCounter, rank_counter
 
 @pytest.fixture(autouse=True)
 def _cuda_route(monkeypatch):
-    """The step's metadata takes the route it takes on CUDA (packed, one copy), not the CPU's."""
+    """The step's metadata takes the route it takes on CUDA (packed, one copy), not the CPU's,
+    and the sampler reads nothing back early, as on CUDA."""
     monkeypatch.setattr(batch_module, "PACK_ON_CPU", True)
+    monkeypatch.setattr(sampler_module, "READ_BACK_ON_CPU", False)
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

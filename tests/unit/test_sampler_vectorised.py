@@ -148,3 +148,21 @@ def test_the_nucleus_on_the_cpu_route_is_the_definitions(top_k):
     for k in range(len(ps)):
         alone = RowFilters(torch.zeros(1, dtype=torch.long), torch.tensor(ps[k:k + 1], dtype=torch.float64), 0, True)
         assert torch.equal(filter_logits(x[k:k + 1], alone) > float("-inf"), want[k:k + 1]), k
+
+
+@pytest.mark.parametrize("read_back", [True, False], ids=["cpu_route", "gpu_route"])
+def test_a_draw_at_the_very_end_of_the_cdf_takes_the_last_token_with_mass(monkeypatch, read_back):
+    """u * total can round up to the total: the search then runs past the row's end, and the
+    token is the last one with mass (not the last of the vocabulary, which has none here)."""
+    from hyrax.actors.engine import sampler as sampler_module
+    from hyrax.actors.engine.sampler import draw_tokens
+
+    monkeypatch.setattr(sampler_module, "READ_BACK_ON_CPU", read_back)
+    x = torch.stack([_logits(5), _logits(6)])
+    x[0, 9:] = float("-inf")  # tokens 9.. have no mass
+    x[1, 4:] = float("-inf")
+    ones = torch.ones(2, dtype=torch.float64)
+    tok, ok = draw_tokens(x, ones, torch.tensor([1.0, 1.0], dtype=torch.float64))  # u at the very end
+    assert tok.tolist() == [8, 3] and ok.all()
+    tok, _ = draw_tokens(x, ones, torch.tensor([0.0, 1.0], dtype=torch.float64))  # one row only
+    assert tok.tolist() == [0, 3]

@@ -57,6 +57,15 @@ class RowFilters:
 # row is sorted (cheap there, and no host read to decide).
 NUCLEUS_FIRST_SHARE, NUCLEUS_FIRST_MAX = 8, 1024
 
+# On a CPU device the sampler reads small answers back to skip work (which rows need a sort,
+# whether a draw ran past the end): there it costs nothing. tests/unit/test_host_syncs.py turns
+# this off to count the GPU route's host waits on the CPU.
+READ_BACK_ON_CPU = True
+
+
+def _reads_are_free(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and READ_BACK_ON_CPU
+
 
 def filter_logits(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
     """logits: (R, V) float. Returns the logits with the tokens outside each row's top-k
@@ -76,7 +85,7 @@ def filter_logits(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
         return x
     top_p = f.top_p.to(x.dtype)
     V = x.shape[-1]
-    first = min(V // NUCLEUS_FIRST_SHARE, NUCLEUS_FIRST_MAX) if x.device.type == "cpu" else V
+    first = min(V // NUCLEUS_FIRST_SHARE, NUCLEUS_FIRST_MAX) if _reads_are_free(x) else V
     first = first if first >= 64 else V
     floor, inside = _nucleus_floor(x, top_p, first)
     if first < V:
@@ -110,9 +119,9 @@ def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
     """(R, V) logits -> (R,) tokens drawn by inverting each row's CDF (in token-id order) at
     its `u` (R,) after temperature, top-k and top-p (None: no row filters), and (R,)
     whether the row's distribution was usable (finite and not empty; the caller takes the
-    most likely token for the others). No host sync."""
+    most likely token for the others). No host sync on a GPU."""
     V = logits.shape[-1]
-    x = logits / temperature.unsqueeze(1)
+    x = logits / temperature.unsqueeze(1).double()  # float64 from here on, whatever the logits' dtype
     if filters is not None and filters.active:
         x = filter_logits(x, filters)
     probs = torch.softmax(x, dim=-1)
@@ -122,16 +131,20 @@ def draw_tokens(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
     # a row reaches its cumulative sum's end, where `> 0` is False): one (R,) check, not (R, V)
     ok = total[:, 0] > 0
     pos = torch.searchsorted(cdf, u.unsqueeze(1).to(cdf.dtype) * total, right=True)
-    # rounding can put u * total at the very end: take the last token with mass, never one without
-    # (compared first, then the 1-byte mask flipped: not a copy of the float64 row)
-    last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1, keepdim=True)
-    return torch.minimum(pos, last)[:, 0], ok
+    # a token without mass is never found (its running sum equals the one before it), but
+    # rounding can put u * total at the very end (pos == V): take the last token with mass. On
+    # the CPU that is looked for only when it happened (reading the answer costs nothing there).
+    if not _reads_are_free(x) or bool((pos >= V).any()):
+        last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1, keepdim=True)
+        pos = torch.minimum(pos, last)
+    return pos[:, 0], ok
 
 
 def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None],
                    eos: tuple[int, ...] = ()) -> torch.Tensor:
     """logits: (B, V). Returns (B, V) float64 with every row's LogitProcessing applied, in
-    one vectorised pass over the R rows that have one, in vLLM's order:
+    one vectorised pass over the R rows that have one, in vLLM's order (no row has one: the
+    logits as they are, not copied; the sampler's float64 columns promote them where it divides):
 
     1. logit_bias: logit[t] += bias[t];
     2. min_tokens: while draw < min_tokens, stop_token_ids (and EOS unless ignore_eos) -> -inf;
@@ -142,10 +155,10 @@ def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: l
     an int64 array is cheapest) for rows with a LogitProcessing, else None; its last
     `spec.draw` ids are the outputs.
     """
-    x = logits.double()
     rows = [i for i, s in enumerate(specs) if s.process is not None]
     if not rows:
-        return x
+        return logits
+    x = logits.double()
     R, V, dev = len(rows), x.shape[1], x.device
     procs = [specs[i].process for i in rows]
     hs = [np.asarray(histories[i], dtype=np.int64) for i in rows]
@@ -211,7 +224,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequ
         idx = row.long()
         filters = RowFilters(top_k.long(), top_p, max(ks), any(s.top_p < 1.0 for s in chosen))
         if len(rows) == len(specs):  # every row samples: no copy of the logits, no scatter back
-            tok, ok = draw_tokens(logits, temperature, u, filters)  # logits are float64, as the columns
+            tok, ok = draw_tokens(logits, temperature, u, filters)
             out = torch.where(ok, tok, out)  # a degenerate distribution: the most likely token
         else:
             tok, ok = draw_tokens(logits[idx], temperature, u, filters)
