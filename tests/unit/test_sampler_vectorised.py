@@ -166,3 +166,24 @@ def test_a_draw_at_the_very_end_of_the_cdf_takes_the_last_token_with_mass(monkey
     assert tok.tolist() == [8, 3] and ok.all()
     tok, _ = draw_tokens(x, ones, torch.tensor([0.0, 1.0], dtype=torch.float64))  # one row only
     assert tok.tolist() == [0, 3]
+
+
+def test_rows_with_top_p_1_never_send_the_batch_to_a_sort(monkeypatch):
+    """Beside a row with top_p < 1, a top_p = 1 row's nucleus is its whole row: looking for it
+    past the first look would sort rows only to leave them as they are."""
+    from hyrax.actors.engine import sampler as sampler_module
+    from hyrax.actors.engine.sampler import NUCLEUS_FIRST_MAX, NUCLEUS_FIRST_SHARE, RowFilters, filter_logits
+
+    looked = []
+    inner = sampler_module._nucleus_floor
+
+    def recording(x, top_p, k):
+        looked.append((x.shape[0], k))
+        return inner(x, top_p, k)
+    monkeypatch.setattr(sampler_module, "_nucleus_floor", recording)
+    x, _ = _wide_rows()
+    x = x[:2] * 4  # peaked rows: a nucleus of a few tokens at top_p 0.5
+    f = RowFilters(torch.zeros(2, dtype=torch.long), torch.tensor([0.5, 1.0], dtype=torch.float64), 0, True)
+    kept = filter_logits(x, f) > float("-inf")
+    assert kept[1].all() and 0 < int(kept[0].sum()) < 10
+    assert looked == [(2, min(WIDE_V // NUCLEUS_FIRST_SHARE, NUCLEUS_FIRST_MAX))], looked  # the first look only, no whole-row sort
