@@ -14,22 +14,11 @@ The logits are N(0, 3^2): nuclei of 121-614 of the 8,192 tokens (median 406) at 
 """
 from __future__ import annotations
 
-import time
-
-from bench.common import BENCH_SEED, Profile, median, progress
+from bench.common import BENCH_SEED, Profile, median, progress, time_call
 from bench.report import Row
 
 ROWS, VOCAB = 64, 8192
 TOP_P = 0.9
-
-
-def _timed(fn, repeats: int) -> float:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return median(out)
 
 
 def run(profile: Profile) -> list[Row]:
@@ -41,11 +30,10 @@ def run(profile: Profile) -> list[Row]:
     g = torch.Generator().manual_seed(BENCH_SEED)
     logits = torch.randn(ROWS, VOCAB, generator=g) * 3
     specs = [SamplingSpec(1.0, 1.0, 0, BENCH_SEED + k, 7) for k in range(ROWS)]
+    nucleus_specs = [s._replace(top_p=TOP_P) for s in specs]
 
     def hyrax():
         sample(logits, specs)
-
-    nucleus_specs = [s._replace(top_p=TOP_P) for s in specs]
 
     def baseline():
         torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).view(-1).tolist()
@@ -69,8 +57,8 @@ def run(profile: Profile) -> list[Row]:
         sides: dict[str, list[float]] = {"hyrax": [], "baseline": []}
         for k in range(3):
             progress(f"sampling{label}: round {k + 1} of 3, {ROWS} rows x {VOCAB} tokens")
-            sides["hyrax"].append(_timed(h_fn, repeats))
-            sides["baseline"].append(_timed(b_fn, repeats))
+            sides["hyrax"].append(time_call(h_fn, repeats, warmup=0))
+            sides["baseline"].append(time_call(b_fn, repeats, warmup=0))
         h, b = median(sides["hyrax"]), median(sides["baseline"])
         rows.append(Row(f"sampling: s per call, {ROWS} rows x {VOCAB} tokens at temperature 1{label} (seeded per "
                         f"request) vs {base}", h, b, h / b, ""))

@@ -94,8 +94,7 @@ def filter_logits(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
         wide = torch.nonzero(~inside).view(-1)  # the host read: rows whose nucleus is wider
         if len(wide):
             floor[wide] = _nucleus_floor(x[wide], top_p[wide], V)[0]
-    floor = torch.where(off.unsqueeze(1), torch.full_like(floor, float("-inf")), floor)
-    return x.masked_fill(x < floor, float("-inf"))
+    return x.masked_fill(x < floor.masked_fill(off.unsqueeze(1), float("-inf")), float("-inf"))
 
 
 def _nucleus_floor(x: torch.Tensor, top_p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
