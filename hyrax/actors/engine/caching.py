@@ -74,6 +74,7 @@ class PrefixCaching:
         self.release = release  # the engine's one free point
         self.stats = stats
         self.tree = PrefixCache(components, config.page_size)
+        self._hits: set[str] = set()  # requests holding a hit whose copies no plan has made yet
         for pool in self.tree.pools if self.enabled else ():
             stats.evicted[pool] += 0  # every pool has a sample from the start
 
@@ -99,6 +100,7 @@ class PrefixCaching:
         self.tree.lock(m.node)
         hold = req.cache
         hold.node, hold.hit = m.node, m
+        self._hits.add(req.id)
         for name, pages in m.full.items():
             req.indices[name] = tuple(pages)
             hold.shared[name] = set(pages)
@@ -138,8 +140,14 @@ class PrefixCaching:
             return plan
         copies: list[UnitCopy] = []
         writes: list[CheckpointWrite] = []
-        get, is_boundary, write_at = table.requests.get, self.policy.is_boundary, self.policy.write_at
+        get, is_boundary, write_at, hits = table.requests.get, self.policy.is_boundary, self.policy.write_at, self._hits
         for e in plan.entries:
+            if len(e.token_ids) == 1 and e.sample is not None and e.req_id not in hits:
+                # a decode token (its prompt is the length before it less its draws) that ends
+                # on no boundary: no write, decided without reading the request
+                end = e.start + 1
+                if not is_boundary(end, end - e.sample.draw):
+                    continue
             req = get(e.req_id)
             hold = req.cache
             if hold is None:
@@ -147,6 +155,7 @@ class PrefixCaching:
             if hold.hit is not None:
                 copies.extend(self._hit_copies(req, hold.hit))
                 hold.hit = None
+                hits.discard(req.id)
             end = e.start + len(e.token_ids)
             if not is_boundary(end, req.num_prompt) and (len(e.token_ids) == 1 or write_at(e.start, end, req.num_prompt) is None):
                 continue  # most decode steps: no write (the check `_plan_track` starts with)
@@ -245,6 +254,7 @@ class PrefixCaching:
         """Unlock the request's node and free its checkpoint slots (through the one free point);
         the cache's units in its tables stay the cache's."""
         hold, req.cache = req.cache, None
+        self._hits.discard(req.id)
         if hold is None:
             return
         if hold.node is not None:
@@ -291,12 +301,14 @@ class PrefixCaching:
         """The ranks were replaced with empty pools: the tree is gone (its allocators are rebuilt
         by the engine), and no request holds anything of it."""
         self.tree = PrefixCache(self.components, self.tree.page_size)
+        self._hits.clear()
         for req in requests:
             req.cache = None
 
-    def check(self) -> None:
+    def check(self, leaving: dict[str, list[int]] | None = None) -> None:
+        """The tree's invariants; `leaving`: units it let go whose free waits for the step in flight."""
         if not self.enabled:
             if self.tree.root.children:
                 raise AssertionError("the prefix cache is off but its tree holds prefixes")
             return
-        self.tree.check_invariants(self.alloc)  # also checks each pool the tree holds units of
+        self.tree.check_invariants(self.alloc, leaving)  # also checks each pool the tree holds units of

@@ -25,6 +25,8 @@ from hyrax.actors.engine.executor import Executor, StepError, StepOutOfMemory, S
 from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.inspection import all_free, check_invariants, describe_requests, pool_usage
+from hyrax.actors.engine.lane import DecodeLane
+from hyrax.actors.engine.prefix_nodes import CACHE_OWNER
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
 from hyrax.actors.engine.moves import make_moves
 from hyrax.actors.engine.plan import StepPlan
@@ -64,6 +66,9 @@ class Engine:
         # how big a step may be: the config's numbers, lowered after an out-of-memory step
         self.cap = BatchCap(config, self.stats.batch_cap)
         self.scheduler = Scheduler(components, config)
+        # last plan's steady decodes, planned on without a view next step (a prefill replica never decodes)
+        self.lane = DecodeLane(config.page_size, enabled=config.role != "prefill")
+        self._committed_step: int | None = None
         self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
         # the pipeline: the step the ranks are running (depth 2 only) and the frees waiting for it
         self.inflight = InFlight(self.alloc)
@@ -190,10 +195,14 @@ class Engine:
         max_running = self.scheduler.config.max_running  # the batch cap's
         if admit_new:
             self.caching.attach(self.waiting[:max(max_running - len(self.running), 0)])
+        lane, lane_ids = self.lane.take(self.inflight.plan, self._committed_step)
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
-                self.config.max_batch_tokens, admit_new, self.reserve_ratio))
+                self.config.max_batch_tokens, admit_new, self.reserve_ratio, lane, lane_ids))
+            if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
+                lane, lane_ids = None, frozenset()
+                continue
             if got.short and self.caching.evict(got.short):
                 # cached prefixes go before any request is retracted or kept waiting; their units
                 # are free now, or once the step in flight is committed (then the next step syncs)
@@ -206,6 +215,7 @@ class Engine:
         self._pressure = got.pressure
         self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)
         claim(got, self.table, self.alloc, self.stats)
+        self.lane.keep(got.plan, got.lane, self.table.requests)
         plan = self.caching.prepare(got.plan, self.table)
         if self._forget and plan.entries:
             plan = dataclasses.replace(plan, forget=tuple(self._forget))
@@ -246,6 +256,7 @@ class Engine:
                 self.scheduler = Scheduler(self.components, self.cap.config)  # the lowered cap
             return
         self.commit(plan, result)
+        self._committed_step = plan.step
         self.inflight.committed(plan.step)
         if self.cap.step_ok():
             self.scheduler = Scheduler(self.components, self.cap.config)
@@ -313,6 +324,7 @@ class Engine:
 
     def _reset_pipeline(self) -> None:
         self._forget, self._pressure = [], False
+        self.lane.clear()
         self.caching.reset(self.table.requests.values())
 
     # ---- inspection (inspection.py) ------------------------------------------------------
@@ -325,7 +337,7 @@ class Engine:
         cache, and the cache's tree agrees with the allocators."""
         check_invariants(self.components, self.alloc, self.host_alloc, self.table, self.inflight.deferred_owners(),
                          self.executor.num_backups())
-        self.caching.check()
+        self.caching.check(self.inflight.deferred_units(CACHE_OWNER))
 
     def is_idle_clean(self) -> bool:
         """Nothing owned by a request (the prefix cache may hold units; nothing references them)."""

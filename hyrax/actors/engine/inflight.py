@@ -33,6 +33,15 @@ class InFlight:
     def deferred_owners(self) -> set[str]:
         return {owner for _, owner, _ in self.frees}
 
+    def deferred_units(self, owner: str) -> dict[str, list[int]]:
+        """Units of `owner` whose free waits for the step in flight, per pool."""
+        out: dict[str, list[int]] = {}
+        for _, who, indices in self.frees:
+            if who == owner:
+                for name, idx in indices.items():
+                    out.setdefault(name, []).extend(idx)
+        return out
+
     def release(self, owner: str, indices: dict[str, list[int]]) -> None:
         """Give device indices back: now, or after the step in flight."""
         indices = {n: [i for i in idx if i >= 0] for n, idx in indices.items()}

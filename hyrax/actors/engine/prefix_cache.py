@@ -269,7 +269,9 @@ class PrefixCache(Eviction):
             n.last_access = t
             n = n.parent
 
-    def check_invariants(self, allocators: Mapping[str, IndexAllocator] | None = None) -> None:
+    def check_invariants(self, allocators: Mapping[str, IndexAllocator] | None = None,
+                         leaving: Mapping[str, list[int]] | None = None) -> None:
         """Structure, reference counts and window rows; with `allocators` (pool name -> its
-        allocator) also that the tree owns exactly the units it holds and every pool balances."""
-        check_tree(self, allocators)
+        allocator) also that the tree owns exactly the units it holds (and `leaving`, freed
+        after the step in flight) and every pool balances."""
+        check_tree(self, allocators, leaving)

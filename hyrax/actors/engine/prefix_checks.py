@@ -11,9 +11,11 @@ if TYPE_CHECKING:
     from hyrax.actors.engine.prefix_cache import PrefixCache
 
 
-def check_tree(self: PrefixCache, allocators: Mapping[str, IndexAllocator] | None = None) -> None:
+def check_tree(self: PrefixCache, allocators: Mapping[str, IndexAllocator] | None = None,
+               leaving: Mapping[str, list[int]] | None = None) -> None:
     """Structure, reference counts and window rows; with `allocators` (pool name -> its
-    allocator) also that the tree owns exactly the units it holds and every pool balances."""
+    allocator) also that the tree owns exactly the units it holds - and `leaving`, units it let
+    go that are freed once the step in flight is committed - and every pool balances."""
     ps = self.page_size
 
     def fail(msg):
@@ -59,9 +61,13 @@ def check_tree(self: PrefixCache, allocators: Mapping[str, IndexAllocator] | Non
             fail(f"{pool}: a unit is held twice by the tree")
     if allocators is None:
         return
+    leaving = leaving or {}
     for pool, units in held.items():
         alloc = allocators[pool]
         alloc.check()
-        if set(alloc.owned_by(self.owner)) != set(units):
-            fail(f"{pool}: the tree holds {sorted(units)}, the allocator says it owns "
-                 f"{alloc.owned_by(self.owner)}")
+        going = set(leaving.get(pool, ()))
+        if going & set(units):
+            fail(f"{pool}: units {sorted(going & set(units))} are held by the tree and waiting to be freed")
+        if set(alloc.owned_by(self.owner)) != set(units) | going:
+            fail(f"{pool}: the tree holds {sorted(units)} (and lets go of {sorted(going)} after the step in "
+                 f"flight), the allocator says it owns {alloc.owned_by(self.owner)}")

@@ -9,6 +9,9 @@ mirroring `StateMoves.save` / `load` on the coordinator (moves.py).
 """
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
+
 import numpy as np
 import torch
 
@@ -25,11 +28,13 @@ from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import logprobs_of, sample
 from hyrax.actors.engine.state_hash import ROW_WORDS, hasher
 from hyrax.actors.engine.step_groups import length_groups
-from hyrax.actors.model.batch import SeqSlice, build_forward_batch
+from hyrax.actors.engine.view import PLACEHOLDER
+from hyrax.actors.model.batch import build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.state import ComponentSpec
 
 Rows = dict[str, list[int]]
+_REQ_ID, _TOKEN_IDS = attrgetter("req_id"), attrgetter("token_ids")
 
 
 def make_rank_runtime(model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
@@ -106,15 +111,16 @@ class RankRuntime:
                 self.pools[name][:, list(slots)] = 0
         for cp in plan.copies:
             self._copy_units(cp)
-        last = self.last_token
-        seqs = [SeqSlice(e.token_ids if not e.token_ids or e.token_ids[-1] >= 0 else self._resolve(e, last),
-                         e.start, e.page_tables, e.slots) for e in plan.entries]
-        inside = self._captures(plan, seqs) if plan.checkpoints else frozenset()
+        entries = plan.entries
+        # the token each entry's in-flight placeholder stands for (sampled by an earlier step), or
+        # PLACEHOLDER where there is none; batch building fills them in (and refuses a missing one)
+        fills = list(map(self.last_token.get, map(_REQ_ID, entries), repeat(PLACEHOLDER)))
+        captures, inside = self._captures(plan) if plan.checkpoints else ({}, frozenset())
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself
-            logits = torch.cat([self._forward([s]) for s in seqs])
+            logits = torch.cat([self._forward(entries, captures, fills, [i]) for i in range(len(entries))])
         else:
-            logits = self._forward_grouped(seqs)
+            logits = self._forward_grouped(entries, captures, fills)
         sampling = [e for e in plan.entries if e.sample is not None]
         specs = [e.sample for e in sampling]
         ids = [e.req_id for e in sampling]
@@ -152,17 +158,18 @@ class RankRuntime:
         src, dst = self.pools[cp.src_pool], self.pools[cp.dst_pool]
         dst.index_copy_(1, self._unit_rows(cp.dst_pool, cp.dst), src.index_select(1, self._unit_rows(cp.src_pool, cp.src)))
 
-    def _captures(self, plan: StepPlan, seqs: list[SeqSlice]) -> frozenset[str]:
-        """Checkpoints inside an entry's slice (not at its end) are the forward's to write: their
-        slices (in `seqs`, in place) carry a capture. Returns those requests."""
+    @staticmethod
+    def _captures(plan: StepPlan) -> tuple[dict[int, tuple[int, dict[str, int]]], frozenset[str]]:
+        """Checkpoints inside an entry's slice (not at its end) are the forward's to write:
+        ({entry index: (tokens before the capture, {slot component: checkpoint slot})}, their requests)."""
         at = {w.req_id: w for w in plan.checkpoints}
-        inside = []
+        captures, inside = {}, []
         for i, e in enumerate(plan.entries):
             w = at.get(e.req_id)
             if w is not None and w.position < e.start + len(e.token_ids):
-                seqs[i] = seqs[i]._replace(capture=(w.position - e.start, {name: ckpt for name, _, ckpt in w.slots}))
+                captures[i] = (w.position - e.start, {name: ckpt for name, _, ckpt in w.slots})
                 inside.append(e.req_id)
-        return frozenset(inside)
+        return captures, frozenset(inside)
 
     def _write_checkpoint(self, w, captured: bool) -> dict[str, dict[int, int]]:
         """Copy the request's slots into its checkpoint slots (unless the forward `captured` them
@@ -191,26 +198,26 @@ class RankRuntime:
             ids[-1] = self.last_token[e.req_id]
         return ids
 
-    @staticmethod
-    def _resolve(e, last: dict[str, int]) -> tuple[int, ...]:
-        """Token ids of an entry whose last one is the in-flight step's token, filled in."""
-        return (*e.token_ids[:-1], last[e.req_id])
-
-    def _forward_grouped(self, seqs: list[SeqSlice]) -> torch.Tensor:
+    def _forward_grouped(self, entries, captures: dict, fills: list[int]) -> torch.Tensor:
         """Decode tokens (one per sequence) in one batch, prompt chunks in batches of similar
         length (step_groups.py): padding a decode token or a short chunk to the longest chunk
         would multiply a mixed step's work."""
-        groups = length_groups([len(s.token_ids) for s in seqs])
-        if len(groups) == 1 and groups[0] == list(range(len(seqs))):
-            return self._forward(seqs)
-        out = [None] * len(seqs)
-        for group in groups:
-            for i, row in zip(group, self._forward([seqs[i] for i in group])):
+        lengths = list(map(len, map(_TOKEN_IDS, entries)))
+        if max(lengths) == 1:  # a decode step: one batch, in plan order
+            return self._forward(entries, captures, fills)
+        out = [None] * len(entries)
+        for group in length_groups(lengths):
+            for i, row in zip(group, self._forward(entries, captures, fills, group)):
                 out[i] = row
         return torch.stack(out)
 
-    def _forward(self, seqs: list[SeqSlice]) -> torch.Tensor:
-        batch = build_forward_batch(seqs, self.components, self.sizes.page_size, self.device, self._capture_into)
+    def _forward(self, entries, captures: dict, fills: list[int], rows: list[int] | None = None) -> torch.Tensor:
+        """The forward of the plan entries `rows` (all of them: None) as one batch."""
+        if rows is not None:
+            captures = {k: captures[i] for k, i in enumerate(rows) if i in captures}
+            entries, fills = [entries[i] for i in rows], [fills[i] for i in rows]
+        batch = build_forward_batch(entries, self.components, self.sizes.page_size, self.device, self._capture_into,
+                                    captures=captures, fills=fills)
         return self.model(batch, self.pools)
 
     # ---- state moves: save and load over a location ----------------------------------------

@@ -51,7 +51,7 @@ class StopRule:
 
     def reason(self, req: Request, tok: int) -> str | None:
         p = req.params
-        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+        if (tok in self.eos and not p.ignore_eos) or (p.stop_token_ids and tok in p.stop_token_ids):
             return "stop"
         if p.stop and self.decode is not None:
             scan = req.stop_scan  # decodes only the new token (an imported request: its outputs, once)
@@ -75,6 +75,9 @@ class Results:
                  release: Callable[[str, dict[str, list[int]]], None], owned):
         self.table, self.stats, self.stop = table, stats, stop
         self.windows = tuple(c for c in components if c.kind == WINDOW)
+        # the window lengths (rows) of the window components: a one-token step frees a page only
+        # where it moves a window's first live row onto a new page (`_frees_page`)
+        self._keep = tuple(c.window - 1 for c in self.windows)
         self.page_size = page_size
         self.release = release  # the engine's one free point
         self.owned = owned  # (request, pool, units) -> the units the request owns (not the prefix cache's)
@@ -101,8 +104,8 @@ class Results:
             req = get(e.req_id)
             if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
-            req.num_computed = e.start + len(e.token_ids)
-            if windows and req.id not in later:
+            end = req.num_computed = e.start + len(e.token_ids)
+            if windows and req.id not in later and (end - e.start > 1 or self._frees_page(e.start, end)):
                 self._release_window(req)
             if sample is None:
                 continue
@@ -127,6 +130,14 @@ class Results:
             req = self.table.requests.get(w.req_id)
             if req is not None and req.state is State.RUNNING:
                 self._release_window(req)
+
+    def _frees_page(self, start: int, end: int) -> bool:
+        """Whether the first live row of some window moves to a later page from `start` to
+        `end` committed tokens. A one-token step that moves none leaves nothing to release: pages
+        left from before were released when their last row left (or, deferred behind a
+        checkpoint, by `release_windows` in the same commit)."""
+        ps = self.page_size
+        return any((end - min(end, keep)) // ps != (start - min(start, keep)) // ps for keep in self._keep)
 
     def _release_window(self, req: Request) -> None:
         """Pages of a window component whose positions all left the window go back."""

@@ -16,6 +16,7 @@ from typing import Iterator, Mapping, Sequence
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.indices import IndexSnapshot
+from hyrax.actors.engine.lane import NO_ROWS, LaneRows, steady_lane_entry
 from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
@@ -31,6 +32,7 @@ class Scheduled:
     grants: Mapping[str, Mapping[str, tuple[int, ...]]]  # req id -> component -> units taken, in order
     pressure: bool = False  # a request did not fit while frees wait for the step in flight
     short: Mapping[str, int] = field(default_factory=dict)  # units a request that did not fit lacked
+    lane: LaneRows = NO_ROWS  # the plan's steady decodes, for the next step's lane (lane.py)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class NeedRoom:
     victims: tuple[str, ...] = ()  # retract these (memory pressure), then schedule again
     hopeless: tuple[str, ...] = ()  # running alone and still no room: finish with "length"
     short: Mapping[str, int] = field(default_factory=dict)  # what the request that did not fit lacked
+    widen: bool = False  # room must be made, and victims are chosen among views: ask again without a lane
 
 
 class _Pools:
@@ -68,16 +71,28 @@ _NO_PAGES: Mapping[str, list[int]] = {}  # a step that takes no page (shared; ne
 _by_arrival = attrgetter("arrival")
 
 
-def _decode_first(running: Sequence[RequestView]) -> Iterator[RequestView]:
-    """Requests with at most one token to run (decodes) in arrival order, then the others (prefill
-    chunks) in arrival order: the order of the key (pending > 1, arrival), with no key per request."""
-    later = []
+def _decode_first(running: Sequence[RequestView]) -> tuple[list[RequestView], list[RequestView]]:
+    """(requests with at most one token to run (decodes), the others (prefill chunks)), each in
+    arrival order: the order of the key (pending > 1, arrival), with no key per request."""
+    decodes, later = [], []
     for r in sorted(running, key=_by_arrival):
-        if len(r.ids) - r.computed > 1:
-            later.append(r)
-        else:
-            yield r
-    yield from later
+        (later if len(r.ids) - r.computed > 1 else decodes).append(r)
+    return decodes, later
+
+
+def _merged(lane: LaneRows, decodes: list[RequestView]) -> list:
+    """Lane rows (as their index) and decode views in one arrival order (a lane row first on a
+    tie); both come in arrival order."""
+    if not decodes:
+        return list(range(len(lane.entries)))
+    out, k, arrivals = [], 0, lane.arrivals
+    for r in decodes:
+        while k < len(arrivals) and arrivals[k] <= r.arrival:
+            out.append(k)
+            k += 1
+        out.append(r)
+    out.extend(range(k, len(arrivals)))
+    return out
 
 
 class Scheduler:
@@ -131,11 +146,16 @@ class Scheduler:
             out[c.name] = [n for n in range(first, -(-end // ps)) if n >= len(table) or table[n] < 0]
         return out
 
-    def _reserve_ok(self, growing: list[RequestView], need: dict[str, int], pools: _Pools, ratio: float) -> bool:
-        """After a retraction, admit only while pages stay free for the running requests' growth."""
+    def _reserve_ok(self, growing: list[RequestView], need: dict[str, int], pools: _Pools, ratio: float,
+                    lane: LaneRows | None = None) -> bool:
+        """After a retraction, admit only while pages stay free for the running requests' growth
+        (those of the lane included)."""
         if ratio <= 0.0:
             return True
-        growth = sum(max(r.params.max_tokens - r.num_outputs, 0) for r in growing) / self.config.page_size
+        tokens = sum(max(r.params.max_tokens - r.num_outputs, 0) for r in growing)
+        if lane is not None:
+            tokens += sum(max(limit - e.sample.draw, 0) for e, limit in zip(lane.entries, lane.max_tokens))
+        growth = tokens / self.config.page_size
         return all(pools.count[c.name] - need.get(c.name, 0) >= ratio * growth
                    for c in self.components if c.kind == TOKEN)
 
@@ -160,13 +180,36 @@ class Scheduler:
         planned: set[str] = set()
         pressure = False
         short: dict[str, int] = {}
-        for r in _decode_first(view.running):
+        lane = view.lane if view.lane is not None and view.lane.entries else None
+        steady: tuple[list, list, list, list] = ([], [], [], [])  # the next lane's columns (LaneRows)
+        decodes, later = _decode_first(view.running)
+        if lane is not None and not decodes:  # the lane rows are the step's decodes: taken whole
+            k = min(len(lane.entries), max(budget, 0))
+            entries.extend(lane.entries[:k])
+            for col, lane_col in zip(steady, lane):
+                col.extend(lane_col[:k])
+            budget -= k
+            lane_order = []
+        else:
+            lane_order = decodes if lane is None else _merged(lane, decodes)
+        for r in lane_order + later:
+            if type(r) is int:  # a lane row: its entry is made (lane.advance); it takes a token
+                if budget >= 1:
+                    e = lane.entries[r]
+                    entries.append(e)
+                    budget -= 1
+                    for col, v in zip(steady, (e, lane.snaps[r], lane.arrivals[r], lane.max_tokens[r])):
+                        col.append(v)
+                continue
             if budget >= 1:
                 e = self._steady_decode(r)
                 if e is not None:
                     entries.append(e)
                     planned.add(r.id)
                     budget -= 1
+                    if type(r.indices) is IndexSnapshot and steady_lane_entry(e):
+                        for col, v in zip(steady, (e, r.indices, r.arrival, r.params.max_tokens)):
+                            col.append(v)
                     continue
             n = self.chunk_len(r, budget)
             if n == 0:
@@ -179,6 +222,8 @@ class Scheduler:
                     pressure = True
                     short = short or lack
                     continue
+                if lane is not None:  # victims may be lane rows, which have no view here
+                    return NeedRoom(short=lack, widen=True)
                 victims = self._victims(view, r, need, planned, pools)
                 if victims:
                     return NeedRoom(victims=victims, short=lack)
@@ -191,7 +236,7 @@ class Scheduler:
             budget -= n
         admitted: list[RequestView] = []
         for r in view.waiting:
-            if not view.admit_new or budget <= 0 or len(view.running) + len(admitted) >= self.config.max_running:
+            if not view.admit_new or budget <= 0 or view.num_running + len(admitted) >= self.config.max_running:
                 break
             n = self.chunk_len(r, budget)
             if n == 0:
@@ -201,7 +246,7 @@ class Scheduler:
             if not pools.fits(need):
                 short = short or pools.short(need)
                 break
-            if not self._reserve_ok([*view.running, *admitted], need, pools, view.reserve_ratio):
+            if not self._reserve_ok([*view.running, *admitted], need, pools, view.reserve_ratio, lane):
                 break
             slots = {c.name: pools.take(c.name, 1) for c in self.slotted}
             entries.append(self._entry(r, n, add, slots, pools, grants))
@@ -209,7 +254,8 @@ class Scheduler:
             budget -= n
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic)
-        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short)
+        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short,
+                         LaneRows(*map(tuple, steady)) if steady[0] else NO_ROWS)
 
     def _steady_decode(self, r: RequestView) -> PlanEntry | None:
         """Most entries of a step: one decode token inside a page `r` holds, which takes no unit

@@ -7,12 +7,15 @@ is read back from live request fields while the scheduler plans.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.indices import IndexSnapshot, IndexTable
 from hyrax.actors.engine.plan import StepPlan
 from hyrax.actors.engine.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from hyrax.actors.engine.lane import LaneRows
 
 PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
 
@@ -117,6 +120,13 @@ class SchedulerView:
     in_flight: frozenset[str] = frozenset()  # run by the step in flight; frees wait for it
     admit_new: bool = True  # False while retracted requests wait to resume: they go first
     reserve_ratio: float = 0.0  # adaptive admission: raised by memory pressure
+    # running requests decoding on from last step without a view (lane.py), already advanced;
+    # `running` leaves them out
+    lane: LaneRows | None = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (len(self.lane.entries) if self.lane is not None else 0)
 
 
 def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
@@ -133,17 +143,20 @@ def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
 
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
                in_flight: StepPlan | None, max_running: int, max_units: int, admit_new: bool,
-               reserve_ratio: float) -> SchedulerView:
+               reserve_ratio: float, lane: LaneRows | None = None, lane_ids: set[int] | frozenset = frozenset()
+               ) -> SchedulerView:
     """A snapshot of the request table and the allocators. `max_units`: the most units one step
-    can take from a pool (a prefix of each free list that long is enough)."""
+    can take from a pool (a prefix of each free list that long is enough). `lane`: rows of
+    running requests planned without a view; `lane_ids`, the `id()`s of those requests."""
     ahead = {e.req_id: (e.start + len(e.token_ids), e.sample is not None)
              for e in in_flight.entries} if in_flight is not None else {}
     room = max(max_running - len(running), 0) if admit_new else 0
     return SchedulerView(
         step=step,
-        running=tuple([view_of(r, ahead.get(r.id)) for r in running]),
+        running=tuple([view_of(r, ahead.get(r.id)) for r in running if id(r) not in lane_ids] if lane_ids
+                      else [view_of(r, ahead.get(r.id)) for r in running]),
         waiting=tuple([view_of(r) for r in waiting[:room]]),
         free={n: FreePool(a.num_free, tuple(a.peek(max_units))) for n, a in alloc.items()},
         in_flight=frozenset(ahead),
-        admit_new=admit_new, reserve_ratio=reserve_ratio,
+        admit_new=admit_new, reserve_ratio=reserve_ratio, lane=lane,
     )

@@ -166,12 +166,31 @@ def to_device(host: dict[str, np.ndarray], device: torch.device | str) -> dict[s
     return out
 
 
+def _filled(input_ids: np.ndarray, q_lens: np.ndarray, fills: Sequence[int]) -> np.ndarray:
+    """`input_ids` with each slice's negative last token (the in-flight placeholder) replaced by
+    its row's `fills` value; a placeholder anywhere else, or one with no value, is an error."""
+    neg = input_ids < 0
+    if not neg.any():
+        return input_ids
+    rows, cols = np.nonzero(neg)
+    values = np.asarray(fills, dtype=np.int64)[rows]
+    if (cols != q_lens[rows] - 1).any() or (values < 0).any():
+        raise KeyError(f"no sampled token for the placeholder of batch rows {rows[values < 0].tolist()} "
+                       f"(or a placeholder before a slice's last token)")
+    input_ids[rows, cols] = values
+    return input_ids
+
+
 def build_forward_batch(
-    seqs: list[SeqSlice], components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu",
-    capture_into: Mapping[str, str] | None = None,
+    seqs: Sequence, components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu",
+    capture_into: Mapping[str, str] | None = None, *,
+    captures: Mapping[int, tuple[int, Mapping[str, int]]] | None = None, fills: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """The step's batch on `device`, computed on the host (numpy) and moved in one copy (`to_device`).
-    `capture_into`: slot component -> its checkpoint pool's key, needed when a slice captures."""
+    `seqs`: `SeqSlice`s, or anything with their first four fields (a plan's entries).
+    `capture_into`: slot component -> its checkpoint pool's key, needed when a slice captures.
+    `captures`: {row: capture} instead of each SeqSlice's own; `fills`: per row, the token a
+    negative last token stands for (`_filled`)."""
     if not seqs:
         raise ValueError("empty batch")
     B = len(seqs)
@@ -185,7 +204,10 @@ def build_forward_batch(
     q_valid = ar_t[None, :] < q_lens[:, None]
     positions = np.where(q_valid, starts[:, None] + ar_t[None, :], 0)
     token_index = np.flatnonzero(q_valid)  # on the host: no device sync
-    host = {"input_ids": _ragged(ids, T, 0), "positions": positions, "q_valid": q_valid,
+    input_ids = _ragged(ids, T, 0)
+    if fills is not None:
+        input_ids = _filled(input_ids, q_lens, fills)
+    host = {"input_ids": input_ids, "positions": positions, "q_valid": q_valid,
             "q_lens": q_lens, "token_index": token_index, "context_lens": ctx}
     max_tiles = -(-max_context // KV_TILE_ROWS)
     rows_b = np.arange(B)[:, None]
@@ -224,7 +246,8 @@ def build_forward_batch(
             f"{comp.name}.pad_keys": np.flatnonzero(~key_valid),
             f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
         })
-    captured = [(b, s.capture) for b, s in enumerate(seqs) if s.capture is not None]
+    captured = (sorted(captures.items()) if captures is not None
+                else [(b, s.capture) for b, s in enumerate(seqs) if s.capture is not None])
     if captured:
         if capture_into is None or any(not 0 < k < q_lens[b] for b, (k, _) in captured):
             raise ValueError(f"invalid captures {[(b, k, int(q_lens[b])) for b, (k, _) in captured]} "
