@@ -57,7 +57,7 @@ class UnsafeRankRuntime(RankRuntime):
 
     def execute(self, plan):
         n = self.faults.step_error_at_context
-        if n and any(e.end >= n for e in plan.entries):
+        if n and any(e.end >= n for e in plan.all_entries()):
             raise RuntimeError(f"injected step error: a request reached {n} tokens of context")
         return super().execute(plan)
 

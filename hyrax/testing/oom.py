@@ -29,13 +29,13 @@ class OutOfMemoryAbove:
 
     def too_big(self, plan: StepPlan) -> bool:
         return bool((self.tokens and plan.num_tokens > self.tokens)
-                    or (self.requests and len(plan.entries) > self.requests))
+                    or (self.requests and plan.num_rows > self.requests))
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self._runtime.execute(plan)
         if self.too_big(plan):
             self.raised += 1
-            raise torch.OutOfMemoryError(f"injected: a step of {plan.num_tokens} tokens, {len(plan.entries)} requests "
+            raise torch.OutOfMemoryError(f"injected: a step of {plan.num_tokens} tokens, {plan.num_rows} requests "
                                          f"(limit {self.tokens} tokens, {self.requests} requests)")
         return result
 

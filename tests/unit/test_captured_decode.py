@@ -68,15 +68,16 @@ def test_compiled_decode_writes_the_engine_pools_in_place(compiled):
     before = {n: t.clone() for n, t in held.items()}
     calls = len(compiled.forward.decode.sizes)
     eager_pools = {n: t.clone() for n, t in held.items()}
-    calls_in = []  # (entries, captures, fills) of each forward
+    calls_in = []  # (decode block, entries, captures, fills) of each forward
     inner = rank._forward
     rank._forward = lambda *args: (calls_in.append(args), inner(*args))[1]
     e.step()
     rank._forward = inner
     assert len(compiled.forward.decode.sizes) == calls + 1  # the step went through the captured path
     assert all(rank.pools[n] is held[n] for n in held)
-    entries, captures, fills = calls_in[-1]
-    batch = build_forward_batch(entries, rank.components, rank.sizes.page_size, captures=captures, fills=fills)
+    block, entries, captures, fills = calls_in[-1]
+    batch = build_forward_batch(entries, rank.components, rank.sizes.page_size, captures=captures, fills=fills,
+                                block=block)
     compiled.forward.eager(batch, eager_pools)  # the same step, eager, on a copy of the old state
     for name in ("full_kv", "swa_kv", "mamba_conv", "mamba_ssm"):
         assert not torch.equal(held[name], before[name]), name  # the captured step wrote into it

@@ -31,8 +31,8 @@ class LaneCheck:
 
         def schedule(view):
             got = inner(view)
-            if view.lane is not None and view.lane.entries:
-                self.lane_rows += len(view.lane.entries)
+            if view.lane is not None:
+                self.lane_rows += len(view.lane.block)
                 self._compare(view, got, inner)
             return got
         engine.scheduler.schedule = schedule
@@ -53,10 +53,22 @@ class LaneCheck:
         for name in ("admitted", "grants", "pressure", "short"):
             if getattr(got, name) != getattr(full, name):
                 self.diffs.append((view.step, name, getattr(got, name), getattr(full, name)))
-        if got.plan.entries != full.plan.entries:
-            self.diffs.append((view.step, "entries", got.plan.entries, full.plan.entries))
-        if got.lane != full.lane:
-            self.diffs.append((view.step, "next lane", got.lane, full.lane))
+        # the same rows (the decode block's run first; the others keep the full view's order)
+        by_id = sorted(got.plan.all_entries(), key=lambda x: x.req_id)
+        if by_id != sorted(full.plan.entries, key=lambda x: x.req_id):
+            self.diffs.append((view.step, "entries", by_id, sorted(full.plan.entries, key=lambda x: x.req_id)))
+        rest = set(got.plan.req_ids[got.plan.num_decode:])
+        if list(got.plan.entries) != [x for x in full.plan.entries if x.req_id in rest]:
+            self.diffs.append((view.step, "order", got.plan.entries, full.plan.entries))
+        carried = set(got.lane.block.req_ids if got.lane is not None else ()) | {j.entry.req_id for j in got.joiners}
+        if carried != {j.entry.req_id for j in full.joiners}:
+            self.diffs.append((view.step, "next lane", carried, full.joiners))
+        # no block row ends on a checkpoint boundary (the prefix cache writes those through entries)
+        if e.config.caches_prefixes and got.plan.decode is not None:
+            policy = e.caching.policy
+            for rid, start in zip(got.plan.decode.req_ids, got.plan.decode.starts.tolist()):
+                if policy.is_boundary(start + 1, len(e.requests[rid].prompt_ids)):
+                    self.diffs.append((view.step, "boundary in the block", rid, start))
 
 
 def _run(engine, prompts, params, abort_at: dict[int, int] | None = None, lane: bool = True):
@@ -142,3 +154,19 @@ def test_lane_rows_that_changed_take_the_general_path():
         engine.step()
     assert check.diffs == [], check.diffs[:3]
     assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_ids_met_inside_the_lane_stop_the_request(overlap):
+    """Each request's stop id is the token it produces 7th (from a run without stops): it is
+    met while the request decodes in the lane, whose result processing checks stops for the
+    whole block at once, and must end it there as the general path does."""
+    model = tiny_model(HYBRID)
+    prompts = make_prompts(12, seed=4, lo=2, hi=20)
+    free, _ = _run(make_engine(model, overlap=overlap), prompts, [greedy(30)] * len(prompts), lane=False)
+    params = [greedy(30, stop_token_ids=(out[6],)) for out in free]
+    outs, check = _run(make_engine(model, overlap=overlap), prompts, params)
+    ref, _ = _run(make_engine(model, overlap=overlap), prompts, params, lane=False)
+    assert check.diffs == [] and check.lane_rows > 20
+    assert outs == ref
+    assert all(len(o) <= 7 for o in outs), [len(o) for o in outs]

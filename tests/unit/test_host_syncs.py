@@ -62,7 +62,7 @@ def decode_step_counts(model: HybridModel, batch: int, sampling: SamplingParams,
     plain, counted = rank.execute, counter.wrap(rank.execute)
 
     def execute(plan):  # only the steps in which every request decodes are counted (counting is slow)
-        decode_only = len(plan.entries) == batch and all(len(e.token_ids) == 1 for e in plan.entries)
+        decode_only = plan.num_rows == batch and all(len(e.token_ids) == 1 for e in plan.entries)
         return (counted if decode_only else plain)(plan)
     rank.execute = execute
     for i in range(batch):

@@ -69,3 +69,33 @@ def test_a_key_on_a_page_that_is_not_allocated_is_an_error(kind):
     seqs[1].page_tables[comp.name][1] = -1  # position 6 (the query's own key) has no page
     with pytest.raises(RuntimeError, match=f"{comp.name}: a step touches a position whose page is not allocated"):
         build_forward_batch(seqs, COMPS, PS)
+
+
+@pytest.mark.parametrize("max_ctx", [3, 9, 40])
+@pytest.mark.parametrize("decode", [True, False])
+def test_key_positions_validity_and_padding_equal_the_per_key_reference(max_ctx, decode):
+    """key_pos, key_valid and pad_keys (the flat indices of the invalid keys, computed from the
+    counts alone) against a key-by-key reference, with a decode block in front of the slices."""
+    from hyrax.actors.engine.lane import block_of
+    from hyrax.actors.engine.plan import PlanEntry, SamplingSpec
+
+    rng = random.Random(max_ctx * 3 + decode)
+    for _ in range(20):
+        seqs = _seqs(rng, rng.randint(1, 9), max_ctx, decode)
+        head = [s for s in _seqs(rng, rng.randint(0, 4), max_ctx, True)]
+        block = block_of([PlanEntry(f"r{k}", (7,), s.start, {n: tuple(t) for n, t in s.page_tables.items()}, s.slots,
+                                    SamplingSpec(0.0, 1.0, 0, 0, 0)) for k, s in enumerate(head)],
+                         np.full(len(head), 100), np.zeros(len(head), dtype=bool)) if head else None
+        batch = build_forward_batch(seqs, COMPS, PS, block=block)
+        every = head + seqs
+        for c in PAGED:
+            idx = batch.attn[c.name]
+            first = [max(s.start - c.window + 1, 0) if c.kind == WINDOW else 0 for s in every]
+            n_keys = [s.start + len(s.token_ids) - f for s, f in zip(every, first)]
+            K = max(n_keys)
+            pos = np.array([[f + k for k in range(K)] for f in first])
+            valid = np.array([[k < n for k in range(K)] for n in n_keys])
+            np.testing.assert_array_equal(idx.key_pos.numpy(), pos, err_msg=c.name)
+            np.testing.assert_array_equal(idx.key_valid.numpy(), valid, err_msg=c.name)
+            np.testing.assert_array_equal(idx.pad_keys.numpy(), np.flatnonzero(~valid), err_msg=c.name)
+            np.testing.assert_array_equal(idx.read_rows.numpy(), _reference(every, c), err_msg=c.name)

@@ -49,11 +49,11 @@ class BatchCap:
 
     def smallest(self, plan: StepPlan) -> bool:
         """`plan` is as small as a step can be: one request, no fewer tokens allowed."""
-        return len(plan.entries) <= 1 and plan.num_tokens <= max(self.min_tokens, 1)
+        return plan.num_rows <= 1 and plan.num_tokens <= max(self.min_tokens, 1)
 
     def shrink(self, plan: StepPlan) -> None:
         """`plan` ran out of memory: the cap becomes half of that step's size."""
-        self._set(max(1, min(self.running, len(plan.entries) // 2)),
+        self._set(max(1, min(self.running, plan.num_rows // 2)),
                   max(self.min_tokens, min(self.tokens, plan.num_tokens // 2)))
         self.ok_steps = 0
         self.stats.shrinks += 1

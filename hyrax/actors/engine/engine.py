@@ -67,7 +67,8 @@ class Engine:
         self.cap = BatchCap(config, self.stats.batch_cap)
         self.scheduler = Scheduler(components, config)
         # last plan's steady decodes, planned on without a view next step (a prefill replica never decodes)
-        self.lane = DecodeLane(config.page_size, enabled=config.role != "prefill")
+        self.lane = DecodeLane(config.page_size, config.mamba_track_interval if config.caches_prefixes else None,
+                               enabled=config.role != "prefill")
         self._committed_step: int | None = None
         self.reserve_ratio = 0.0  # adaptive admission: raised by memory pressure, decays per step
         # the pipeline: the step the ranks are running (depth 2 only) and the frees waiting for it
@@ -179,7 +180,7 @@ class Engine:
             for v in pick_victims(self.running, 1):
                 self.retractions.retract(v, "forced", None, False, self.step_count)
         plan = self._plan()
-        handle = self.executor.submit(plan) if plan.entries else None
+        handle = self.executor.submit(plan) if plan.num_rows else None
         prev = self.inflight.swap((plan, handle) if handle is not None else None)
         if prev is not None:
             self._commit_step(*prev)  # step N-1, while the ranks run step N
@@ -215,9 +216,9 @@ class Engine:
         self._pressure = got.pressure
         self.reserve_ratio = max(0.0, self.reserve_ratio - 0.02)
         claim(got, self.table, self.alloc, self.stats)
-        self.lane.keep(got.plan, got.lane, self.table.requests)
+        self.lane.keep(got.plan, got.lane, got.joiners, self.table.requests)
         plan = self.caching.prepare(got.plan, self.table)
-        if self._forget and plan.entries:
+        if self._forget and plan.num_rows:
             plan = dataclasses.replace(plan, forget=tuple(self._forget))
             self._forget = []
         return plan

@@ -23,7 +23,7 @@ class InFlight:
 
     def ids(self) -> set[str]:
         """Requests the step in flight runs."""
-        return {e.req_id for e in self.step[0].entries} if self.step is not None else set()
+        return set(self.step[0].req_ids) if self.step is not None else set()
 
     def swap(self, step: tuple[StepPlan, object] | None) -> tuple[StepPlan, object] | None:
         """`step` is in flight now; returns the one that was."""

@@ -10,7 +10,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from hyrax.actors.engine.grammar import GrammarStep
+
+PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,66 @@ class PlanEntry(NamedTuple):
         return self.start + len(self.token_ids)
 
 
+_GREEDY = SamplingSpec(0.0, 1.0, 0, 0, 0)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeBlock:
+    """Steady decodes of a step as columns, one row each: one token at `starts[k]` inside a page
+    the request holds, sampled with plain parameters (no penalties, bias, min_tokens or grammar).
+    Made by the decode lane (lane.py) without a per-request object; `entry(k)` is the
+    `PlanEntry` the general path makes for the same row. Arrays are never written once made."""
+
+    req_ids: tuple[str, ...]
+    starts: np.ndarray  # int64 (B,): position of each row's token
+    tokens: np.ndarray | None  # int64 (B,): each row's token; None: every row's is the one in flight
+    tables: dict[str, np.ndarray]  # paged component -> (B, P) int64 page tables, -1 after a row's own
+    n_pages: dict[str, np.ndarray]  # paged component -> (B,) int64: the length of each row's table
+    slots: dict[str, np.ndarray]  # slot component -> (B,) int64
+    draws: np.ndarray  # int64 (B,): index of the token each row draws
+    temperature: np.ndarray  # float64 (B,)
+    top_p: np.ndarray  # float64 (B,)
+    top_k: np.ndarray  # int64 (B,)
+    seeds: tuple[int, ...]
+    logprobs: tuple[int | None, ...]
+    # what result processing needs: each row's max_tokens, and whether its request stops on
+    # anything but EOS and its length (stop token ids or stop strings: every token is checked)
+    max_tokens: np.ndarray  # int64 (B,)
+    stops: np.ndarray  # bool (B,)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def specs(self, greedy_below: float) -> list[SamplingSpec]:
+        """The rows' sampling specs (as `SamplingSpec.of` makes them for plain parameters). When
+        every row is greedy (temperature below `greedy_below`) and none asks for logprobs, one
+        shared greedy spec stands for each: a greedy row's draw, seed and filters are never read."""
+        if self.logprobs.count(None) == len(self.logprobs) and bool((self.temperature < greedy_below).all()):
+            return [_GREEDY] * len(self.req_ids)
+        new = tuple.__new__  # a NamedTuple's own __new__ is a Python function: 3x dearer
+        return [new(SamplingSpec, (t, p, k, s, d, lp, None, None)) for t, p, k, s, d, lp in zip(
+            self.temperature.tolist(), self.top_p.tolist(), self.top_k.tolist(), self.seeds, self.draws.tolist(),
+            self.logprobs)]
+
+    def rows(self, keep: np.ndarray) -> DecodeBlock:
+        """Rows `keep` (int64 indices, in order); tables as narrow as those rows need."""
+        ks = keep.tolist()
+        n_pages = {n: v[keep] for n, v in self.n_pages.items()}
+        return DecodeBlock(
+            tuple(self.req_ids[k] for k in ks), self.starts[keep], None if self.tokens is None else self.tokens[keep],
+            {n: t[keep, :max(int(n_pages[n].max(initial=1)), 1)] for n, t in self.tables.items()}, n_pages,
+            {n: v[keep] for n, v in self.slots.items()}, self.draws[keep], self.temperature[keep], self.top_p[keep],
+            self.top_k[keep], tuple(self.seeds[k] for k in ks), tuple(self.logprobs[k] for k in ks),
+            self.max_tokens[keep], self.stops[keep])
+
+    def entry(self, k: int) -> PlanEntry:
+        start = int(self.starts[k])
+        token = (PLACEHOLDER,) if self.tokens is None else (int(self.tokens[k]),)
+        return PlanEntry(self.req_ids[k], token, start,
+                         {n: tuple(t[k, :int(self.n_pages[n][k])].tolist()) for n, t in self.tables.items()},
+                         {n: int(s[k]) for n, s in self.slots.items()}, self.specs(0.0)[k])
+
+
 @dataclass(frozen=True)
 class UnitCopy:
     """Before the forward: copy units `src` of pool `src_pool` into units `dst` of pool `dst_pool`
@@ -107,10 +171,33 @@ class StepPlan:
     forget: tuple[str, ...] = ()  # requests that left before this plan: ranks drop their last token first
     copies: tuple[UnitCopy, ...] = ()  # after zeroing, before the forward
     checkpoints: tuple[CheckpointWrite, ...] = ()  # after the forward
+    # steady decodes as columns; the step's rows are these first, then `entries`
+    decode: DecodeBlock | None = None
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.entries)
+        return sum(len(e.token_ids) for e in self.entries) + self.num_decode
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode) if self.decode is not None else 0
+
+    @property
+    def num_rows(self) -> int:
+        """Requests the step runs."""
+        return self.num_decode + len(self.entries)
+
+    @property
+    def req_ids(self) -> tuple[str, ...]:
+        """Every request the step runs, in row order."""
+        ids = tuple(e.req_id for e in self.entries)
+        return self.decode.req_ids + ids if self.decode is not None else ids
+
+    def all_entries(self) -> tuple[PlanEntry, ...]:
+        """Every row as a `PlanEntry`, in row order (the decode block's made one by one: for
+        what is not on a step's path - failures, tests)."""
+        block = tuple(self.decode.entry(k) for k in range(len(self.decode))) if self.decode is not None else ()
+        return block + self.entries
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from hyrax.actors.engine.packed_state import PackedState, Packing, Packings, row
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
-from hyrax.actors.engine.sampler import logprobs_of, sample
+from hyrax.actors.engine.sampler import GREEDY_BELOW, logprobs_of, sample
 from hyrax.actors.engine.state_hash import ROW_WORDS, hasher
 from hyrax.actors.engine.step_groups import length_groups
 from hyrax.actors.engine.view import PLACEHOLDER
@@ -34,7 +34,7 @@ from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.state import ComponentSpec
 
 Rows = dict[str, list[int]]
-_REQ_ID, _TOKEN_IDS = attrgetter("req_id"), attrgetter("token_ids")
+_TOKEN_IDS = attrgetter("token_ids")
 
 
 def make_rank_runtime(model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
@@ -111,32 +111,35 @@ class RankRuntime:
                 self.pools[name][:, list(slots)] = 0
         for cp in plan.copies:
             self._copy_units(cp)
-        entries = plan.entries
-        # the token each entry's in-flight placeholder stands for (sampled by an earlier step), or
+        block, entries, nb = plan.decode, plan.entries, plan.num_decode
+        ids = plan.req_ids  # row order: the decode block's rows, then the entries
+        # the token each row's in-flight placeholder stands for (sampled by an earlier step), or
         # PLACEHOLDER where there is none; batch building fills them in (and refuses a missing one)
-        fills = list(map(self.last_token.get, map(_REQ_ID, entries), repeat(PLACEHOLDER)))
+        fills = list(map(self.last_token.get, ids, repeat(PLACEHOLDER)))
         captures, inside = self._captures(plan) if plan.checkpoints else ({}, frozenset())
         if plan.deterministic:
             # batch-invariant: each request runs alone, with shapes that depend only on itself
-            logits = torch.cat([self._forward(entries, captures, fills, [i]) for i in range(len(entries))])
+            logits = torch.cat([self._forward(block, entries, captures, fills, [i]) for i in range(len(ids))])
         else:
-            logits = self._forward_grouped(entries, captures, fills)
-        sampling = [e for e in plan.entries if e.sample is not None]
-        specs = [e.sample for e in sampling]
-        ids = [e.req_id for e in sampling]
-        # the sampling rows' logits: all of them in a decode step (no copy), else one index tensor
-        picked = logits if len(sampling) == len(plan.entries) else logits.index_select(
-            0, self._idx([i for i, e in enumerate(plan.entries) if e.sample is not None]))
+            logits = self._forward_grouped(block, entries, captures, fills)
+        sampling = [e for e in entries if e.sample is not None]
+        specs = (block.specs(GREEDY_BELOW) if nb else []) + [e.sample for e in sampling]
+        if len(sampling) < len(entries):
+            ids = ids[:nb] + tuple(e.req_id for e in sampling)
+            # the sampling rows' logits: all of them in a decode step (no copy), else one index tensor
+            logits = logits.index_select(0, self._idx(list(range(nb)) + [nb + i for i, e in enumerate(entries)
+                                                                         if e.sample is not None]))
+        picked = logits
         if self.rank == 0:
             grammars = [s.grammar for s in specs]
             allowed = self.grammars.allowed(ids, grammars, self.last_token)
-            histories = [self._history(e) for e in sampling] if any(s.process for s in specs) else None
+            histories = ([None] * nb + [self._history(e) for e in sampling]) if any(s.process for s in specs) else None
             tokens = sample(picked, specs, histories, self.eos, allowed)
             if allowed is not None:
                 self.grammars.advance(ids, grammars, tokens)
         else:
-            tokens = [0] * len(sampling)
-        if self.broadcast is not None and sampling:
+            tokens = [0] * len(specs)
+        if self.broadcast is not None and specs:
             tokens = self.broadcast(tokens)
         self.last_token.update(zip(ids, tokens))
         sums = {w.req_id: self._write_checkpoint(w, w.req_id in inside) for w in plan.checkpoints}
@@ -161,10 +164,10 @@ class RankRuntime:
     @staticmethod
     def _captures(plan: StepPlan) -> tuple[dict[int, tuple[int, dict[str, int]]], frozenset[str]]:
         """Checkpoints inside an entry's slice (not at its end) are the forward's to write:
-        ({entry index: (tokens before the capture, {slot component: checkpoint slot})}, their requests)."""
+        ({row: (tokens before the capture, {slot component: checkpoint slot})}, their requests)."""
         at = {w.req_id: w for w in plan.checkpoints}
         captures, inside = {}, []
-        for i, e in enumerate(plan.entries):
+        for i, e in enumerate(plan.entries, start=plan.num_decode):
             w = at.get(e.req_id)
             if w is not None and w.position < e.start + len(e.token_ids):
                 captures[i] = (w.position - e.start, {name: ckpt for name, _, ckpt in w.slots})
@@ -198,26 +201,32 @@ class RankRuntime:
             ids[-1] = self.last_token[e.req_id]
         return ids
 
-    def _forward_grouped(self, entries, captures: dict, fills: list[int]) -> torch.Tensor:
+    def _forward_grouped(self, block, entries, captures: dict, fills: list[int]) -> torch.Tensor:
         """Decode tokens (one per sequence) in one batch, prompt chunks in batches of similar
         length (step_groups.py): padding a decode token or a short chunk to the longest chunk
         would multiply a mixed step's work."""
         lengths = list(map(len, map(_TOKEN_IDS, entries)))
-        if max(lengths) == 1:  # a decode step: one batch, in plan order
-            return self._forward(entries, captures, fills)
-        out = [None] * len(entries)
-        for group in length_groups(lengths):
-            for i, row in zip(group, self._forward(entries, captures, fills, group)):
+        if max(lengths, default=1) == 1:  # a decode step: one batch, in row order
+            return self._forward(block, entries, captures, fills)
+        nb = len(block) if block is not None else 0
+        out = [None] * (nb + len(entries))
+        for group in length_groups([1] * nb + lengths):
+            for i, row in zip(group, self._forward(block, entries, captures, fills, group)):
                 out[i] = row
         return torch.stack(out)
 
-    def _forward(self, entries, captures: dict, fills: list[int], rows: list[int] | None = None) -> torch.Tensor:
-        """The forward of the plan entries `rows` (all of them: None) as one batch."""
+    def _forward(self, block, entries, captures: dict, fills: list[int], rows: list[int] | None = None) -> torch.Tensor:
+        """The forward of the step's rows `rows` (all of them: None; block rows before entries,
+        as length_groups keeps them) as one batch."""
         if rows is not None:
+            nb = len(block) if block is not None else 0
             captures = {k: captures[i] for k, i in enumerate(rows) if i in captures}
-            entries, fills = [entries[i] for i in rows], [fills[i] for i in rows]
+            fills = [fills[i] for i in rows]
+            picked = [i for i in rows if i < nb]
+            block = block.rows(np.array(picked, dtype=np.int64)) if picked else None
+            entries = [entries[i - nb] for i in rows if i >= nb]
         batch = build_forward_batch(entries, self.components, self.sizes.page_size, self.device, self._capture_into,
-                                    captures=captures, fills=fills)
+                                    captures=captures, fills=fills, block=block)
         return self.model(batch, self.pools)
 
     # ---- state moves: save and load over a location ----------------------------------------

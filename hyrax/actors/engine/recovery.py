@@ -45,7 +45,7 @@ class Recovery:
         """`plan` raised on live ranks: end its requests, and those of the step in flight;
         out of memory: lower the batch cap and rebuild them instead."""
         self.last_step_error = str(error)
-        log.warning("step %d failed (%d requests): %s", plan.step, len(plan.entries), error)
+        log.warning("step %d failed (%d requests): %s", plan.step, plan.num_rows, error)
         later = self._collect_later(plan)
         if not isinstance(error, StepOutOfMemory):
             self.stats.step_errors += 1
@@ -53,7 +53,7 @@ class Recovery:
             return
         self.stats.batch_cap.out_of_memory_steps += 1
         if self.cap.smallest(plan):  # alone and as small as a step can be: retrying cannot help
-            self.stats.batch_cap.failed += len(plan.entries)
+            self.stats.batch_cap.failed += plan.num_rows
             self._fail(plan)
             self._rebuild(*later)
             return
@@ -74,8 +74,8 @@ class Recovery:
 
     def _fail(self, *plans: StepPlan) -> None:
         for plan in plans:
-            for e in plan.entries:
-                req = self.table.get(e.req_id)
+            for rid in plan.req_ids:
+                req = self.table.get(rid)
                 if req is not None:
                     self.finish(req, "error")
 
@@ -84,8 +84,8 @@ class Recovery:
         may have half written) and wait first in line, to be rebuilt by prefill from their
         tokens; nothing they committed is lost."""
         for plan in plans:
-            for e in plan.entries:
-                req = self.table.get(e.req_id)
+            for rid in plan.req_ids:
+                req = self.table.get(rid)
                 if req is None or req.state != State.RUNNING:
                     continue  # finished or aborted (its rows went then), or rebuilt already
                 self.free_device(req)

@@ -96,6 +96,14 @@ class Results:
         later = {w.req_id for w in plan.checkpoints} if windows and plan.checkpoints else ()
         new_tokens = out.tokens
         generated = 0
+        block = plan.decode
+        if block is not None:  # the decode block's rows first: one token each, every one sampled
+            nb = len(block)
+            toks = result.tokens[:nb]
+            for _ in range(nb):
+                next(tokens)
+            generated += self._apply_block(block, toks, lps, out, now)
+            row = nb - 1
         for e in plan.entries:
             sample = e.sample
             if sample is not None:
@@ -121,6 +129,42 @@ class Results:
                 out.stopped.append((req, reason))
         self.stats.generation_tokens += generated
         return out
+
+    def _apply_block(self, block, toks: list[int], lps: dict, out: Applied, now: float) -> int:
+        """The decode block's rows (`apply`): one token each. `StopRule.reason` is asked only
+        where it can say something - an EOS token, a request with stop ids or strings, one that
+        reaches max_tokens or the context limit - and a window's pages are looked at only where
+        its first live row moves to a new page (`_frees_page`)."""
+        get, running, stop = self.table.requests.get, State.RUNNING, self.stop.reason
+        eos, max_len, ps = self.stop.eos, self.stop.max_model_len, self.page_size
+        one_window = self._keep[0] if len(self._keep) == 1 else None
+        frees_page = self._frees_page if self._keep else None
+        generated = 0
+        new_tokens, stopped = out.tokens, out.stopped
+        for k, (rid, start, tok, draw, limit, stops) in enumerate(zip(
+                block.req_ids, block.starts.tolist(), toks, block.draws.tolist(), block.max_tokens.tolist(),
+                block.stops.tolist())):
+            req = get(rid)
+            if req is None or req.state is not running:
+                continue  # aborted or retracted while the step ran
+            req.num_computed = start + 1
+            if one_window is not None:
+                if start >= one_window and (start + 1 - one_window) % ps == 0:
+                    self._release_window(req)
+            elif frees_page is not None and frees_page(start, start + 1):
+                self._release_window(req)
+            req.output_ids.append(tok)
+            generated += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+            new_tokens[rid] = [tok]
+            if k in lps:
+                out.logprobs[rid] = [lps[k]]
+            if tok in eos or stops or draw + 1 >= limit or start + 2 >= max_len:
+                reason = stop(req, tok)
+                if reason:
+                    stopped.append((req, reason))
+        return generated
 
     def release_windows(self, plan: StepPlan) -> None:
         """After the prefix cache took this step's checkpoints: the window pages `apply` left."""

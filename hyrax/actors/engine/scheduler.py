@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
+
+import numpy as np
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.indices import IndexSnapshot
-from hyrax.actors.engine.lane import NO_ROWS, LaneRows, steady_lane_entry
+from hyrax.actors.engine.lane import Joiner, LaneRows, steady_lane_entry
 from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
@@ -32,7 +34,10 @@ class Scheduled:
     grants: Mapping[str, Mapping[str, tuple[int, ...]]]  # req id -> component -> units taken, in order
     pressure: bool = False  # a request did not fit while frees wait for the step in flight
     short: Mapping[str, int] = field(default_factory=dict)  # units a request that did not fit lacked
-    lane: LaneRows = NO_ROWS  # the plan's steady decodes, for the next step's lane (lane.py)
+    # for the next step's lane (lane.py): the lane rows this plan runs (its decode block), and
+    # the steady decodes it planned as entries
+    lane: LaneRows | None = None
+    joiners: tuple[Joiner, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,21 +83,6 @@ def _decode_first(running: Sequence[RequestView]) -> tuple[list[RequestView], li
     for r in sorted(running, key=_by_arrival):
         (later if len(r.ids) - r.computed > 1 else decodes).append(r)
     return decodes, later
-
-
-def _merged(lane: LaneRows, decodes: list[RequestView]) -> list:
-    """Lane rows (as their index) and decode views in one arrival order (a lane row first on a
-    tie); both come in arrival order."""
-    if not decodes:
-        return list(range(len(lane.entries)))
-    out, k, arrivals = [], 0, lane.arrivals
-    for r in decodes:
-        while k < len(arrivals) and arrivals[k] <= r.arrival:
-            out.append(k)
-            k += 1
-        out.append(r)
-    out.extend(range(k, len(arrivals)))
-    return out
 
 
 class Scheduler:
@@ -154,7 +144,7 @@ class Scheduler:
             return True
         tokens = sum(max(r.params.max_tokens - r.num_outputs, 0) for r in growing)
         if lane is not None:
-            tokens += sum(max(limit - e.sample.draw, 0) for e, limit in zip(lane.entries, lane.max_tokens))
+            tokens += int(np.maximum(lane.block.max_tokens - lane.block.draws, 0).sum())
         growth = tokens / self.config.page_size
         return all(pools.count[c.name] - need.get(c.name, 0) >= ratio * growth
                    for c in self.components if c.kind == TOKEN)
@@ -180,27 +170,14 @@ class Scheduler:
         planned: set[str] = set()
         pressure = False
         short: dict[str, int] = {}
-        lane = view.lane if view.lane is not None and view.lane.entries else None
-        steady: tuple[list, list, list, list] = ([], [], [], [])  # the next lane's columns (LaneRows)
+        lane = view.lane
+        joiners: list[Joiner] = []  # steady decodes planned here that the lane carries on next step
         decodes, later = _decode_first(view.running)
-        if lane is not None and not decodes:  # the lane rows are the step's decodes: taken whole
-            k = min(len(lane.entries), max(budget, 0))
-            entries.extend(lane.entries[:k])
-            for col, lane_col in zip(steady, lane):
-                col.extend(lane_col[:k])
-            budget -= k
-            lane_order = []
-        else:
-            lane_order = decodes if lane is None else _merged(lane, decodes)
-        for r in lane_order + later:
-            if type(r) is int:  # a lane row: its entry is made (lane.advance); it takes a token
-                if budget >= 1:
-                    e = lane.entries[r]
-                    entries.append(e)
-                    budget -= 1
-                    for col, v in zip(steady, (e, lane.snaps[r], lane.arrivals[r], lane.max_tokens[r])):
-                        col.append(v)
-                continue
+        if lane is not None:  # the lane's rows run first, one token each
+            if len(lane.block) + len(decodes) > budget:  # the budget decides who decodes: in arrival order
+                return NeedRoom(widen=True)
+            budget -= len(lane.block)
+        for r in decodes + later:
             if budget >= 1:
                 e = self._steady_decode(r)
                 if e is not None:
@@ -208,8 +185,8 @@ class Scheduler:
                     planned.add(r.id)
                     budget -= 1
                     if type(r.indices) is IndexSnapshot and steady_lane_entry(e):
-                        for col, v in zip(steady, (e, r.indices, r.arrival, r.params.max_tokens)):
-                            col.append(v)
+                        joiners.append(Joiner(e, r.indices, r.params.max_tokens,
+                                              bool(r.params.stop or r.params.stop_token_ids)))
                     continue
             n = self.chunk_len(r, budget)
             if n == 0:
@@ -253,9 +230,9 @@ class Scheduler:
             admitted.append(r)
             budget -= n
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
-        plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic)
-        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short,
-                         LaneRows(*map(tuple, steady)) if steady[0] else NO_ROWS)
+        plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic,
+                        decode=lane.block if lane is not None else None)
+        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short, lane, tuple(joiners))
 
     def _steady_decode(self, r: RequestView) -> PlanEntry | None:
         """Most entries of a step: one decode token inside a page `r` holds, which takes no unit

@@ -7,17 +7,16 @@ is read back from live request fields while the scheduler plans.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.indices import IndexSnapshot, IndexTable
-from hyrax.actors.engine.plan import StepPlan
+from hyrax.actors.engine.plan import PLACEHOLDER, StepPlan
 from hyrax.actors.engine.request import Request, SamplingParams
 
 if TYPE_CHECKING:
     from hyrax.actors.engine.lane import LaneRows
-
-PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
 
 
 class Tokens(Sequence[int]):
@@ -126,7 +125,7 @@ class SchedulerView:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + (len(self.lane.entries) if self.lane is not None else 0)
+        return len(self.running) + (len(self.lane.block) if self.lane is not None else 0)
 
 
 def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
@@ -148,15 +147,19 @@ def build_view(step: int, running: list[Request], waiting: list[Request], alloc:
     """A snapshot of the request table and the allocators. `max_units`: the most units one step
     can take from a pool (a prefix of each free list that long is enough). `lane`: rows of
     running requests planned without a view; `lane_ids`, the `id()`s of those requests."""
-    ahead = {e.req_id: (e.start + len(e.token_ids), e.sample is not None)
-             for e in in_flight.entries} if in_flight is not None else {}
+    rest = [r for r in running if id(r) not in lane_ids] if lane_ids else running  # the lane's have no view
+    ahead = {}
+    if in_flight is not None and rest:
+        ahead = {e.req_id: (e.start + len(e.token_ids), e.sample is not None) for e in in_flight.entries}
+        block = in_flight.decode
+        if block is not None:
+            ahead.update(zip(block.req_ids, zip((block.starts + 1).tolist(), repeat(True))))
     room = max(max_running - len(running), 0) if admit_new else 0
     return SchedulerView(
         step=step,
-        running=tuple([view_of(r, ahead.get(r.id)) for r in running if id(r) not in lane_ids] if lane_ids
-                      else [view_of(r, ahead.get(r.id)) for r in running]),
+        running=tuple([view_of(r, ahead.get(r.id)) for r in rest]),
         waiting=tuple([view_of(r) for r in waiting[:room]]),
         free={n: FreePool(a.num_free, tuple(a.peek(max_units))) for n, a in alloc.items()},
-        in_flight=frozenset(ahead),
+        in_flight=frozenset(in_flight.req_ids) if in_flight is not None else frozenset(),
         admit_new=admit_new, reserve_ratio=reserve_ratio, lane=lane,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import Mapping, NamedTuple, Sequence
 
@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from hyrax.actors.model.components import WINDOW, ComponentSpec
+
+PLACEHOLDER = -1  # a token still being sampled (engine/plan.py): `fills` says which
 
 
 class SeqSlice(NamedTuple):
@@ -44,18 +46,87 @@ class SeqSlice(NamedTuple):
 KV_TILE_ROWS = 256
 
 
-@dataclass
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where a step's keys are: row b's keys are positions first[b] .. first[b] + n_keys[b] - 1
+    (K columns, the longest row's count), on the pages of the page table."""
+
+    first: torch.Tensor | None  # (B,) long on the device; None: every row's keys start at position 0
+    n_keys: torch.Tensor  # (B,) long on the device
+    K: int
+    page_size: int
+
+
 class AttnIndex:
-    write_rows: torch.Tensor  # (N,) pool row of each of the step's N tokens, in `ForwardBatch.token_index` order
-    read_rows: torch.Tensor  # (B, K) pool row of each visible key, 0 where invalid
-    pad_keys: torch.Tensor  # (M,) long: flat index into (B * K) of every invalid key (computed on the host)
-    key_pos: torch.Tensor  # (B, K) token position of each key
-    key_valid: torch.Tensor  # (B, K) bool
-    page_table: torch.Tensor  # (B, P) long, -1 where a page is not held
-    block_cols: int = 0  # the block table's width: pages covering the longest context in whole tiles
-    # a kernel's per-step derived tensors (e.g. SDPA's visibility mask per window), computed by
-    # the first layer that needs one and shared by every other layer of the step
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
+    """A paged component's view of a step: where its tokens are written, which pool rows its
+    keys are read from. The per-key tensors (read_rows, key_pos, key_valid: (B, K) each) are
+    derived on the device from the page table and the `KeyLayout` when first read - by the
+    first attention layer of the step, shared by the others - as a paged kernel reads the
+    block table itself: the host builds O(B * P) metadata, not O(B * K). They may also be
+    given (`with_keys`)."""
+
+    def __init__(self, write_rows: torch.Tensor, pad_keys: torch.Tensor, page_table: torch.Tensor,
+                 block_cols: int = 0, *, keys: KeyLayout | None = None, read_rows: torch.Tensor | None = None,
+                 key_pos: torch.Tensor | None = None, key_valid: torch.Tensor | None = None):
+        self.write_rows = write_rows  # (N,) pool row of each of the step's N tokens, in `ForwardBatch.token_index` order
+        self.pad_keys = pad_keys  # (M,) long: flat index into (B * K) of every invalid key (computed on the host)
+        self.page_table = page_table  # (B, P) long, -1 where a page is not held
+        self.block_cols = block_cols  # the block table's width: pages covering the longest context in whole tiles
+        self.keys = keys
+        if (read_rows is None or key_pos is None or key_valid is None) and keys is None:
+            raise ValueError("AttnIndex needs a key layout or the per-key tensors")
+        self._read_rows, self._key_pos, self._key_valid = read_rows, key_pos, key_valid
+        # a kernel's per-step derived tensors (e.g. SDPA's visibility mask per window), computed by
+        # the first layer that needs one and shared by every other layer of the step
+        self.derived: dict = {}
+
+    @property
+    def read_rows(self) -> torch.Tensor:
+        """(B, K) pool row of each key, 0 where invalid."""
+        if self._read_rows is None:
+            self._derive()
+        return self._read_rows
+
+    @property
+    def key_pos(self) -> torch.Tensor:
+        """(B, K) token position of each key."""
+        if self._key_pos is None:
+            self._derive()
+        return self._key_pos
+
+    @property
+    def key_valid(self) -> torch.Tensor:
+        """(B, K) bool."""
+        if self._key_valid is None:
+            self._derive()
+        return self._key_valid
+
+    def _derive(self) -> None:
+        lay, pt = self.keys, self.page_table
+        B, P = pt.shape
+        ps, K = lay.page_size, lay.K
+        ar = torch.arange(K, device=pt.device)
+        pos = ar.expand(B, K) if lay.first is None else lay.first[:, None] + ar
+        valid = ar < lay.n_keys[:, None]
+        if lay.first is None and P * ps >= K:  # each page's rows in order: no page lookup per key
+            rows = (pt.clamp(min=0)[:, :, None] * ps + torch.arange(ps, device=pt.device)).view(B, P * ps)[:, :K]
+        else:
+            page = pt.gather(1, torch.clamp(pos // ps, max=P - 1)).clamp(min=0)
+            rows = page * ps + pos % ps
+        self._read_rows = torch.where(valid, rows, 0)
+        self._key_pos, self._key_valid = pos, valid
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the attention may read (the per-key ones derived if they were not given)."""
+        return self.write_rows, self.read_rows, self.pad_keys, self.key_pos, self.key_valid, self.page_table
+
+    def with_keys(self, **tensors: torch.Tensor) -> AttnIndex:
+        """A copy with some of read_rows, key_pos, key_valid, pad_keys given (fresh derived tensors)."""
+        out = AttnIndex(tensors.get("write_rows", self.write_rows), tensors.get("pad_keys", self.pad_keys),
+                        tensors.get("page_table", self.page_table), self.block_cols, keys=self.keys,
+                        read_rows=tensors.get("read_rows", self.read_rows), key_pos=tensors.get("key_pos", self.key_pos),
+                        key_valid=tensors.get("key_valid", self.key_valid))
+        return out
 
     @cached_property
     def block_table(self) -> torch.Tensor:
@@ -181,73 +252,125 @@ def _filled(input_ids: np.ndarray, q_lens: np.ndarray, fills: Sequence[int]) -> 
     return input_ids
 
 
+class _Rows(NamedTuple):
+    """Per-row host arrays of a step: query lengths, start positions, input ids (B, T), and each
+    component's page tables (B, P) or slots (B,)."""
+
+    q_lens: np.ndarray
+    starts: np.ndarray
+    input_ids: np.ndarray
+    units: dict[str, np.ndarray]
+
+
+def _row_inputs(seqs: Sequence, block, components: tuple[ComponentSpec, ...], fills: Sequence[int] | None) -> _Rows:
+    """The rows of `block` (columns: no per-row step), then those of `seqs`."""
+    nb, ns = (len(block) if block is not None else 0), len(seqs)
+    if nb and not ns:  # a steady decode step: the block's columns as they are
+        tokens = block.tokens if block.tokens is not None else np.full(nb, PLACEHOLDER, dtype=np.int64)
+        q_lens = np.ones(nb, dtype=np.int64)
+        input_ids = tokens.reshape(nb, 1)
+        if fills is not None and block.tokens is None:
+            input_ids = _filled(input_ids, q_lens, fills)
+        return _Rows(q_lens, block.starts, input_ids, {c.name: (block.tables if c.paged else block.slots)[c.name]
+                                                       for c in components})
+    # per-request fields read with map + C getters: a generator per field cost ~2x as much
+    ids = list(map(_TOKEN_IDS, seqs))
+    q_lens = np.fromiter(chain(repeat(1, nb), map(len, ids)), dtype=np.int64, count=nb + ns)
+    starts = np.fromiter(map(_START, seqs), dtype=np.int64, count=ns)
+    T = int(q_lens.max())
+    input_ids = _ragged(ids, T, 0)
+    if nb:
+        starts = np.concatenate([block.starts, starts])
+        head = np.zeros((nb, T), dtype=np.int64)
+        head[:, 0] = block.tokens if block.tokens is not None else PLACEHOLDER
+        input_ids = np.concatenate([head, input_ids])
+    if fills is not None:
+        input_ids = _filled(input_ids, q_lens, fills)
+    units = {}
+    slot_maps, table_maps = list(map(_SLOTS, seqs)), list(map(_PAGE_TABLES, seqs))
+    for comp in components:
+        if not comp.paged:
+            units[comp.name] = np.fromiter(map(itemgetter(comp.name), slot_maps), dtype=np.int64, count=ns)
+            if nb:
+                units[comp.name] = np.concatenate([block.slots[comp.name], units[comp.name]])
+            continue
+        tables = list(map(itemgetter(comp.name), table_maps))
+        width = max(1, max(map(len, tables), default=0), block.tables[comp.name].shape[1] if nb else 0)
+        pt = _ragged(tables, width, -1)
+        if nb:
+            head = block.tables[comp.name]
+            if head.shape[1] < width:
+                head = np.pad(head, ((0, 0), (0, width - head.shape[1])), constant_values=-1)
+            pt = np.concatenate([head, pt])
+        units[comp.name] = pt
+    return _Rows(q_lens, starts, input_ids, units)
+
+
 def build_forward_batch(
     seqs: Sequence, components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu",
     capture_into: Mapping[str, str] | None = None, *,
     captures: Mapping[int, tuple[int, Mapping[str, int]]] | None = None, fills: Sequence[int] | None = None,
+    block=None,
 ) -> ForwardBatch:
     """The step's batch on `device`, computed on the host (numpy) and moved in one copy (`to_device`).
-    `seqs`: `SeqSlice`s, or anything with their first four fields (a plan's entries).
-    `capture_into`: slot component -> its checkpoint pool's key, needed when a slice captures.
-    `captures`: {row: capture} instead of each SeqSlice's own; `fills`: per row, the token a
-    negative last token stands for (`_filled`)."""
-    if not seqs:
+    `seqs`: `SeqSlice`s, or anything with their first four fields (a plan's entries); `block`: a
+    plan's `DecodeBlock`, whose rows come first. `capture_into`: slot component -> its
+    checkpoint pool's key, needed when a slice captures. `captures`: {row: capture} instead of
+    each SeqSlice's own; `fills`: per row, the token a negative last token stands for (`_filled`)."""
+    if not seqs and not block:
         raise ValueError("empty batch")
-    B = len(seqs)
-    # per-request fields read with map + C getters: a generator per field cost ~2x as much
-    ids = list(map(_TOKEN_IDS, seqs))
-    q_lens = np.fromiter(map(len, ids), dtype=np.int64, count=B)
-    starts = np.fromiter(map(_START, seqs), dtype=np.int64, count=B)
+    rows = _row_inputs(seqs, block, components, fills)
+    q_lens, starts = rows.q_lens, rows.starts
+    B = len(q_lens)
     ctx = starts + q_lens  # tokens in context after this step
-    T, max_context = int(q_lens.max()), int(ctx.max())
+    T, max_context = rows.input_ids.shape[1], int(ctx.max())
     ar_t = np.arange(T)
     q_valid = ar_t[None, :] < q_lens[:, None]
     positions = np.where(q_valid, starts[:, None] + ar_t[None, :], 0)
     token_index = np.flatnonzero(q_valid)  # on the host: no device sync
-    input_ids = _ragged(ids, T, 0)
-    if fills is not None:
-        input_ids = _filled(input_ids, q_lens, fills)
-    host = {"input_ids": input_ids, "positions": positions, "q_valid": q_valid,
+    host = {"input_ids": rows.input_ids, "positions": positions, "q_valid": q_valid,
             "q_lens": q_lens, "token_index": token_index, "context_lens": ctx}
     max_tiles = -(-max_context // KV_TILE_ROWS)
     rows_b = np.arange(B)[:, None]
     slot_names, paged = [], []
-    slot_maps, table_maps = list(map(_SLOTS, seqs)), list(map(_PAGE_TABLES, seqs))
     for comp in components:
         if not comp.paged:
-            host[comp.name] = np.fromiter(map(itemgetter(comp.name), slot_maps), dtype=np.int64, count=B)
+            host[comp.name] = rows.units[comp.name]
             slot_names.append(comp.name)
             continue
-        tables = list(map(itemgetter(comp.name), table_maps))
-        n_pages = max(1, max(map(len, tables)))
-        pt = _ragged(tables, n_pages, -1)
+        pt = rows.units[comp.name]
+        n_pages = pt.shape[1]
 
         def rows_at(pos: np.ndarray, valid: np.ndarray, pt=pt) -> np.ndarray:
             """Pool rows of token positions `pos` (B, n); where not `valid`, 0."""
             page = pt[rows_b, np.minimum(pos // page_size, n_pages - 1)]  # pos >= 0
             return _valid_rows(comp.name, page * page_size + pos % page_size, valid)
 
-        read_start = np.maximum(starts - comp.window + 1, 0) if comp.kind == WINDOW else np.zeros_like(starts)
-        n_keys = ctx - read_start
+        read_start = np.maximum(starts - comp.window + 1, 0) if comp.kind == WINDOW else None
+        if read_start is not None and not read_start.any():
+            read_start = None  # every request's keys start at position 0
+        n_keys = ctx if read_start is None else ctx - read_start
         K = int(n_keys.max())
-        key_pos = read_start[:, None] + np.arange(K)[None, :]
-        key_valid = np.arange(K)[None, :] < n_keys[:, None]
-        if n_pages * page_size >= K and not read_start.any():
-            # every request's keys are its positions 0 .. K-1: each page's rows in order, without a
-            # page lookup per key (the same rows as rows_at; a third of its cost at 64 x 80 keys)
-            every = (pt[:, :, None] * page_size + np.arange(page_size)).reshape(B, n_pages * page_size)[:, :K]
-            read_rows = _valid_rows(comp.name, every, key_valid)
-        else:
-            read_rows = rows_at(key_pos, key_valid)
-        paged.append(comp.name)
+        # every key's page is held: checked per page (B x P), the keys themselves are derived on
+        # the device (AttnIndex)
+        first_page = 0 if read_start is None else (read_start // page_size)[:, None]
+        last_page = ((ctx - 1) // page_size)[:, None]
+        ar_p = np.arange(n_pages)[None, :]
+        if ((pt < 0) & (ar_p >= first_page) & (ar_p <= last_page)).any() or (last_page >= n_pages).any():
+            raise RuntimeError(f"{comp.name}: a step touches a position whose page is not allocated")
+        paged.append((comp.name, K))
+        # the invalid keys (each row's n_keys .. K-1) in flat (B * K) order, from the counts alone
+        pads = K - n_keys
+        first = np.arange(B) * K + n_keys - (np.cumsum(pads) - pads)
         host.update({
             f"{comp.name}.write_rows": rows_at(positions, q_valid).reshape(-1)[token_index],
-            f"{comp.name}.read_rows": read_rows,
-            f"{comp.name}.pad_keys": np.flatnonzero(~key_valid),
-            f"{comp.name}.key_pos": key_pos, f"{comp.name}.key_valid": key_valid, f"{comp.name}.page_table": pt,
+            f"{comp.name}.pad_keys": np.repeat(first, pads) + np.arange(int(pads.sum())),
+            f"{comp.name}.n_keys": n_keys, f"{comp.name}.page_table": pt,
         })
+        if read_start is not None:
+            host[f"{comp.name}.first"] = read_start
     captured = (sorted(captures.items()) if captures is not None
-                else [(b, s.capture) for b, s in enumerate(seqs) if s.capture is not None])
+                else [(b, s.capture) for b, s in enumerate(seqs, start=B - len(seqs)) if s.capture is not None])
     if captured:
         if capture_into is None or any(not 0 < k < q_lens[b] for b, (k, _) in captured):
             raise ValueError(f"invalid captures {[(b, k, int(q_lens[b])) for b, (k, _) in captured]} "
@@ -261,11 +384,10 @@ def build_forward_batch(
     capture = Capture(dev["capture.rows"], dev["capture.lens"], {name: dev[f"capture.{name}"] for name in slot_names},
                       capture_into) if captured else None
     attn = {name: AttnIndex(
-        write_rows=dev[f"{name}.write_rows"], read_rows=dev[f"{name}.read_rows"], pad_keys=dev[f"{name}.pad_keys"],
-        key_pos=dev[f"{name}.key_pos"],
-        key_valid=dev[f"{name}.key_valid"], page_table=dev[f"{name}.page_table"],
-        block_cols=-(-max_tiles * KV_TILE_ROWS // page_size),
-    ) for name in paged}
+        dev[f"{name}.write_rows"], dev[f"{name}.pad_keys"], dev[f"{name}.page_table"],
+        -(-max_tiles * KV_TILE_ROWS // page_size),
+        keys=KeyLayout(dev.get(f"{name}.first"), dev[f"{name}.n_keys"], K, page_size),
+    ) for name, K in paged}
     return ForwardBatch(
         input_ids=dev["input_ids"], positions=dev["positions"], q_valid=dev["q_valid"], q_lens=dev["q_lens"],
         token_index=dev["token_index"], attn=attn, slots={name: dev[name] for name in slot_names},

@@ -60,9 +60,8 @@ def pad_key_columns(batch: ForwardBatch, keys: dict[str, int]) -> ForwardBatch:
             raise ValueError(f"{name}: key padding to {cols} columns does not pass K = {K}")
         valid = _pad_cols(idx.key_valid, cols, False)
         flat = torch.arange(B * cols, device=valid.device)
-        attn[name] = dataclasses.replace(
-            idx, read_rows=_pad_cols(idx.read_rows, cols, 0), key_pos=_pad_cols(idx.key_pos, cols, 0),
-            key_valid=valid, pad_keys=torch.where(valid.view(-1), K, flat), derived={})
+        attn[name] = idx.with_keys(read_rows=_pad_cols(idx.read_rows, cols, 0), key_pos=_pad_cols(idx.key_pos, cols, 0),
+                                   key_valid=valid, pad_keys=torch.where(valid.view(-1), K, flat))
     return dataclasses.replace(batch, attn=attn)
 
 
@@ -80,7 +79,7 @@ def mark_dynamic(batch: ForwardBatch) -> None:
                 if isinstance(x, torch.Tensor):
                     yield x
                 elif isinstance(x, AttnIndex):
-                    yield from tensors(x)
+                    yield from x.tensors()
 
     for t in tensors(batch):
         for d in range(t.dim()):

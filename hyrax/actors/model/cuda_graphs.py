@@ -47,8 +47,7 @@ def batch_tensors(batch: ForwardBatch) -> list[torch.Tensor]:
 
 
 def _clone(batch: ForwardBatch) -> ForwardBatch:
-    attn = {n: dataclasses.replace(i, **{f: getattr(i, f).clone() for f in _ATTN_TENSORS}, derived={})
-            for n, i in batch.attn.items()}
+    attn = {n: i.with_keys(**{f: getattr(i, f).clone() for f in _ATTN_TENSORS}) for n, i in batch.attn.items()}
     return dataclasses.replace(batch, **{f: getattr(batch, f).clone() for f in _BATCH_TENSORS}, attn=attn,
                                slots={n: s.clone() for n, s in batch.slots.items()})
 
