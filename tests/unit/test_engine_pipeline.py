@@ -26,7 +26,7 @@ class InflightSpy:
 
     def submit(self, plan):
         refs = {}
-        for e in plan.entries:
+        for e in plan.all_entries():  # the decode block's rows too
             for name, table in e.page_tables.items():
                 refs.setdefault(name, set()).update(p for p in table if p >= 0)
             for name, slot in e.slots.items():
