@@ -85,7 +85,7 @@ def test_key_positions_validity_and_padding_equal_the_per_key_reference(max_ctx,
         head = [s for s in _seqs(rng, rng.randint(0, 4), max_ctx, True)]
         block = block_of([PlanEntry(f"r{k}", (7,), s.start, {n: tuple(t) for n, t in s.page_tables.items()}, s.slots,
                                     SamplingSpec(0.0, 1.0, 0, 0, 0)) for k, s in enumerate(head)],
-                         np.full(len(head), 100), np.zeros(len(head), dtype=bool)) if head else None
+                         [100] * len(head), [False] * len(head)) if head else None
         batch = build_forward_batch(seqs, COMPS, PS, block=block)
         every = head + seqs
         for c in PAGED:

@@ -21,29 +21,26 @@ request; test_decode_lane.py re-plans every step from a full view and compares.
 """
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, is_
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from hyrax.actors.engine.indices import IndexSnapshot
-from hyrax.actors.engine.plan import DecodeBlock, PlanEntry, StepPlan
+from hyrax.actors.engine.plan import LEFT, PLACEHOLDER, DecodeBlock, PlanEntry, StepPlan
 from hyrax.actors.engine.request import Request, State
 
 _state = attrgetter("state")
 _snap = attrgetter("indices._snap")
-_REQ_ID, _START, _TABLES, _SLOTS, _SAMPLE = (attrgetter(f) for f in ("req_id", "start", "page_tables", "slots", "sample"))
+_REQ_ID, _SAMPLE, _outputs = (attrgetter(f) for f in ("req_id", "sample", "output_ids"))
 
 
 class LaneRows(NamedTuple):
-    """The lane's rows for one step (advanced), with what checking and advancing them next needs."""
+    """The lane's rows for one step (advanced), with the index snapshot each row's tables came
+    from (what checking them next step compares)."""
 
     block: DecodeBlock
-    snaps: tuple[IndexSnapshot, ...]  # the snapshot of each row's request's indices its tables came from
-    # int64 (B,): how many more steps each row may be advanced before its next token opens a page,
-    # ends on a checkpoint boundary or its draw reaches max_tokens (`steps_left`)
-    left: np.ndarray
+    snaps: tuple[IndexSnapshot, ...]
 
 
 class Joiner(NamedTuple):
@@ -63,46 +60,37 @@ def steady_lane_entry(e: PlanEntry) -> bool:
     return s is not None and s.process is None and s.grammar is None
 
 
-def _i64(values) -> np.ndarray:
-    return np.fromiter(values, dtype=np.int64)
-
-
-def _tables(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """((n, P) int64 page tables, -1 after each row's own, P the longest; (n,) their lengths)."""
-    lens = _i64(map(len, rows))
-    out = np.full((len(rows), max(int(lens.max()), 1)), -1, dtype=np.int64)
-    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = _i64(chain.from_iterable(rows))
-    return out, lens
-
-
-def steps_left(starts: np.ndarray, draws: np.ndarray, max_tokens: np.ndarray, page_size: int,
-               checkpoint_every: int | None) -> np.ndarray:
-    """How many more steps rows at these positions and draws may be advanced in the lane: the
-    row advanced j steps runs position start + j, which must not open a page ((start + j) %
+def steps_left(start: int, draw: int, max_tokens: int, page_size: int, checkpoint_every: int | None) -> int:
+    """How many more steps a row at this position and draw may be advanced in the lane: the row
+    advanced j steps runs position start + j, which must not open a page ((start + j) %
     page_size != 0), must not end on a checkpoint boundary ((start + j + 1) % checkpoint_every
     != 0), and draws draw + j < max_tokens."""
-    left = np.minimum(page_size - 1 - starts % page_size, max_tokens - 1 - draws)
+    left = min(page_size - 1 - start % page_size, max_tokens - 1 - draw)
     if checkpoint_every:
-        to_boundary = (-(starts + 1)) % checkpoint_every  # steps until start + j + 1 is a boundary (0: now)
-        left = np.minimum(left, np.where(to_boundary == 0, checkpoint_every, to_boundary) - 1)
+        to_boundary = (-(start + 1)) % checkpoint_every  # steps until start + j + 1 is a boundary (0: now)
+        left = min(left, (to_boundary or checkpoint_every) - 1)
     return left
 
 
-def block_of(entries: Sequence[PlanEntry], max_tokens: np.ndarray, stops: np.ndarray) -> DecodeBlock:
-    """The columns of steady decode entries (joiners: a few a step)."""
-    specs = list(map(_SAMPLE, entries))
+def block_of(entries: Sequence[PlanEntry], max_tokens: Sequence[int], stops: Sequence[bool],
+             page_size: int = 1, checkpoint_every: int | None = None) -> DecodeBlock:
+    """The columns of steady decode entries (joiners: a few a step), one array each, made from
+    Python rows (a handful of array calls, whatever the number of rows)."""
     first = entries[0]
-    tables, n_pages = {}, {}
-    table_maps, slot_maps = list(map(_TABLES, entries)), list(map(_SLOTS, entries))
-    for name in first.page_tables:
-        tables[name], n_pages[name] = _tables(list(map(itemgetter(name), table_maps)))
-    temperature, top_p, top_k, seeds, draws, logprobs = (list(col) for col in zip(*(s[:6] for s in specs)))
-    return DecodeBlock(
-        req_ids=tuple(map(_REQ_ID, entries)), starts=_i64(map(_START, entries)), tokens=None,
-        tables=tables, n_pages=n_pages, slots={name: _i64(map(itemgetter(name), slot_maps)) for name in first.slots},
-        draws=np.array(draws, dtype=np.int64), temperature=np.array(temperature, dtype=np.float64),
-        top_p=np.array(top_p, dtype=np.float64), top_k=np.array(top_k, dtype=np.int64), seeds=tuple(seeds),
-        logprobs=tuple(logprobs), max_tokens=max_tokens, stops=stops)
+    slot_names, paged = tuple(first.slots), tuple(first.page_tables)
+    specs = list(map(_SAMPLE, entries))
+    tables = {}
+    for name in paged:
+        rows = [e.page_tables[name] for e in entries]
+        width = max(1, max(map(len, rows)))
+        tables[name] = np.array([(*t, *(-1,) * (width - len(t))) for t in rows], dtype=np.int64).reshape(-1, width)
+    ints = np.array([(e.start, s.draw, s.top_k, limit, stop, steps_left(e.start, s.draw, limit, page_size,
+                                                                         checkpoint_every),
+                      *(e.slots[n] for n in slot_names), *(len(e.page_tables[n]) for n in paged))
+                     for e, s, limit, stop in zip(entries, specs, max_tokens, stops)], dtype=np.int64)
+    return DecodeBlock(tuple(map(_REQ_ID, entries)), ints,
+                       np.array([(s.temperature, s.top_p) for s in specs], dtype=np.float64).reshape(len(specs), 2),
+                       tables, slot_names, tuple(s.seed for s in specs), tuple(s.logprobs for s in specs))
 
 
 def _widened(t: np.ndarray, width: int) -> np.ndarray:
@@ -115,28 +103,8 @@ def concat(a: DecodeBlock, b: DecodeBlock) -> DecodeBlock:
     for name, ta in a.tables.items():
         w = max(ta.shape[1], b.tables[name].shape[1])
         tables[name] = np.concatenate([_widened(ta, w), _widened(b.tables[name], w)])
-    cat = np.concatenate
-    return DecodeBlock(
-        a.req_ids + b.req_ids, cat([a.starts, b.starts]), None, tables,
-        {n: cat([v, b.n_pages[n]]) for n, v in a.n_pages.items()}, {n: cat([v, b.slots[n]]) for n, v in a.slots.items()},
-        cat([a.draws, b.draws]), cat([a.temperature, b.temperature]), cat([a.top_p, b.top_p]),
-        cat([a.top_k, b.top_k]), a.seeds + b.seeds, a.logprobs + b.logprobs, cat([a.max_tokens, b.max_tokens]),
-        cat([a.stops, b.stops]))
-
-
-def advance(rows: LaneRows, tokens: np.ndarray | None) -> tuple[LaneRows, np.ndarray | None]:
-    """The rows one step on: position and draw + 1 (`tokens`: each row's token when the step
-    before is committed, else None: the one in flight). Left out: the rows with no step left
-    (`steps_left`): they take the general path. Also returns the indices of the rows kept
-    (None: all of them)."""
-    b, left = rows.block, rows.left
-    block = b.__class__(b.req_ids, b.starts + 1, tokens, b.tables, b.n_pages, b.slots, b.draws + 1, b.temperature,
-                        b.top_p, b.top_k, b.seeds, b.logprobs, b.max_tokens, b.stops)
-    ok = left > 0
-    if ok.all():
-        return LaneRows(block, rows.snaps, left - 1), None
-    keep = np.flatnonzero(ok)
-    return LaneRows(block.rows(keep), tuple(rows.snaps[k] for k in keep.tolist()), left[keep] - 1), keep
+    return DecodeBlock(a.req_ids + b.req_ids, np.concatenate([a.ints, b.ints]), np.concatenate([a.floats, b.floats]),
+                       tables, a.slot_names, a.seeds + b.seeds, a.logprobs + b.logprobs)
 
 
 class DecodeLane:
@@ -163,19 +131,19 @@ class DecodeLane:
             return
         reqs = [] if rows is None else self._taken
         if joiners:
-            block = block_of([j.entry for j in joiners], _i64(j.max_tokens for j in joiners),
-                             np.array([j.stops for j in joiners], dtype=bool))
-            more = LaneRows(block, tuple(j.snap for j in joiners),
-                            steps_left(block.starts, block.draws, block.max_tokens, self.page_size, self.checkpoint_every))
+            more = LaneRows(block_of([j.entry for j in joiners], [j.max_tokens for j in joiners],
+                                     [j.stops for j in joiners], self.page_size, self.checkpoint_every),
+                            tuple(j.snap for j in joiners))
             reqs = reqs + list(map(requests.__getitem__, more.block.req_ids))
-            rows = more if rows is None else LaneRows(concat(rows.block, more.block), rows.snaps + more.snaps,
-                                                      np.concatenate([rows.left, more.left]))
+            rows = more if rows is None else LaneRows(concat(rows.block, more.block), rows.snaps + more.snaps)
         self._step, self._rows, self._reqs = plan.step, rows, reqs
 
     def take(self, in_flight: StepPlan | None, committed_step: int | None) -> tuple[LaneRows | None, set[int]]:
-        """The rows for the next step and the `id()`s of their requests (the view leaves those
-        out); None when the lane's plan is neither the step in flight nor the last committed
-        one. Reads two fields of each request; no per-request Python step when nothing changed."""
+        """The rows for the next step, advanced, and the `id()`s of their requests (the view
+        leaves those out); None when the lane's plan is neither the step in flight nor the last
+        committed one. Reads two fields of each request; no per-request Python step when
+        nothing changed. Left out: rows whose request changed, and rows with no step left
+        (`steps_left`): they take the general path."""
         step, rows, reqs = self._step, self._rows, self._reqs
         self.clear()
         self._taken = []
@@ -189,22 +157,24 @@ class DecodeLane:
         except AttributeError:  # indices that are not an IndexTable (made by hand): checked one by one
             same = False
         committed = in_flight is None  # that step's tokens are the requests' last outputs
+        changed = []
         if not same or committed:
             draws = rows.block.draws.tolist()
-            keep = [k for k, r in enumerate(reqs) if r.state is State.RUNNING
-                    and getattr(r.indices, "_snap", None) is rows.snaps[k]
-                    and (not committed or len(r.output_ids) == draws[k] + 1)]
-            if len(keep) < len(reqs):
-                idx = np.array(keep, dtype=np.int64)
-                rows = LaneRows(rows.block.rows(idx), tuple(rows.snaps[k] for k in keep), rows.left[idx])
-                reqs = [reqs[k] for k in keep]
-        if not reqs:
-            return None, set()
-        tokens = _i64(r.output_ids[-1] for r in reqs) if committed else None
-        got, kept = advance(rows, tokens)
-        if kept is not None:
-            reqs = [reqs[k] for k in kept.tolist()]
+            changed = [k for k, r in enumerate(reqs) if r.state is not State.RUNNING
+                       or getattr(r.indices, "_snap", None) is not rows.snaps[k]
+                       or (committed and len(r.output_ids) != draws[k] + 1)]
+        tokens = np.array([o[-1] if o else PLACEHOLDER for o in map(_outputs, reqs)],
+                          dtype=np.int64) if committed else None
+        block = rows.block.advanced(tokens)
+        ok = block.ints[:, LEFT] >= 0
+        if changed:
+            ok[changed] = False
+        snaps = rows.snaps
+        if not ok.all():
+            keep = np.flatnonzero(ok)
+            ks = keep.tolist()
+            block, snaps, reqs = block.rows(keep), tuple(snaps[k] for k in ks), [reqs[k] for k in ks]
         if not reqs:
             return None, set()
         self._taken = reqs
-        return got, set(map(id, reqs))
+        return LaneRows(block, snaps), set(map(id, reqs))

@@ -81,32 +81,84 @@ class PlanEntry(NamedTuple):
 _GREEDY = SamplingSpec(0.0, 1.0, 0, 0, 0)
 
 
+# the fixed columns of `DecodeBlock.ints`, before one per slot component and one per paged one
+START, DRAW, TOP_K, MAX_TOKENS, STOPS, LEFT = range(6)
+_ADVANCE: dict[int, np.ndarray] = {}  # row width -> the row added by one step
+
+
 @dataclass(frozen=True, eq=False)
 class DecodeBlock:
     """Steady decodes of a step as columns, one row each: one token at `starts[k]` inside a page
     the request holds, sampled with plain parameters (no penalties, bias, min_tokens or grammar).
     Made by the decode lane (lane.py) without a per-request object; `entry(k)` is the
-    `PlanEntry` the general path makes for the same row. Arrays are never written once made."""
+    `PlanEntry` the general path makes for the same row. The integer columns share one (B, C)
+    array and the float ones one (B, 2), so that taking, joining or advancing rows is a few
+    array operations whatever the number of columns. Arrays are never written once made."""
 
     req_ids: tuple[str, ...]
-    starts: np.ndarray  # int64 (B,): position of each row's token
-    tokens: np.ndarray | None  # int64 (B,): each row's token; None: every row's is the one in flight
+    # int64 (B, 6 + S + P): start (position of the row's token), draw (index of the token it
+    # draws), top_k, max_tokens, stops (1: the request stops on stop ids or strings, so results
+    # check every token), left (how many more steps the lane may advance the row: lane.py),
+    # then the slot of each of `slot_names`, then the length of each row's page table of each
+    # of `tables`
+    ints: np.ndarray
+    floats: np.ndarray  # float64 (B, 2): temperature, top_p
     tables: dict[str, np.ndarray]  # paged component -> (B, P) int64 page tables, -1 after a row's own
-    n_pages: dict[str, np.ndarray]  # paged component -> (B,) int64: the length of each row's table
-    slots: dict[str, np.ndarray]  # slot component -> (B,) int64
-    draws: np.ndarray  # int64 (B,): index of the token each row draws
-    temperature: np.ndarray  # float64 (B,)
-    top_p: np.ndarray  # float64 (B,)
-    top_k: np.ndarray  # int64 (B,)
+    slot_names: tuple[str, ...]
     seeds: tuple[int, ...]
     logprobs: tuple[int | None, ...]
-    # what result processing needs: each row's max_tokens, and whether its request stops on
-    # anything but EOS and its length (stop token ids or stop strings: every token is checked)
-    max_tokens: np.ndarray  # int64 (B,)
-    stops: np.ndarray  # bool (B,)
+    tokens: np.ndarray | None = None  # int64 (B,): each row's token; None: every row's is the one in flight
 
     def __len__(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.ints[:, START]
+
+    @property
+    def draws(self) -> np.ndarray:
+        return self.ints[:, DRAW]
+
+    @property
+    def top_k(self) -> np.ndarray:
+        return self.ints[:, TOP_K]
+
+    @property
+    def max_tokens(self) -> np.ndarray:
+        return self.ints[:, MAX_TOKENS]
+
+    @property
+    def stops(self) -> np.ndarray:
+        return self.ints[:, STOPS]
+
+    @property
+    def temperature(self) -> np.ndarray:
+        return self.floats[:, 0]
+
+    @property
+    def top_p(self) -> np.ndarray:
+        return self.floats[:, 1]
+
+    @property
+    def slots(self) -> dict[str, np.ndarray]:
+        return {n: self.ints[:, LEFT + 1 + k] for k, n in enumerate(self.slot_names)}
+
+    @property
+    def n_pages(self) -> dict[str, np.ndarray]:
+        at = LEFT + 1 + len(self.slot_names)
+        return {n: self.ints[:, at + k] for k, n in enumerate(self.tables)}
+
+    def advanced(self, tokens: np.ndarray | None) -> DecodeBlock:
+        """The rows one step on (position and draw + 1, one step less left), running `tokens`
+        (None: in flight)."""
+        width = self.ints.shape[1]
+        step = _ADVANCE.get(width)
+        if step is None:
+            step = _ADVANCE[width] = np.zeros(width, dtype=np.int64)
+            step[[START, DRAW, LEFT]] = 1, 1, -1
+        return DecodeBlock(self.req_ids, self.ints + step, self.floats, self.tables, self.slot_names, self.seeds,
+                           self.logprobs, tokens)
 
     def specs(self, greedy_below: float) -> list[SamplingSpec]:
         """The rows' sampling specs (as `SamplingSpec.of` makes them for plain parameters). When
@@ -115,20 +167,18 @@ class DecodeBlock:
         if self.logprobs.count(None) == len(self.logprobs) and bool((self.temperature < greedy_below).all()):
             return [_GREEDY] * len(self.req_ids)
         new = tuple.__new__  # a NamedTuple's own __new__ is a Python function: 3x dearer
-        return [new(SamplingSpec, (t, p, k, s, d, lp, None, None)) for t, p, k, s, d, lp in zip(
-            self.temperature.tolist(), self.top_p.tolist(), self.top_k.tolist(), self.seeds, self.draws.tolist(),
-            self.logprobs)]
+        return [new(SamplingSpec, (t, p, k, s, d, lp, None, None)) for (t, p), k, s, d, lp in zip(
+            self.floats.tolist(), self.top_k.tolist(), self.seeds, self.draws.tolist(), self.logprobs)]
 
     def rows(self, keep: np.ndarray) -> DecodeBlock:
-        """Rows `keep` (int64 indices, in order); tables as narrow as those rows need."""
+        """Rows `keep` (int64 indices, in order); tables keep their width (columns past a row's
+        own pages are -1)."""
         ks = keep.tolist()
-        n_pages = {n: v[keep] for n, v in self.n_pages.items()}
         return DecodeBlock(
-            tuple(self.req_ids[k] for k in ks), self.starts[keep], None if self.tokens is None else self.tokens[keep],
-            {n: t[keep, :max(int(n_pages[n].max(initial=1)), 1)] for n, t in self.tables.items()}, n_pages,
-            {n: v[keep] for n, v in self.slots.items()}, self.draws[keep], self.temperature[keep], self.top_p[keep],
-            self.top_k[keep], tuple(self.seeds[k] for k in ks), tuple(self.logprobs[k] for k in ks),
-            self.max_tokens[keep], self.stops[keep])
+            tuple(self.req_ids[k] for k in ks), self.ints[keep], self.floats[keep],
+            {n: t[keep] for n, t in self.tables.items()}, self.slot_names,
+            tuple(self.seeds[k] for k in ks), tuple(self.logprobs[k] for k in ks),
+            None if self.tokens is None else self.tokens[keep])
 
     def entry(self, k: int) -> PlanEntry:
         start = int(self.starts[k])

@@ -271,7 +271,8 @@ def _row_inputs(seqs: Sequence, block, components: tuple[ComponentSpec, ...], fi
         input_ids = tokens.reshape(nb, 1)
         if fills is not None and block.tokens is None:
             input_ids = _filled(input_ids, q_lens, fills)
-        return _Rows(q_lens, block.starts, input_ids, {c.name: (block.tables if c.paged else block.slots)[c.name]
+        slots = block.slots
+        return _Rows(q_lens, block.starts, input_ids, {c.name: (block.tables if c.paged else slots)[c.name]
                                                        for c in components})
     # per-request fields read with map + C getters: a generator per field cost ~2x as much
     ids = list(map(_TOKEN_IDS, seqs))
