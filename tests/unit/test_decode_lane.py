@@ -114,6 +114,10 @@ SCENARIOS = {
     "memory pressure": dict(config=dict(kv_capacity_tokens=160), kinds="penalties"),
     "no prefix cache": dict(config=dict(prefix_cache=False, overlap=True), kinds="penalties stops"),
     "aborts": dict(config=dict(overlap=True), kinds="sampled", aborts={5: 0, 9: 3, 14: 7}),
+    # pages of 8 and a window of 4 rows: window pages go back between page crossings, and the
+    # lane carries its rows on with their new tables (both pipelines)
+    "window release inside pages": dict(config=dict(page_size=8, overlap=True, deterministic=False), kinds=""),
+    "window release inside pages, synchronous": dict(config=dict(page_size=8), kinds="stops"),
 }
 
 

@@ -26,7 +26,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from hyrax.actors.engine.indices import IndexSnapshot
+from hyrax.actors.engine.indices import IndexSnapshot, IndexTable
 from hyrax.actors.engine.plan import LEFT, PLACEHOLDER, DecodeBlock, PlanEntry, StepPlan
 from hyrax.actors.engine.request import Request, State
 
@@ -157,19 +157,18 @@ class DecodeLane:
         except AttributeError:  # indices that are not an IndexTable (made by hand): checked one by one
             same = False
         committed = in_flight is None  # that step's tokens are the requests' last outputs
-        changed = []
+        changed, snaps, base = [], rows.snaps, rows.block
         if not same or committed:
-            draws = rows.block.draws.tolist()
-            changed = [k for k, r in enumerate(reqs) if r.state is not State.RUNNING
-                       or getattr(r.indices, "_snap", None) is not rows.snaps[k]
-                       or (committed and len(r.output_ids) != draws[k] + 1)]
+            changed, fresh = self._changed(rows, reqs, committed)
+            if fresh:  # new snapshots of indices the rows still decode in: the rows carry on with them
+                base = refreshed(base, fresh)
+                snaps = tuple(fresh[k] if k in fresh else s for k, s in enumerate(snaps))
         tokens = np.array([o[-1] if o else PLACEHOLDER for o in map(_outputs, reqs)],
                           dtype=np.int64) if committed else None
-        block = rows.block.advanced(tokens)
+        block = base.advanced(tokens)
         ok = block.ints[:, LEFT] >= 0
         if changed:
             ok[changed] = False
-        snaps = rows.snaps
         if not ok.all():
             keep = np.flatnonzero(ok)
             ks = keep.tolist()
@@ -178,3 +177,53 @@ class DecodeLane:
             return None, set()
         self._taken = reqs
         return LaneRows(block, snaps), set(map(id, reqs))
+
+    @staticmethod
+    def _changed(rows: LaneRows, reqs: list[Request], committed: bool) -> tuple[list[int], dict[int, IndexSnapshot]]:
+        """(rows to leave out, {row: a new snapshot to carry it on with}). A running request
+        whose indices changed since its row was made - a window page released when the step
+        before was committed, or state moved out and restored exactly (a committed step only:
+        its computed tokens and outputs must be the row's) - carries on with its indices as
+        they are now, which is what a view would plan it with."""
+        b = rows.block
+        starts, draws = b.starts.tolist(), b.draws.tolist()
+        paged = tuple(b.tables)
+        out, fresh = [], {}
+        for k, r in enumerate(reqs):
+            if r.state is not State.RUNNING:
+                out.append(k)
+                continue
+            if committed and (len(r.output_ids) != draws[k] + 1 or r.num_computed != starts[k] + 1):
+                out.append(k)
+                continue
+            if getattr(r.indices, "_snap", None) is rows.snaps[k]:
+                continue
+            idx = r.indices
+            snap = idx.snapshot() if type(idx) is IndexTable else None
+            if snap is None or any(n not in snap for n in paged + b.slot_names):
+                out.append(k)
+            else:
+                fresh[k] = snap
+        return out, fresh
+
+
+def refreshed(block: DecodeBlock, fresh: dict[int, IndexSnapshot]) -> DecodeBlock:
+    """`block` with rows `fresh` (row -> snapshot) taking their page tables and slots from the
+    snapshot (new arrays: a block is never written once made)."""
+    ints = block.ints.copy()
+    at_slots = LEFT + 1
+    at_pages = at_slots + len(block.slot_names)
+    tables = dict(block.tables)
+    for j, name in enumerate(block.tables):
+        width = max([tables[name].shape[1]] + [len(s[name]) for s in fresh.values()])
+        t = tables[name] = _widened(tables[name], width).copy()
+        for k, s in fresh.items():
+            row = s[name]
+            t[k, :len(row)] = row
+            t[k, len(row):] = -1
+            ints[k, at_pages + j] = len(row)
+    for j, name in enumerate(block.slot_names):
+        for k, s in fresh.items():
+            ints[k, at_slots + j] = s[name][0]
+    return DecodeBlock(block.req_ids, ints, block.floats, tables, block.slot_names, block.seeds, block.logprobs,
+                       block.tokens)
