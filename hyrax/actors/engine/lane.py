@@ -10,7 +10,8 @@ a `DecodeBlock` (plan.py) with the index snapshot each row's tables came from, a
 - checks that nothing else happened to each: still running, the same snapshot of its indices
   (every index write drops the snapshot, indices.py; every state change goes through the
   request table), and last step's plan is the one in flight or the last committed (a step
-  that failed or was never submitted leaves no lane);
+  that failed or was never submitted leaves no lane); a row whose indices changed while it
+  still decodes in them (a window page released) takes its new tables and carries on;
 - advances every row one position and one draw in a few array operations, and leaves out the
   rows whose next token opens a page, reaches a checkpoint boundary of the prefix cache, or
   whose draw reaches max_tokens: they take the general path, as does every request not in

@@ -185,7 +185,9 @@ class DecodeBlock:
         token = (PLACEHOLDER,) if self.tokens is None else (int(self.tokens[k]),)
         return PlanEntry(self.req_ids[k], token, start,
                          {n: tuple(t[k, :int(self.n_pages[n][k])].tolist()) for n, t in self.tables.items()},
-                         {n: int(s[k]) for n, s in self.slots.items()}, self.specs(0.0)[k])
+                         {n: int(s[k]) for n, s in self.slots.items()},
+                         SamplingSpec(float(self.temperature[k]), float(self.top_p[k]), int(self.top_k[k]),
+                                      self.seeds[k], int(self.draws[k]), self.logprobs[k]))
 
 
 @dataclass(frozen=True)
