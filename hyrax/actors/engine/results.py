@@ -99,11 +99,8 @@ class Results:
         block = plan.decode
         if block is not None:  # the decode block's rows first: one token each, every one sampled
             nb = len(block)
-            toks = result.tokens[:nb]
-            for _ in range(nb):
-                next(tokens)
-            generated += self._apply_block(block, toks, lps, out, now)
-            row = nb - 1
+            generated += self._apply_block(block, result.tokens[:nb], lps, out, now)
+            tokens, row = iter(result.tokens[nb:]), nb - 1
         for e in plan.entries:
             sample = e.sample
             if sample is not None:
@@ -113,7 +110,7 @@ class Results:
             if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
             end = req.num_computed = e.start + len(e.token_ids)
-            if windows and req.id not in later and (end - e.start > 1 or self._frees_page(e.start, end)):
+            if windows and req.id not in later and (end - e.start > 1 or self._frees_page(e.start)):
                 self._release_window(req)
             if sample is None:
                 continue
@@ -136,8 +133,7 @@ class Results:
         reaches max_tokens or the context limit - and a window's pages are looked at only where
         its first live row moves to a new page (`_frees_page`)."""
         get, running, stop = self.table.requests.get, State.RUNNING, self.stop.reason
-        eos, max_len, ps = self.stop.eos, self.stop.max_model_len, self.page_size
-        one_window = self._keep[0] if len(self._keep) == 1 else None
+        eos, max_len = self.stop.eos, self.stop.max_model_len
         frees_page = self._frees_page if self._keep else None
         generated = 0
         new_tokens, stopped = out.tokens, out.stopped
@@ -148,10 +144,7 @@ class Results:
             if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
             req.num_computed = start + 1
-            if one_window is not None:
-                if start >= one_window and (start + 1 - one_window) % ps == 0:
-                    self._release_window(req)
-            elif frees_page is not None and frees_page(start, start + 1):
+            if frees_page is not None and frees_page(start):
                 self._release_window(req)
             req.output_ids.append(tok)
             generated += 1
@@ -175,13 +168,16 @@ class Results:
             if req is not None and req.state is State.RUNNING:
                 self._release_window(req)
 
-    def _frees_page(self, start: int, end: int) -> bool:
-        """Whether the first live row of some window moves to a later page from `start` to
-        `end` committed tokens. A one-token step that moves none leaves nothing to release: pages
-        left from before were released when their last row left (or, deferred behind a
-        checkpoint, by `release_windows` in the same commit)."""
+    def _frees_page(self, start: int) -> bool:
+        """Whether a one-token step at position `start` moves the first live row of some window
+        (start + 1 - keep, once the window is full) onto a new page. A step that moves none leaves
+        nothing to release: pages left from before were released when their last row left (or,
+        deferred behind a checkpoint, by `release_windows` in the same commit)."""
         ps = self.page_size
-        return any((end - min(end, keep)) // ps != (start - min(start, keep)) // ps for keep in self._keep)
+        if len(self._keep) == 1:
+            keep = self._keep[0]
+            return start >= keep and (start + 1 - keep) % ps == 0
+        return any(start >= keep and (start + 1 - keep) % ps == 0 for keep in self._keep)
 
     def _release_window(self, req: Request) -> None:
         """Pages of a window component whose positions all left the window go back."""
