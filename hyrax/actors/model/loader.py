@@ -17,6 +17,7 @@ from hyrax.actors.model.captured_decode import capture_decode
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.families import weight_namer
+from hyrax.actors.model.gemm_rows import plan_rows
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.no_init import weights_left_uninitialised
 from hyrax.actors.model.norm import AllReduce, identity_allreduce
@@ -87,6 +88,8 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     if missing:
         raise HyraxInputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
     model = model.to(device)
+    if torch.device(device).type == "cpu":  # products of few rows run the BLAS's fastest way (gemm_rows.py)
+        plan_rows(model)
     capture_decode(model, captured_decode, device)
     return model
 

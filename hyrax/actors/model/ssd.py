@@ -43,18 +43,11 @@ def ssd_step(
     s = state.view(Bsz, G, R, P, N)
     s.mul_(torch.exp(dt * A).view(Bsz, G, R, 1, 1))
     s.addcmul_((dt[:, :, None] * x).view(Bsz, G, R, P, 1), Bm.to(f).view(Bsz, G, 1, 1, N))
-    y = group_contract(state.view(Bsz * G, R * P, N), Cm.to(f).reshape(Bsz * G, N, 1)).view(Bsz, H, P)
+    # y = S . C per group as one batched matrix-vector product (B*G, R*P, N) @ (B*G, N, 1).
+    # Measured (torch 2.13, MKL 2024.2, one thread): 16 x (256, 32) 62 us, 2 x (768, 64) 46 us;
+    # the transposed form (C^T @ S^T)^T, which ran faster on an earlier build, takes 345 and 134
+    y = torch.bmm(state.view(Bsz * G, R * P, N), Cm.to(f).reshape(Bsz * G, N, 1)).view(Bsz, H, P)
     return y + D[None, :, None] * x, state
-
-
-def group_contract(s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """s: (n, M, N), c: (n, N, 1) -> s @ c, (n, M, 1). For n > 1 computed as (c^T @ s^T)^T: the
-    CPU's batched matrix-vector product is several times slower than the transposed form at
-    every size measured (n=16, (256, 32): 191 vs 57 us; n=2, (768, 64): 167 vs 56 us); a single
-    one is faster as it is ((1536, 64): 21 vs 30 us)."""
-    if s.shape[0] == 1:
-        return torch.bmm(s, c)
-    return torch.bmm(c.transpose(1, 2), s.transpose(1, 2)).transpose(1, 2)
 
 
 def ssd_step_rows_(

@@ -1,0 +1,96 @@
+"""Row plans for CPU linear layers (hyrax/actors/model/gemm_rows.py): the choice among plain,
+padded and split products from measured times, and that every plan computes the same product."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hyrax.actors.model.gemm_rows import PlannedLinear, RowPlan, best_pieces, plan_rows, run_pieces
+
+
+def _mkl_like() -> list[float]:
+    """MKL on the dev VM, (4096, 768): rows go three at a time below 16, then a faster kernel."""
+    return [0.55e-3 * ((m + 2) // 3) if m < 16 else 1.7e-3 for m in range(1, 17)]
+
+
+def test_pads_the_slow_small_counts_to_the_fast_kernel():
+    plan = best_pieces(_mkl_like())
+    assert all(plan[m - 1] is None for m in range(1, 10))  # 1-9 rows cost at most 1.65 ms: plain
+    for m in range(10, 16):  # 2.2 - 2.75 ms plain, 1.7 ms padded to 16
+        assert plan[m - 1] == ((m, 16),)
+    assert plan[15] is None
+
+
+def test_splits_below_a_cliff():
+    """The demo model's (128, 256) MLP weight: ~10 us up to 10 rows, ~45 us from 11."""
+    seconds = [10e-6 if m <= 10 else 45e-6 for m in range(1, 17)]
+    plan = best_pieces(seconds)
+    assert all(plan[m - 1] is None for m in range(1, 11))
+    for m in range(11, 17):
+        pieces = plan[m - 1]
+        assert pieces is not None and len(pieces) == 2
+        assert sum(r for r, _ in pieces) == m and all(run_as == r <= 10 for r, run_as in pieces)
+
+
+@pytest.mark.parametrize("seconds", [
+    [1e-5 * m for m in range(1, 17)],  # proportional to the rows: nothing to gain
+    [1e-3] * 16,  # flat: splitting only adds calls
+    [1e-3 if m != 12 else 1.2e-3 for m in range(1, 17)],  # 12 rows 20 % slower than 13: inside the margin
+])
+def test_plain_where_no_plan_is_clearly_cheaper(seconds):
+    assert best_pieces(seconds) == (None,) * 16
+
+
+@pytest.mark.parametrize("pieces", [((5, 16),), ((3, 3), (4, 4)), ((2, 6), (7, 7), (1, 3)), ((6, 6), (4, 9))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_run_pieces_is_the_plain_product(pieces, bias):
+    g = torch.Generator().manual_seed(0)
+    m = sum(r for r, _ in pieces)
+    x = torch.randn(m, 24, generator=g, dtype=torch.float64)
+    w = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    b = torch.randn(40, generator=g, dtype=torch.float64) if bias else None
+    torch.testing.assert_close(run_pieces(x, w, b, pieces), F.linear(x, w, b), rtol=1e-12, atol=1e-12)
+
+
+def test_planned_linear_keeps_shape_and_falls_back_past_the_plan():
+    lin = nn.Linear(8, 6, dtype=torch.float64)
+    ref = F.linear
+    plan_rows(lin)
+    assert type(lin) is PlannedLinear
+    lin.row_plan = RowPlan((None, ((2, 4),), ((1, 1), (2, 2))))  # 2 rows padded, 3 split; 1 and 4+ plain
+    for shape in [(1, 8), (2, 8), (3, 1, 8), (1, 3, 8), (4, 8), (2, 5, 8), (0, 8)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        y = lin(x)
+        assert y.shape == (*shape[:-1], 6)
+        torch.testing.assert_close(y, ref(x, lin.weight, lin.bias), rtol=1e-12, atol=1e-12)
+
+
+def _forced_plan() -> RowPlan:
+    """Every count 1..16 planned: odd counts padded by one row, even ones split in two."""
+    return RowPlan(tuple(((m, m + 1),) if m % 2 else ((m // 2, m // 2), (m // 2, m // 2 + 1)) for m in range(1, 17)))
+
+
+def test_plan_rows_keeps_the_model_and_its_products():
+    """Every nn.Linear of a CPU model is planned in place: same parameters (tied ones still
+    tied), same state dict, and each layer computes the product its plan covers as a plain
+    one does."""
+    from tiny_models import randomize_, tiny_config
+
+    from hyrax.actors.model.hybrid import HybridModel
+
+    cfg = tiny_config("full_swa_mamba", tie_word_embeddings=True)
+    model = randomize_(HybridModel(cfg, dtype=torch.float64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert plan_rows(model) == n_linear > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    for lin in (m for m in model.modules() if type(m) is PlannedLinear):
+        lin.row_plan = _forced_plan()
+        x = torch.randn(16, lin.in_features, dtype=torch.float64)
+        for m in range(1, 17):
+            torch.testing.assert_close(lin(x[:m]), F.linear(x[:m], lin.weight, lin.bias), rtol=1e-12, atol=1e-12)
