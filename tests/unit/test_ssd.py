@@ -77,3 +77,44 @@ def test_right_padding_with_zero_dt_leaves_the_final_state_of_the_unpadded_run(d
     dt[1, n:] = 0.5
     _, s_bad = ssd_chunked(x, dt, A, Bm, Cm, D, CHUNK, s0)
     assert (s_bad[1] - s_alone[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_decays_past_underflow_match_the_recurrence(dtype):
+    """Log-decays far below float32's exp range (dt * A down to -200 a token, sums to -3000 over
+    a chunk) are floored before the exp (LOG_DECAY_FLOOR): the scan, the one-step update and
+    the state-after shortcut still equal the plain recurrence, whose own exp underflows to 0."""
+    from hyrax.actors.model.ssd import ssd_state_after
+
+    T = 13
+    x, dt, A, Bm, Cm, D, s0 = inputs(2, T, 2, dtype, seed=3)
+    dt[:, ::3] *= 40.0  # every third token forgets nearly everything before it
+    A = A * 5.0
+    y_ref, s_ref = ssd_sequential(*(t.double() for t in (x, dt, A, Bm, Cm, D, s0)))
+    y, s = ssd_chunked(x, dt, A, Bm, Cm, D, CHUNK, s0)
+
+    def close(a, b):  # the large dt makes values of ~10: float32 is held to its relative precision
+        torch.testing.assert_close(a, b.to(dtype), atol=TOL[dtype], rtol=TOL[dtype])
+
+    close(y, y_ref)
+    close(s, s_ref)
+    close(ssd_state_after(x, dt, A, Bm, s0), s_ref)
+    st = s0.clone()
+    for t in range(T):
+        yt, st = ssd_step(st, x[:, t], dt[:, t], A, Bm[:, t], Cm[:, t], D)
+    close(st, s_ref)
+    close(yt, y_ref[:, -1])
+
+
+def test_chunk_decay_matrix_is_exactly_lower_triangular():
+    """exp(a_{s+1} + ... + a_l) for l >= s: 1 on the diagonal, exact zeros above it, also where
+    the sums fall past exp's range."""
+    from hyrax.actors.model.ssd import _decay
+
+    a = -torch.rand(3, 8, dtype=torch.float32) * 300.0
+    d = _decay(a)
+    assert torch.equal(torch.triu(d, diagonal=1), torch.zeros_like(d))
+    assert torch.equal(torch.diagonal(d, dim1=-2, dim2=-1), torch.ones(3, 8))
+    ref = torch.exp(torch.stack([torch.stack([a[b, s + 1:l + 1].double().sum() for s in range(8)]) for b in range(3)
+                                 for l in range(8)]).view(3, 8, 8)).float()
+    torch.testing.assert_close(torch.tril(d), torch.tril(ref), atol=1e-30, rtol=1e-5)
