@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import row_plans
 from bench.common import (BENCH_SEED, Profile, make_bamba_checkpoint, median, percentile, progress, prompt_ids,
                           quiet_transformers)
 from bench.report import Row, ratio
@@ -269,6 +270,7 @@ def run_large(profile: Profile) -> list[Row]:
         finally:
             stack.close()
         hf.run_share(reqs, c, 1)
+        plan_row = row_plans.run(path, stack.config, LARGE_VOCAB)
     res = out["results"]
     ok = [r for r in res if not r.get("error") and r["tokens"] == r["expected"]]
     tps = sum(r["tokens"] for r in ok) / out["wall"]
@@ -287,6 +289,7 @@ def run_large(profile: Profile) -> list[Row]:
             ratio(tps, static_tps), profile.target(">= 1.5")),
         Row(f"serving large model c={c}: ITL p50 ms (baseline: transformers, 1 request)", h, b, ratio(h, b)),
         _prefill_ceiling(f"serving large model c={c}", hf),
+        plan_row,
     ]
 
 

@@ -94,3 +94,13 @@ def test_plan_rows_keeps_the_model_and_its_products():
         x = torch.randn(16, lin.in_features, dtype=torch.float64)
         for m in range(1, 17):
             torch.testing.assert_close(lin(x[:m]), F.linear(x[:m], lin.weight, lin.bias), rtol=1e-12, atol=1e-12)
+
+
+def test_plain_products_switches_the_plans_off_and_back():
+    from hyrax.actors.model.gemm_rows import plain_products
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    plan_rows(model)
+    with plain_products(model):
+        assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+    assert [type(m) for m in model] == [PlannedLinear, PlannedLinear]

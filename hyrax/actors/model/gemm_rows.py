@@ -27,6 +27,7 @@ many requests share the step.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -151,3 +152,17 @@ def plan_rows(model: nn.Module) -> int:
             module.row_plan = plan
             n += 1
     return n
+
+
+@contextmanager
+def plain_products(model: nn.Module):
+    """Inside, every planned linear layer of `model` runs plain (what the plans save is
+    measured against this: bench/row_plans.py)."""
+    planned = [m for m in model.modules() if type(m) is PlannedLinear]
+    for m in planned:
+        m.__class__ = nn.Linear
+    try:
+        yield
+    finally:
+        for m in planned:
+            m.__class__ = PlannedLinear
