@@ -66,7 +66,7 @@ class RankWorker:
             allreduce, self._broadcast = group.all_reduce, group.broadcast_tokens
         dtype = resolve_dtype(config.dtype, self.device)
         self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend,
-                                 config.captured_decode)
+                                 config.captured_decode, row_plans=not config.deterministic)
         self._model_dir = model_dir
         info = {"rank": self.tp.rank, "device": str(self.device),
                 "attention_backend": self._model.attention_backend_name, "dtype": str(dtype).removeprefix("torch.")}

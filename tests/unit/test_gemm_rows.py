@@ -104,3 +104,20 @@ def test_plain_products_switches_the_plans_off_and_back():
     with plain_products(model):
         assert [type(m) for m in model] == [nn.Linear, nn.Linear]
     assert [type(m) for m in model] == [PlannedLinear, PlannedLinear]
+
+
+def test_deterministic_engines_load_without_row_plans():
+    """Plans are measured per process, so two processes may run a product differently;
+    deterministic mode (numerics that are a pure function of the request) loads every linear
+    layer plain, any other CPU engine planned."""
+    from hyrax.actors.engine.config import EngineConfig
+    from hyrax.actors.engine.local import load_engine
+    from hyrax.actors.model.demo import DEMO_DIR
+
+    def linear_types(deterministic: bool) -> set[type]:
+        model = load_engine(str(DEMO_DIR), EngineConfig(deterministic=deterministic)).executor.rank.model
+        return {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
+
+    assert linear_types(True) == {nn.Linear}
+    assert linear_types(False) == {PlannedLinear}
+

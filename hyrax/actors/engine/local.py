@@ -39,7 +39,7 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
 
 def load_engine(model_dir: str, config: EngineConfig, decode=None, device: str = "cpu") -> Engine:
     model = load_model(model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
-                       attn_backend=config.attention_backend)
+                       attn_backend=config.attention_backend, row_plans=not config.deterministic)
     return engine_for_model(model, config, decode, device, tokenizer_dir=model_dir)
 
 

@@ -37,9 +37,12 @@ def _fill(h: SafetensorsFile, name: str, rule, target: torch.Tensor) -> None:
 
 def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float32,
                allreduce: AllReduce = identity_allreduce, device: str | torch.device = "cpu",
-               attn_backend: str = "auto", captured_decode: str = "off") -> HybridModel:
+               attn_backend: str = "auto", captured_decode: str = "off", row_plans: bool = True) -> HybridModel:
     """The model in `path` for TP rank `tp`, on `device`; `captured_decode` (CAPTURE_MODES):
-    how its decode-only steps run (captured_decode.py; "off": eager like every other step)."""
+    how its decode-only steps run (captured_decode.py; "off": eager like every other step).
+    `row_plans`: a CPU model's linear layers run products of few rows by their measured row
+    plans (gemm_rows.py); off, every product is plain - a pure function of its inputs on any
+    process, which deterministic mode asks for (plans are measured per process)."""
     p = Path(path)
     cfg = ModelConfig.from_dir(p)
     check_tp(cfg, tp.size)
@@ -88,7 +91,7 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     if missing:
         raise HyraxInputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
     model = model.to(device)
-    if torch.device(device).type == "cpu":  # products of few rows run the BLAS's fastest way (gemm_rows.py)
+    if row_plans and torch.device(device).type == "cpu":  # products of few rows run the BLAS's fastest way
         plan_rows(model)
     capture_decode(model, captured_decode, device)
     return model
