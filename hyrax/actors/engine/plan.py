@@ -86,6 +86,11 @@ START, DRAW, TOP_K, MAX_TOKENS, STOPS, LEFT = range(6)
 _ADVANCE: dict[int, np.ndarray] = {}  # row width -> the row added by one step
 
 
+def _column(array: str, index: int) -> property:
+    """A read-only property: column `index` of the block's `array` ("ints" or "floats")."""
+    return property(lambda block: getattr(block, array)[:, index])
+
+
 @dataclass(frozen=True, eq=False)
 class DecodeBlock:
     """Steady decodes of a step as columns, one row each: one token at `starts[k]` inside a page
@@ -112,33 +117,14 @@ class DecodeBlock:
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    @property
-    def starts(self) -> np.ndarray:
-        return self.ints[:, START]
-
-    @property
-    def draws(self) -> np.ndarray:
-        return self.ints[:, DRAW]
-
-    @property
-    def top_k(self) -> np.ndarray:
-        return self.ints[:, TOP_K]
-
-    @property
-    def max_tokens(self) -> np.ndarray:
-        return self.ints[:, MAX_TOKENS]
-
-    @property
-    def stops(self) -> np.ndarray:
-        return self.ints[:, STOPS]
-
-    @property
-    def temperature(self) -> np.ndarray:
-        return self.floats[:, 0]
-
-    @property
-    def top_p(self) -> np.ndarray:
-        return self.floats[:, 1]
+    # (B,) views of single columns
+    starts = _column("ints", START)
+    draws = _column("ints", DRAW)
+    top_k = _column("ints", TOP_K)
+    max_tokens = _column("ints", MAX_TOKENS)
+    stops = _column("ints", STOPS)
+    temperature = _column("floats", 0)
+    top_p = _column("floats", 1)
 
     @property
     def slots(self) -> dict[str, np.ndarray]:
