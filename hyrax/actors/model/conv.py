@@ -32,7 +32,10 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
     f = torch.promote_types(x.dtype, torch.float32)  # the taps' accumulation dtype
     state = pool.index_select(0, slots)  # (B, C, K-1); index_select: advanced indexing is slower
     seq = torch.cat([state.transpose(1, 2).to(f), x.to(f)], dim=1)  # (B, K-1+T, C)
-    taps = weight[:, 0].t().to(f)  # (K, C)
+    # (K, C), each tap's row contiguous: a tap read with the weight's stride of K made every
+    # multiply-add an unvectorised loop (one sequence of 256 tokens, C=320: 0.67 -> 0.35 ms a call,
+    # with the in-place silu below; the same bits)
+    taps = weight[:, 0].t().to(f).contiguous()
     out = torch.mul(seq[:, :T], taps[0])
     for k in range(1, K):
         out.addcmul_(seq[:, k:k + T], taps[k])
@@ -41,7 +44,7 @@ def causal_conv_step(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, q
     if bias is not None:
         out += bias.to(f)
     index_copy_rows_(pool, slots, new_state.transpose(1, 2).to(pool.dtype))
-    return nn.functional.silu(out).to(x.dtype)
+    return nn.functional.silu(out, inplace=True).to(x.dtype)
 
 
 def _conv_one_token(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
