@@ -70,3 +70,52 @@ def test_submissions_return_while_a_step_is_in_flight_and_then_run_exactly():
         loop.shutdown()
         aloop.call_soon_threadsafe(aloop.stop)
     assert_idle_clean(engine)
+
+
+def test_idle_pool_check_waits_for_a_quiet_replica_and_never_delays_the_next_request():
+    """The pool invariants are checked when the replica has stayed idle for a while, not the
+    moment its last request ends: the check walks every pool under the loop's lock, and a
+    closed-loop client's next request (arriving milliseconds later) waited for it."""
+    engine = make_engine(tiny_model(HYBRID))
+    calls: list[float] = []
+    inner = engine.check_invariants
+
+    def check():
+        calls.append(time.monotonic())
+        inner()
+    engine.check_invariants = check
+    loop = EngineLoop(engine, "idle-check")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    ends: dict[str, float] = {}
+
+    def deliver(batch):
+        for rid, item in batch:
+            if is_last(item):
+                ends[rid] = time.monotonic()
+    sink = Sink(deliver, aloop)
+    params = {"max_tokens": 3, "ignore_eos": True, "temperature": 0.0}
+
+    def run(rid: str, prompt: list[int]) -> float:
+        loop.submit(rid, prompt, params, sink)
+        deadline = time.monotonic() + 60
+        while rid not in ends and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert rid in ends
+        return ends[rid]
+    try:
+        time.sleep(loop.idle_check_after_s + 0.2)  # the start-up idle period is checked
+        assert len(calls) == 1
+        end_a = run("a", PROMPTS[0])
+        time.sleep(0.05)  # the next request arrives while the replica is idle, before the check is due
+        end_b = run("b", PROMPTS[1])
+        time.sleep(loop.idle_check_after_s + 0.3)
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    after_a = [t for t in calls if end_a <= t < end_b]
+    assert not after_a, f"the pools were checked {1e3 * (after_a[0] - end_a):.0f} ms after a request ended"
+    later = [t - end_b for t in calls if t >= end_b]
+    assert len(later) == 1 and later[0] >= loop.idle_check_after_s - 0.06, later  # then checked once, quietly
+    assert loop.invariant_error is None
+    assert_idle_clean(engine)
