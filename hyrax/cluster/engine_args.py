@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hyrax.actors.engine.config import ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, EngineConfig, UnsafeFaults
+from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, PREFILL_ORDERS, EngineConfig,
+                                       UnsafeFaults)
 
 KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
 SLOTS_DEFAULT = EngineConfig.mamba_slots
@@ -31,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens per request per step")
+    g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
+                   help="which prompts prefill first: shortest: the fewest tokens left first, among those that "
+                        "arrived within 0.5 s of the oldest waiting one; fcfs: arrival order (default: shortest)")
     g.add_argument("--retraction-backup", choices=BACKUP_MODES, default="cpu_tensor",
                    help="how retracted requests keep their state (default cpu_tensor)")
     g.add_argument("--host-pool-mb", type=float, default=256.0, help="host pool size for host_pool backups")
@@ -89,7 +93,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         swa_capacity_tokens=a.swa_capacity_tokens,
         mamba_slots=SLOTS_DEFAULT if a.mamba_slots is None else a.mamba_slots,
         gpu_memory_fraction=a.gpu_memory_fraction, fixed_capacities=tuple(k for k, v in given.items() if v is not None), max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
-        prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), retraction_backup=a.retraction_backup,
+        prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), prefill_order=a.prefill_order,
+        retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
         overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend,

@@ -76,7 +76,8 @@ def test_abort_while_retracted_releases_the_backup(mode):
 def test_abort_in_every_state_leaves_the_pools_clean():
     prompts = make_prompts(4, seed=8, lo=12, hi=30)
     ref = reference_outputs(HYBRID, torch.float32, prompts)
-    e = make_engine(tiny_model(HYBRID), max_batch_tokens=16, prefill_chunk=8)
+    # arrival order, so that the first request is mid-prompt and the last still waits
+    e = make_engine(tiny_model(HYBRID), max_batch_tokens=16, prefill_chunk=8, prefill_order="fcfs")
     ids = [e.add_request(p, greedy()) for p in prompts]
     e.step()
     states = {i: e.requests[i].state for i in ids}
@@ -137,7 +138,7 @@ def test_held_request_alone_waits_for_resume_without_spinning():
 
 
 def test_retract_and_resume_report_errors_for_requests_in_the_wrong_state():
-    e = make_engine(tiny_model(HYBRID), max_batch_tokens=8, prefill_chunk=8)
+    e = make_engine(tiny_model(HYBRID), max_batch_tokens=8, prefill_chunk=8, prefill_order="fcfs")
     a = e.add_request(make_prompts(1, seed=11, lo=20, hi=20)[0], greedy())
     b = e.add_request([1, 2, 3], greedy())
     e.step()  # a is prefilling, b waits for budget

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from engine_helpers import tiny_config
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.engine.scheduler import NeedRoom, Scheduled, Scheduler
+from hyrax.actors.engine.scheduler import SHORTEST_FIRST_WINDOW_S, NeedRoom, Scheduled, Scheduler
 from hyrax.actors.engine.view import PLACEHOLDER, FreePool, RequestView, SchedulerView
+from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.state import derive_components
 
 PS = 4
@@ -23,6 +25,7 @@ PAGED = [c.name for c in COMPS if c.paged]
 SLOTS = [c.name for c in COMPS if not c.paged]
 # the prefix cache's chunk cuts at track boundaries are tested on their own (test_prefix_engine.py)
 CONFIG = EngineConfig(page_size=PS, max_batch_tokens=16, prefill_chunk=8, max_running=4, prefix_cache=False)
+FCFS = dataclasses.replace(CONFIG, prefill_order="fcfs")
 
 
 def req(rid: str, prompt: int, outputs: int = 0, computed: int | None = None, placeholder: bool = False,
@@ -76,7 +79,7 @@ def test_decode_goes_first_then_prefill_chunks_then_admissions_within_the_token_
 
 def test_units_are_taken_from_the_free_lists_in_order_and_recorded_as_grants():
     v = view(waiting=[req("a", 6, computed=0), req("b", 3, computed=0)])
-    got = schedule(v)
+    got = schedule(v, FCFS)  # queue order (the default order would admit the shorter b first)
     a, b = got.plan.entries
     # a: positions 0..5 -> pages 0, 1 of each paged component; b: positions 0..2 -> page 2
     for name in PAGED:
@@ -140,3 +143,41 @@ def test_deterministic_chunks_end_on_multiples_of_the_chunk_size():
     got = schedule(view(running=[req("a", 20, computed=3, pages=1, slot=0)]), cfg)
     (e,) = got.plan.entries
     assert (e.start, e.end) == (3, 8)
+
+
+# ---- prefill order -------------------------------------------------------------------------
+def _order(got) -> list[tuple[str, int]]:
+    return [(e.req_id, len(e.token_ids)) for e in got.plan.entries]
+
+
+def test_prompts_arriving_together_prefill_shortest_first():
+    """A burst (arrivals within the window): the shortest prompts are admitted first, so more
+    of them finish their prefill, and get a first token, in this step; the longest gets what
+    budget is left. In arrival order the longest took the first chunk."""
+    burst = [req("long", 12, computed=0, arrival=0.0), req("tiny", 3, computed=0, arrival=0.01),
+             req("mid", 6, computed=0, arrival=0.02)]
+    got = schedule(view(waiting=burst))
+    assert _order(got) == [("tiny", 3), ("mid", 6), ("long", 7)]
+    assert got.admitted == ("tiny", "mid", "long")
+    fcfs = schedule(view(waiting=burst), FCFS)
+    assert _order(fcfs) == [("long", 8), ("tiny", 3), ("mid", 5)]
+
+
+def test_a_prompt_is_never_passed_by_one_that_arrived_after_the_window():
+    late = SHORTEST_FIRST_WINDOW_S + 0.01
+    got = schedule(view(waiting=[req("old", 12, computed=0, arrival=0.0), req("new", 3, computed=0, arrival=late)]))
+    assert _order(got) == [("old", 8), ("new", 3)]
+
+
+def test_running_prefills_continue_shortest_remaining_first_and_before_any_admission():
+    running = [req("a", 20, computed=4, pages=1, slot=1, arrival=0.0),  # 16 to go
+               req("b", 10, computed=4, pages=1, first_page=110, slot=2, arrival=0.1)]  # 6 to go
+    got = schedule(view(running=running, waiting=[req("w", 2, computed=0, arrival=0.2)]))
+    assert _order(got) == [("b", 6), ("a", 8), ("w", 2)]
+    assert _order(schedule(view(running=running, waiting=[req("w", 2, computed=0, arrival=0.2)]), FCFS)) == \
+        [("a", 8), ("b", 6), ("w", 2)]
+
+
+def test_prefill_order_values_are_checked():
+    with pytest.raises(HyraxInputError, match="prefill-order must be one of shortest, fcfs, got 'lifo'"):
+        dataclasses.replace(CONFIG, prefill_order="lifo")

@@ -8,6 +8,7 @@ from hyrax.actors.model.captured_decode import CAPTURE_MODES
 from hyrax.actors.model.errors import HyraxInputError
 
 BACKUP_MODES = ("cpu_tensor", "host_pool", "recompute")
+PREFILL_ORDERS = ("shortest", "fcfs")
 CAPACITY_FIELDS = ("kv_capacity_tokens", "swa_capacity_tokens", "mamba_slots")  # what --gpu-memory-fraction sizes
 
 
@@ -81,6 +82,9 @@ class EngineConfig:
     max_running: int = 64
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
+    # the order prompts are prefilled in (scheduler.prefill_order): "shortest" remaining first
+    # among those that arrived together (within 0.5 s of the oldest), or "fcfs"
+    prefill_order: str = "shortest"
     retraction_backup: str = "cpu_tensor"
     host_pool_mb: float = 256.0
     forced_retraction_interval: int = 0
@@ -142,6 +146,9 @@ class EngineConfig:
             raise HyraxInputError("fault-injection options are test-only: pass the explicit unsafe switch to use them")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise HyraxInputError(f"attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise HyraxInputError(f"prefill-order must be one of {', '.join(PREFILL_ORDERS)}, "
+                                  f"got {self.prefill_order!r}")
         if self.captured_decode not in CAPTURE_MODES:
             raise HyraxInputError(f"captured-decode must be one of {', '.join(CAPTURE_MODES)}, "
                                   f"got {self.captured_decode!r}")

@@ -76,6 +76,31 @@ _NO_PAGES: Mapping[str, list[int]] = {}  # a step that takes no page (shared; ne
 _by_arrival = attrgetter("arrival")
 
 
+# Prefill order "shortest": prompts that arrived within this many seconds of the oldest prompt
+# still to prefill form one group, run shortest remaining first; later arrivals wait behind the
+# group in arrival order. A burst of requests (arrival order among them is arbitrary) then gets
+# first tokens in the order that minimises their mean wait, while no request is ever passed by
+# one that arrived more than the window after it.
+SHORTEST_FIRST_WINDOW_S = 0.5
+
+
+def prefill_order(cands: list[RequestView], policy: str, window_s: float = SHORTEST_FIRST_WINDOW_S) -> list[RequestView]:
+    """Prefill candidates of one kind (running requests with a chunk to run, in arrival order;
+    or the waiting ones, in queue order: every running chunk is planned before any admission,
+    so that admitting never costs a running request its pages) in the order the step serves
+    them: unchanged for "fcfs"; for "shortest" the group that arrived within `window_s` of
+    the oldest first, by remaining tokens (ties by arrival), then the rest by arrival."""
+    if policy == "fcfs" or len(cands) < 2:
+        return cands
+    cutoff = min(r.arrival for r in cands) + window_s
+
+    def key(r: RequestView) -> tuple:
+        if r.arrival <= cutoff:
+            return 0, len(r.ids) - r.computed, r.arrival
+        return 1, 0, r.arrival
+    return sorted(cands, key=key)
+
+
 def _decode_first(running: Sequence[RequestView]) -> tuple[list[RequestView], list[RequestView]]:
     """(requests with at most one token to run (decodes), the others (prefill chunks)), each in
     arrival order: the order of the key (pending > 1, arrival), with no key per request."""
@@ -177,7 +202,8 @@ class Scheduler:
             if len(lane.block) + len(decodes) > budget:  # the budget decides who decodes: in arrival order
                 return NeedRoom(widen=True)
             budget -= len(lane.block)
-        for r in decodes + later:
+        order = self.config.prefill_order
+        for r in decodes + prefill_order(later, order):
             if budget >= 1:
                 e = self._steady_decode(r)
                 if e is not None:
@@ -212,7 +238,7 @@ class Scheduler:
             planned.add(r.id)
             budget -= n
         admitted: list[RequestView] = []
-        for r in view.waiting:
+        for r in prefill_order(list(view.waiting), order):
             if not view.admit_new or budget <= 0 or view.num_running + len(admitted) >= self.config.max_running:
                 break
             n = self.chunk_len(r, budget)
