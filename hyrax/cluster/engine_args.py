@@ -6,6 +6,7 @@ import argparse
 
 from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, PREFILL_ORDERS, EngineConfig,
                                        UnsafeFaults)
+from hyrax.actors.engine.scheduler import SHORTEST_FIRST_WINDOW_S
 
 KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
 SLOTS_DEFAULT = EngineConfig.mamba_slots
@@ -33,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens per request per step")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
-                   help="which prompts prefill first: shortest: the fewest tokens left first, among those that "
-                        "arrived within 0.5 s of the oldest waiting one; fcfs: arrival order (default: shortest)")
+                   help=f"which prompts prefill first: shortest: the fewest tokens left first, among those that "
+                        f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest waiting one; fcfs: arrival order "
+                        f"(default: shortest)")
     g.add_argument("--retraction-backup", choices=BACKUP_MODES, default="cpu_tensor",
                    help="how retracted requests keep their state (default cpu_tensor)")
     g.add_argument("--host-pool-mb", type=float, default=256.0, help="host pool size for host_pool backups")

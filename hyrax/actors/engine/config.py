@@ -83,7 +83,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     prefill_chunk: int = 256
     # the order prompts are prefilled in (scheduler.prefill_order): "shortest" remaining first
-    # among those that arrived together (within 0.5 s of the oldest), or "fcfs"
+    # among those that arrived together (scheduler.SHORTEST_FIRST_WINDOW_S), or "fcfs"
     prefill_order: str = "shortest"
     retraction_backup: str = "cpu_tensor"
     host_pool_mb: float = 256.0

@@ -3,7 +3,7 @@ returns `Scheduled` (the step's plan and the units it takes) or `NeedRoom` (retr
 victims, or give up on a request that can never grow, and ask again).
 
 Decode tokens first, then prefill chunks of running requests, then new admissions, under a
-per-step token budget. Units are taken from the view's free lists, for exactly the positions
+per-step token budget; the chunks and the admissions each in `prefill_order`. Units are taken from the view's free lists, for exactly the positions
 a step writes; the engine claims them when it applies the result. In deterministic mode
 prefill chunks end at fixed multiples of `prefill_chunk`, so a request's numerics never
 depend on what else shares the step.
@@ -84,7 +84,8 @@ _by_arrival = attrgetter("arrival")
 SHORTEST_FIRST_WINDOW_S = 0.5
 
 
-def prefill_order(cands: list[RequestView], policy: str, window_s: float = SHORTEST_FIRST_WINDOW_S) -> list[RequestView]:
+def prefill_order(cands: Sequence[RequestView], policy: str,
+                  window_s: float = SHORTEST_FIRST_WINDOW_S) -> Sequence[RequestView]:
     """Prefill candidates of one kind (running requests with a chunk to run, in arrival order;
     or the waiting ones, in queue order: every running chunk is planned before any admission,
     so that admitting never costs a running request its pages) in the order the step serves
@@ -238,7 +239,7 @@ class Scheduler:
             planned.add(r.id)
             budget -= n
         admitted: list[RequestView] = []
-        for r in prefill_order(list(view.waiting), order):
+        for r in prefill_order(view.waiting, order):
             if not view.admit_new or budget <= 0 or view.num_running + len(admitted) >= self.config.max_running:
                 break
             n = self.chunk_len(r, budget)
