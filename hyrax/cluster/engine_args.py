@@ -32,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CUDA only, 0 < F <= 1)")
     g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens per request per step")
+    g.add_argument("--prefill-chunk", type=int, default=512, help="max prompt tokens per request per step (at most --max-batch-tokens)")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
                    help=f"which prompts prefill first: shortest: the fewest tokens left first, among those that "
                         f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest waiting one; fcfs: arrival order "
@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "replicas, which never prefill prompts")
     g.add_argument("--mamba-track-interval", type=int, default=None, metavar="N",
                    help="checkpoint the recurrent state every N tokens for the prefix cache (a multiple of "
-                        "--page-size; default: the first multiple of the page size >= 64)")
+                        "--page-size; default: the first multiple of the page size >= 256)")
     g.add_argument("--mamba-checkpoint-slots", type=int, default=0, metavar="N",
                    help="checkpoint slots per recurrent component (default 0: 3 x --mamba-slots)")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
@@ -101,6 +101,6 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
         overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend,
         captured_decode=a.captured_decode, prefix_cache=a.prefix_cache,
-        mamba_track_interval=a.mamba_track_interval or -(-64 // max(a.page_size, 1)) * max(a.page_size, 1),
+        mamba_track_interval=a.mamba_track_interval or -(-256 // max(a.page_size, 1)) * max(a.page_size, 1),
         mamba_checkpoint_slots=a.mamba_checkpoint_slots,
     )

@@ -31,11 +31,37 @@ def test_ssd_state_after_equals_the_recurrence():
 
 
 def test_conv_state_after_is_the_last_inputs_up_to_the_point():
-    state = torch.arange(2 * 3 * 3, dtype=torch.float32).view(2, 3, 3)  # (n, C, K-1)
-    x = 100 + torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)  # (n, T, C)
-    got = conv_state_after(state, x, torch.tensor([1, 4]))
+    state = torch.arange(3 * 3 * 3, dtype=torch.float32).view(3, 3, 3)  # (n, C, K-1): the points' slots
+    x = 100 + torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)  # (B, T, C)
+    got = conv_state_after(state, x, torch.tensor([0, 1, 1]), torch.tensor([1, 4, 2]))  # row 1 twice
     assert torch.equal(got[0], torch.cat([state[0, :, 1:], x[0, :1].t()], dim=1))
     assert torch.equal(got[1], x[1, 1:4].t())
+    assert torch.equal(got[2], torch.cat([state[2, :, 2:], x[1, :2].t()], dim=1))
+
+
+def test_states_at_from_chunk_starts_equal_the_recurrence():
+    """ssd_states_at (a chunk's start state advanced inside that chunk) against the plain
+    recurrence stopped at each point: at a chunk start, inside a chunk, inside a last partial
+    chunk, a row twice, rows of different lengths."""
+    from hyrax.actors.model.ssd import ssd_chunked, ssd_states_at
+    g = torch.Generator().manual_seed(3)
+    B, T, H, P, G, N, L = 2, 13, 4, 3, 2, 5, 4
+    x = torch.randn(B, T, H, P, generator=g, dtype=torch.float64)
+    dt = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    dt[1, 9:] = 0  # row 1 is 9 tokens long: padding
+    A = -torch.rand(H, generator=g, dtype=torch.float64) * 2
+    Bm = torch.randn(B, T, G, N, generator=g, dtype=torch.float64)
+    Cm = torch.randn(B, T, G, N, generator=g, dtype=torch.float64)
+    init = torch.randn(B, H, P, N, generator=g, dtype=torch.float64)
+    D = torch.zeros(H, dtype=torch.float64)
+    points = [(0, 4), (0, 6), (0, 12), (1, 3), (1, 8), (0, 1)]
+    _, _, starts = ssd_chunked(x, dt, A, Bm, Cm, D, L, init, with_starts=True)
+    got = ssd_states_at(x, dt, A, Bm, starts, torch.tensor([b for b, _ in points]),
+                        torch.tensor([k for _, k in points]), L)
+    for i, (b, k) in enumerate(points):
+        _, want = ssd_sequential(x[b:b + 1, :k], dt[b:b + 1, :k], A, Bm[b:b + 1, :k], Cm[b:b + 1, :k], D,
+                                 init[b:b + 1])
+        torch.testing.assert_close(got[i], want[0], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("layout", ["mamba", "full_swa_mamba"])
@@ -72,6 +98,37 @@ def test_captured_rows_equal_the_slots_of_a_run_that_stopped_there(layout):
                 assert got.abs().sum() > 0
     untouched = [r for r in range(pools[into[slot_comps[0].name]].shape[1]) if r not in (3, 2)]
     assert all(pools[into[c.name]][:, untouched].abs().sum() == 0 for c in slot_comps)
+
+
+def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stopped_there():
+    """One row captured at three points of its slice and another at one (the plan's `captures`
+    path: a step passing several track boundaries of one prompt), in a batch of mixed lengths:
+    every checkpoint row holds the state after exactly its own prefix."""
+    model = random_model(tiny_config("full_swa_mamba"))
+    comps = model.components
+    slot_comps = [c for c in comps if not c.paged]
+    into = {c.name: f"{c.name}.checkpoint" for c in slot_comps}
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 60, (n,), generator=g).tolist() for n in (14, 9)]
+    every = shuffled_pages(model, 8, seed=11)
+    pages = [{name: t[4 * b:4 * b + 4] for name, t in every.items()} for b in range(2)]
+    want_at = {0: [(4, 0), (8, 1), (12, 2)], 1: [(5, 3)]}  # row -> (tokens before, checkpoint row)
+    pools = fresh_pools(model)
+    for c in slot_comps:
+        pools[into[c.name]] = torch.zeros(pools[c.name].shape[0], 4, *pools[c.name].shape[2:],
+                                          dtype=pools[c.name].dtype)
+    seqs = [SeqSlice(p, 0, pages[b], slots_for(model, b + 1)) for b, p in enumerate(prompts)]
+    captures = {b: [(k, {c.name: row for c in slot_comps}) for k, row in at] for b, at in want_at.items()}
+    with torch.inference_mode():
+        model(build_forward_batch(seqs, comps, PAGE_SIZE, capture_into=into, captures=captures), pools)
+        for b, at in want_at.items():
+            for k, row in at:
+                ref = fresh_pools(model)
+                model(build_forward_batch([SeqSlice(prompts[b][:k], 0, pages[b], slots_for(model, 1))], comps,
+                                          PAGE_SIZE), ref)
+                for c in slot_comps:
+                    got, want = pools[into[c.name]][:, row], ref[c.name][:, 1]
+                    assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (c.name, b, k, (got - want).abs().max())
 
 
 def test_a_capture_must_lie_inside_its_slice():

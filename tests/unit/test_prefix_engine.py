@@ -141,7 +141,7 @@ class LiveFieldsCaching(PrefixCaching):
             hold = req.cache if req is not None else None
             if hold is not None and hold.track is not None and hold.track.pending:
                 w: TrackWrite = hold.track.pending[-1]
-                live.append(CheckpointWrite(cw.req_id, w.position, w.ring_index,
+                live.append(CheckpointWrite(cw.req_id, w.position,
                                             tuple((n, s, w.slots.as_dict()[n]) for n, s, _ in cw.slots), cw.in_prompt))
             else:
                 live.append(cw)

@@ -5,12 +5,14 @@ mamba_track.py; the design: docs/prefix-cache.md).
   its node locked, its full-attention pages put at the head of the request's page table (owned
   by the cache, `CacheHold.shared`) and its computed length set to the hit's.
 - `prepare(plan)`: the plan's admitted hits copy the cached window pages and checkpoint into
-  the request's own units before the forward; every entry ending on a track boundary carries a
-  `CheckpointWrite` (the step's snapshot of where the recurrent state goes).
-- `commit(plan, result)`: from that snapshot only, the written checkpoint is committed and
-  handed to the tree with the request's pages (`insert`); what the tree adopts changes owner.
-- `detach`: a request that leaves (finish, retraction, hand-off) unlocks its node and frees
-  its ring of checkpoint slots through the engine's one free point; it never frees a unit the
+  the request's own units before the forward; every track boundary an entry reaches carries a
+  `CheckpointWrite` (the step's snapshot of where the recurrent state goes, in checkpoint slots
+  taken for that write alone).
+- `commit(plan, result)`: from that snapshot only, the written checkpoints are committed and
+  handed to the tree with the request's pages (`insert`); what the tree adopts changes owner,
+  a checkpoint it already has is freed.
+- `detach`: a request that leaves (finish, retraction, hand-off) unlocks its node and frees the
+  slots of its pending writes through the engine's one free point; it never frees a unit the
   cache owns.
 - `evict(short)`: least recently used unreferenced nodes go before any request is retracted.
 """
@@ -32,14 +34,14 @@ from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.stats import PrefixCacheStats
 from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec, captures_mid_step
 
-RING = 2  # checkpoint slots a request holds: one committed, one being written (overlap depth 1)
+MIN_CHECKPOINTS = 2  # checkpoint slots a pool needs at least: one cached, one being written
 
 
 @dataclass
 class CacheHold:
     """What a request holds of the cache: the node it locked (every unit of its tables the
     cache owns lies at or above it), those units, a hit whose copies are still to be made, and
-    its track of checkpoint slots."""
+    its track (the checkpoint writes planned and not yet committed)."""
 
     node: Node | None = None
     shared: dict[str, set[int]] = field(default_factory=dict)
@@ -58,8 +60,8 @@ class PrefixCaching:
         self.slots = tuple(c for c in components if c.kind == SLOT)
         self.paged = frozenset(c.name for c in components if c.paged)
         self.enabled = config.caches_prefixes
-        if self.enabled and self.slots and sizes.checkpoints < RING:
-            raise ValueError(f"the prefix cache needs checkpoint pools of >= {RING} slots; "
+        if self.enabled and self.slots and sizes.checkpoints < MIN_CHECKPOINTS:
+            raise ValueError(f"the prefix cache needs checkpoint pools of >= {MIN_CHECKPOINTS} slots; "
                              f"the pool sizes give {sizes.checkpoints} (size them with pool_sizes_for)")
         self.ckpt_pools = checkpoint_pools(components, sizes)
         self.alloc = alloc  # the engine's allocators, the checkpoint pools among them
@@ -140,7 +142,7 @@ class PrefixCaching:
             return plan
         copies: list[UnitCopy] = []
         writes: list[CheckpointWrite] = []
-        get, is_boundary, write_at, hits = table.requests.get, self.policy.is_boundary, self.policy.write_at, self._hits
+        get, is_boundary, writes_at, hits = table.requests.get, self.policy.is_boundary, self.policy.writes_at, self._hits
         for e in plan.entries:
             if len(e.token_ids) == 1 and e.sample is not None and e.req_id not in hits:
                 # a decode token (its prompt is the length before it less its draws) that ends
@@ -157,13 +159,12 @@ class PrefixCaching:
                 hold.hit = None
                 hits.discard(req.id)
             end = e.start + len(e.token_ids)
-            if not is_boundary(end, req.num_prompt) and (len(e.token_ids) == 1 or write_at(e.start, end, req.num_prompt) is None):
+            if not is_boundary(end, req.num_prompt) and (len(e.token_ids) == 1 or not writes_at(e.start, end, req.num_prompt)):
                 continue  # most decode steps: no write (the check `_plan_track` starts with)
-            w = self._plan_track(req, hold, e.start, end)
-            if w is not None:
-                writes.append(CheckpointWrite(req.id, w.position, w.ring_index,
-                                              tuple((n, req.indices[n][0], s) for n, s in w.slots.units),
-                                              w.position <= self.policy.prompt_end(req.num_prompt)))
+            prompt_end = self.policy.prompt_end(req.num_prompt)
+            writes.extend(CheckpointWrite(req.id, w.position, tuple((n, req.indices[n][0], s) for n, s in w.slots.units),
+                                          w.position <= prompt_end)
+                          for w in self._plan_track(req, hold, e.start, end))
         if not copies and not writes:
             return plan
         return replace(plan, copies=tuple(copies), checkpoints=tuple(writes))
@@ -179,66 +180,64 @@ class PrefixCaching:
             out.append(UnitCopy(checkpoint_pool(name), (slot,), name, (req.indices[name][0],)))
         return out
 
-    def _plan_track(self, req: Request, hold: CacheHold, start: int, end: int) -> TrackWrite | None:
-        """The write of a step running start..end-1, if it checkpoints (`TrackPolicy.write_at`).
-        Other steps leave the track alone (no per-request work on most decode steps): the next
-        boundary's plan covers every position since the last one."""
-        if self.policy.write_at(start, end, req.num_prompt) is None:
-            return None
-        if hold.track is None:  # the ring is taken at the first boundary a request reaches
-            ring = self._ring(req)
-            if ring is None:
-                self.stats.checkpoints_skipped += 1
-                return None
-            hold.track = self.track.start(ring, start)
+    def _plan_track(self, req: Request, hold: CacheHold, start: int, end: int) -> tuple[TrackWrite, ...]:
+        """The writes of a step running start..end-1 (`TrackPolicy.writes_at`), each with slots
+        taken for it alone. Other steps leave the track alone (no per-request work on most decode
+        steps): the next boundary's plan covers every position since the last one."""
+        if not self.policy.writes_at(start, end, req.num_prompt):
+            return ()
+        if hold.track is None:  # the track starts at the first boundary a request reaches
+            hold.track = self.track.start(start)
         skipped = hold.track.skipped
-        hold.track, w = self.track.plan(hold.track, req.id, hold.track.planned, end, req.num_prompt)
+        hold.track, ws = self.track.plan(hold.track, req.id, hold.track.planned, end, req.num_prompt,
+                                         lambda n: self._take(req.id, n))
         self.stats.checkpoints_skipped += hold.track.skipped - skipped
-        return w
+        return ws
 
-    def _ring(self, req: Request) -> tuple[CheckpointSlots, ...] | None:
-        got = self._take(req.id, RING)
-        return None if got is None else tuple(CheckpointSlots.of({n: got[n][k] for n in got}) for k in range(RING))
-
-    def _take(self, owner: str, n: int) -> dict[str, list[int]] | None:
-        """`n` slots of every checkpoint pool for `owner` (evicting cache if needed), or None."""
+    def _take(self, owner: str, n: int) -> list[CheckpointSlots]:
+        """Up to `n` sets of one slot of every checkpoint pool for `owner` (evicting cache if
+        needed): as many as the pools can give."""
         pools = [checkpoint_pool(c.name) for c in self.slots]
         short = {p: n - self.alloc[p].num_free for p in pools if self.alloc[p].num_free < n}
         if short:
             self.evict(short)
-        if any(self.alloc[p].num_free < n for p in pools):
-            return None
-        return {c.name: self.alloc[checkpoint_pool(c.name)].allocate(owner, n) for c in self.slots}
+        k = min([n] + [self.alloc[p].num_free for p in pools])
+        if k <= 0:
+            return []
+        got = {c.name: self.alloc[checkpoint_pool(c.name)].allocate(owner, k) for c in self.slots}
+        return [CheckpointSlots.of({name: units[j] for name, units in got.items()}) for j in range(k)]
 
     # ---- results: commit checkpoints, hand them to the tree -------------------------------
     def commit(self, plan: StepPlan, result: StepResult, table: RequestTable) -> None:
-        """Reads the plan's checkpoint writes (the step's snapshot), never live request fields."""
+        """Reads the plan's checkpoint writes (the step's snapshot), never live request fields:
+        each request's written checkpoints go to the tree in one insert."""
+        done: dict[str, list[TrackWrite]] = {}
         for cw in plan.checkpoints:
             req = table.get(cw.req_id)
             hold = req.cache if req is not None and req.state == State.RUNNING else None
             if hold is None or hold.track is None:
                 continue  # it left while the step ran: its slots are freed with the rest
-            w = TrackWrite(cw.req_id, cw.position, cw.ring_index, CheckpointSlots.of({n: s for n, _, s in cw.slots}))
+            w = TrackWrite(cw.req_id, cw.position, CheckpointSlots.of({n: s for n, _, s in cw.slots}))
             if w not in hold.track.pending:
                 continue
-            hold.track = self.track.process(hold.track, w)
-            self._donate(req, hold, cw, result.checkpoints.get(cw.req_id, {}))
+            hold.track, w = self.track.commit(hold.track, w)
+            done.setdefault(cw.req_id, []).append(w)
+        for rid, ws in done.items():
+            self._donate(table.get(rid), ws, result.checkpoints)
 
-    def _donate(self, req: Request, hold: CacheHold, cw: CheckpointWrite, sums: dict) -> None:
-        kept = self.track.keep(hold.track)
-        fresh = self._take(req.id, 1)
-        if fresh is None:
-            self.stats.checkpoints_skipped += 1
-            return
-        ck = Checkpoint(kept.slots.as_dict(), {n: dict(sums.get(n, {})) for n in kept.slots.as_dict()}, cw.in_prompt)
+    def _donate(self, req: Request, ws: list[TrackWrite], sums: dict) -> None:
+        """Insert the request's prefix up to its last written checkpoint, with every checkpoint
+        this step wrote; slots of a checkpoint the tree already has go back to the pool."""
+        hold, prompt_end = req.cache, self.policy.prompt_end(req.num_prompt)
+        cks = {w.position: Checkpoint(w.slots.as_dict(), {n: dict(sums.get((w.req_id, w.position), {}).get(n, {}))
+                                                          for n, _ in w.slots.units}, w.position <= prompt_end)
+               for w in ws}
         tables = {c.name: req.indices[c.name] for c in self.components if c.kind in (TOKEN, WINDOW)}
-        ins = self.tree.insert(req.all_ids[:kept.position], tables, tables, {kept.position: ck})
-        if kept.position in ins.rejected:
-            for name, units in fresh.items():
-                self.alloc[checkpoint_pool(name)].free(req.id, units)
-        else:
-            hold.track, _ = self.track.donate(hold.track, CheckpointSlots.of({n: u[0] for n, u in fresh.items()}))
-            self.stats.checkpoints += 1
+        ins = self.tree.insert(req.all_ids[:max(cks)], tables, tables, cks)
+        for position in ins.rejected:
+            for name, slot in cks[position].slots.items():
+                self.alloc[checkpoint_pool(name)].free(req.id, [slot])
+        self.stats.checkpoints += len(cks) - len(ins.rejected)
         transfer(self.alloc, ins.adopted, req.id, CACHE_OWNER)
         for pool, units in ins.adopted.items():
             if pool in self.paged:
@@ -251,7 +250,8 @@ class PrefixCaching:
 
     # ---- a request leaves ------------------------------------------------------------------
     def detach(self, req: Request) -> None:
-        """Unlock the request's node and free its checkpoint slots (through the one free point);
+        """Unlock the request's node and free its pending writes' checkpoint slots (through the
+        one free point: the step in flight may still write them);
         the cache's units in its tables stay the cache's."""
         hold, req.cache = req.cache, None
         self._hits.discard(req.id)
@@ -261,8 +261,8 @@ class PrefixCaching:
             self.tree.unlock(hold.node)
         if hold.track is not None:
             slots: dict[str, list[int]] = {}
-            for ring_slot in self.track.release(hold.track):
-                for name, unit in ring_slot.units:
+            for pending in self.track.release(hold.track):
+                for name, unit in pending.units:
                     slots.setdefault(checkpoint_pool(name), []).append(unit)
             self.release(req.id, slots)
 

@@ -81,7 +81,7 @@ class EngineConfig:
     mamba_slots: int = 64
     max_running: int = 64
     max_batch_tokens: int = 512
-    prefill_chunk: int = 256
+    prefill_chunk: int = 512
     # the order prompts are prefilled in (scheduler.prefill_order): "shortest" remaining first
     # among those that arrived together (scheduler.SHORTEST_FIRST_WINDOW_S), or "fcfs"
     prefill_order: str = "shortest"
@@ -107,7 +107,7 @@ class EngineConfig:
     # prefix cache (docs/prefix-cache.md): on for colocated and prefill replicas (a decode replica
     # receives its requests' state and never matches a prompt)
     prefix_cache: bool = True
-    mamba_track_interval: int = 64  # checkpoint the recurrent state every N tokens (a multiple of page_size)
+    mamba_track_interval: int = 256  # checkpoint the recurrent state every N tokens (a multiple of page_size)
     mamba_checkpoint_slots: int = 0  # checkpoint pool per recurrent component; 0: 3 x mamba_slots
     # pools sized from free device memory (memory_budget.py): F * total - used - activation peak,
     # shared in the proportions of the capacities above; those named in fixed_capacities keep

@@ -1,30 +1,26 @@
 """Mamba track-boundary bookkeeping for the prefix cache, as values.
 
-A request checkpoints its recurrent state when a step ends on a track boundary (every
-`interval` tokens, a multiple of the page size, and at the prompt's last whole page) into one
-of a small ring of checkpoint slots it holds. Two facts are kept apart (the third seed's fix):
+A request checkpoints its recurrent state at track boundaries (every `interval` tokens, a
+multiple of the page size, and at the prompt's last whole page). Each checkpoint write takes
+fresh checkpoint slots when its step is *planned* and owns them alone until the step's results
+are processed: there the prefix cache adopts them (`insert`) or they are freed. A slot is never
+written twice for one allocation, so no later step can overwrite a checkpoint before the cache
+takes it, whatever the overlap depth (the third seed's race, impossible by construction: there
+is no shared "slot being written" pointer that planning advances and result processing reads).
 
-- the **producer**: the ring slot the next boundary-crossing forward writes (advanced when a
-  step is *planned*);
-- the **consumer**: the ring slot and position of the last *committed* checkpoint (set only
-  when that step's results are processed).
+Planning returns `TrackWrite`s that travel in the step's snapshot (the plan entry); result
+processing (`commit`) reads only that snapshot - never the track's planned position, which the
+next step may already have advanced under overlap scheduling.
 
-Planning returns a `TrackWrite` that travels in the step's snapshot (the plan entry); result
-processing (`commit`) reads only that snapshot — never the track's producer or its planned
-position, which the next step may already have advanced under overlap scheduling. A slot is
-never written while it is the consumer or has a write pending, so a committed checkpoint is
-never overwritten before the prefix cache takes it (`donate`).
-
-    st = track.start(ring)                      # ring: >= 2 CheckpointSlots
-    st, w = track.plan(st, "r1", 0, 64, 100)    # step N: w.position == 64, w travels in the plan
-    st, w2 = track.plan(st, "r1", 64, 96, 100)  # step N+1 planned while N runs (96: prompt end page)
-    st = track.process(st, w)                   # N's results: the consumer is (w.ring_index, 64)
-    st, kept = track.donate(st, fresh)          # the prefix cache takes the checkpoint at 64
+    st = track.start()                                   # a request at position 0
+    st, ws = track.plan(st, "r1", 0, 256, 300, take)     # step N: writes at 64, 128, 192, 256
+    st, ws2 = track.plan(st, "r1", 256, 300, 300, take)  # step N+1 planned while N runs (288)
+    st, done = track.commit(st, ws[0])                   # N's results: the cache adopts done.slots
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -35,8 +31,8 @@ class TrackPolicy:
     interval: int = 64
     page_size: int = 16
     # the model writes a checkpoint as of any token inside a step (batch.Capture; not in
-    # deterministic mode, where chunks end on fixed cuts): a step that passes a boundary without
-    # ending on one checkpoints the last boundary it passed, and chunks need not stop there
+    # deterministic mode, where chunks end on fixed cuts): a step checkpoints every boundary it
+    # passes, and chunks need not stop at any of them
     inside: bool = False
 
     def __post_init__(self):
@@ -50,18 +46,18 @@ class TrackPolicy:
     def is_boundary(self, position: int, prompt_len: int) -> bool:
         return position > 0 and (position % self.interval == 0 or position == self.prompt_end(prompt_len))
 
-    def write_at(self, start: int, end: int, prompt_len: int) -> int | None:
-        """Where a step running start..end-1 checkpoints: `end` if it is a boundary, else (with
-        `inside`) the last boundary it passes, else nowhere (None)."""
-        if self.is_boundary(end, prompt_len):
-            return end
+    def writes_at(self, start: int, end: int, prompt_len: int) -> tuple[int, ...]:
+        """Where a step running start..end-1 checkpoints, in order: `end` if it is a boundary,
+        and (with `inside`) every boundary it passes before that."""
         if not self.inside:
-            return None
-        last = (end - 1) // self.interval * self.interval
+            return (end,) if self.is_boundary(end, prompt_len) else ()
+        i = self.interval
+        out = list(range((start // i + 1) * i, end + 1, i))
         pe = self.prompt_end(prompt_len)
-        if pe < end:
-            last = max(last, pe)
-        return last if last > start else None
+        if start < pe <= end and pe % i:
+            out.append(pe)
+            out.sort()
+        return tuple(out)
 
     def chunk_end(self, start: int, end: int, prompt_len: int) -> int:
         """Where a prefill chunk meant to run start..end-1 stops: at the prompt's last whole page
@@ -104,45 +100,19 @@ class CheckpointSlots:
 
 @dataclass(frozen=True)
 class TrackWrite:
-    """Part of a step's snapshot: after this step, the request's state at `position` is written
-    into `slots` (ring entry `ring_index`)."""
+    """Part of a step's snapshot: after this step, the request's state at `position` is in
+    `slots`, taken for this write alone."""
 
     req_id: str
     position: int
-    ring_index: int
     slots: CheckpointSlots
-
-
-@dataclass(frozen=True)
-class Committed:
-    """The consumer: the last committed checkpoint."""
-
-    ring_index: int
-    position: int
 
 
 @dataclass(frozen=True)
 class TrackState:
-    ring: tuple[CheckpointSlots, ...]
-    producer: int = 0  # ring index the next write tries first
     planned: int = 0  # tokens planned so far (the live position: ahead of what is committed)
-    pending: tuple[TrackWrite, ...] = ()  # planned, results not processed yet
-    consumer: Committed | None = None
-    skipped: int = 0  # boundaries passed with every ring slot busy (no checkpoint taken)
-
-    def busy(self) -> frozenset[int]:
-        held = {w.ring_index for w in self.pending}
-        if self.consumer is not None:
-            held.add(self.consumer.ring_index)
-        return frozenset(held)
-
-
-@dataclass(frozen=True)
-class Kept:
-    """The last committed checkpoint: what a prefix-cache insert takes."""
-
-    position: int
-    slots: CheckpointSlots
+    pending: tuple[TrackWrite, ...] = ()  # planned, results not processed yet (they own their slots)
+    skipped: int = 0  # boundaries passed without free checkpoint slots (no checkpoint taken)
 
 
 class MambaTrack:
@@ -151,61 +121,33 @@ class MambaTrack:
     def __init__(self, policy: TrackPolicy):
         self.policy = policy
 
-    def start(self, ring: tuple[CheckpointSlots, ...], computed: int = 0) -> TrackState:
-        """A request holding `ring`, whose state covers `computed` tokens (a hit's length)."""
-        if len(ring) < 2:
-            raise ValueError("a track needs at least two checkpoint slots (one committed, one being written)")
-        return TrackState(tuple(ring), planned=computed)
+    def start(self, computed: int = 0) -> TrackState:
+        """A request whose state covers `computed` tokens (a hit's length)."""
+        return TrackState(planned=computed)
 
-    def plan(self, st: TrackState, req_id: str, start: int, end: int, prompt_len: int
-             ) -> tuple[TrackState, TrackWrite | None]:
-        """A step runs positions start..end-1; the write it carries if it checkpoints
-        (`TrackPolicy.write_at`)."""
+    def plan(self, st: TrackState, req_id: str, start: int, end: int, prompt_len: int,
+             take: Callable[[int], Sequence[CheckpointSlots]]) -> tuple[TrackState, tuple[TrackWrite, ...]]:
+        """A step runs positions start..end-1; the writes it carries (`TrackPolicy.writes_at`),
+        each with the fresh slots `take(n)` gave (at most n sets; when it gives fewer, the last
+        positions get them: the longest prefixes, which a hit on an earlier one would also
+        match less of)."""
         if start != st.planned or end <= start:
             raise ValueError(f"{req_id}: planned up to {st.planned}, a step cannot run {start}..{end - 1}")
-        at = self.policy.write_at(start, end, prompt_len)
-        if at is None:
-            return replace(st, planned=end), None
-        n, busy = len(st.ring), st.busy()
-        free = [i % n for i in range(st.producer, st.producer + n) if i % n not in busy]
-        if not free:
-            return replace(st, planned=end, skipped=st.skipped + 1), None
-        w = TrackWrite(req_id, at, free[0], st.ring[free[0]])
-        return replace(st, planned=end, producer=(free[0] + 1) % n, pending=st.pending + (w,)), w
+        at = self.policy.writes_at(start, end, prompt_len)
+        if not at:
+            return replace(st, planned=end), ()
+        got = tuple(take(len(at)))[:len(at)]
+        ws = tuple(TrackWrite(req_id, p, s) for p, s in zip(at[len(at) - len(got):], got))
+        return replace(st, planned=end, pending=st.pending + ws, skipped=st.skipped + len(at) - len(got)), ws
 
-    def process(self, st: TrackState, w: TrackWrite | None) -> TrackState:
-        """Result processing of one step for this request, from that step's snapshot: `w` is the
-        write its plan entry carried (None: the step ended on no boundary)."""
-        return st if w is None else self.commit(st, w)
-
-    def commit(self, st: TrackState, w: TrackWrite) -> TrackState:
-        """The step that carried `w` completed: its checkpoint is committed. Reads only `w`."""
+    def commit(self, st: TrackState, w: TrackWrite) -> tuple[TrackState, TrackWrite]:
+        """The step that carried `w` completed: returns the written checkpoint, whose slots are
+        now the caller's to hand to the cache (or free). Reads only `w`, the step's snapshot."""
         if w not in st.pending:
             raise ValueError(f"{w.req_id}: committing a write that is not pending: {w}")
-        return replace(st, pending=tuple(p for p in st.pending if p != w),
-                       consumer=Committed(w.ring_index, w.position))
-
-    def abandon(self, st: TrackState, w: TrackWrite) -> TrackState:
-        """The step that carried `w` will never be committed for this request (it left while the
-        step ran): the slot is free again, the consumer unchanged."""
-        return replace(st, pending=tuple(p for p in st.pending if p != w))
-
-    def keep(self, st: TrackState) -> Kept | None:
-        """The consumer: the slots and position of the last committed checkpoint."""
-        if st.consumer is None:
-            return None
-        return Kept(st.consumer.position, st.ring[st.consumer.ring_index])
-
-    def donate(self, st: TrackState, fresh: CheckpointSlots) -> tuple[TrackState, Kept]:
-        """Hand the committed checkpoint to the prefix cache; `fresh` takes its ring place."""
-        kept = self.keep(st)
-        if kept is None:
-            raise ValueError("nothing committed to donate")
-        ring = list(st.ring)
-        ring[st.consumer.ring_index] = fresh
-        return replace(st, ring=tuple(ring), consumer=None), kept
+        return replace(st, pending=tuple(p for p in st.pending if p != w)), w
 
     def release(self, st: TrackState) -> tuple[CheckpointSlots, ...]:
-        """Every slot the request holds (to free when it leaves; its pending writes must be
-        past the step in flight, as every free is)."""
-        return st.ring
+        """The slots of every write still pending (to free when the request leaves: through the
+        one free point, after the step in flight that may still write them)."""
+        return tuple(w.slots for w in st.pending)

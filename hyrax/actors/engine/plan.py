@@ -190,12 +190,13 @@ class UnitCopy:
 @dataclass(frozen=True)
 class CheckpointWrite:
     """After the forward: the recurrent state of `req_id` (its slot of each slot component, at
-    position `position`) is copied into checkpoint slots, and every rank reports their checksums.
+    position `position`) is in checkpoint slots (copied there after the forward, or, for a
+    position inside the entry's slice, written by the forward), and every rank reports their
+    checksums. A request may have several in one step, one per position.
     Result processing reads this value (the step's snapshot), never the request's live fields."""
 
     req_id: str
     position: int
-    ring_index: int  # which of the request's checkpoint slots (its track's ring entry)
     slots: tuple[tuple[str, int, int], ...]  # (slot component, request's slot, checkpoint slot)
     in_prompt: bool  # the position is within the prompt's prefill (see prefix_nodes.Checkpoint)
 
@@ -246,16 +247,16 @@ class StepResult:
 
     tokens: list[int]
     logprobs: dict[int, dict] = field(default_factory=dict)
-    # the plan's checkpoint writes: req id -> component -> rank -> state hash of the written slot
-    # (each rank reports its own; the executor merges them)
-    checkpoints: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)
+    # the plan's checkpoint writes: (req id, position) -> component -> rank -> state hash of the
+    # written slot (each rank reports its own; the executor merges them)
+    checkpoints: dict[tuple[str, int], dict[str, dict[int, int]]] = field(default_factory=dict)
 
     @staticmethod
     def gathered(per_rank: list[StepResult]) -> StepResult:
         """Rank 0's result with every rank's checkpoint checksums merged in."""
         first = per_rank[0]
         for other in per_rank[1:]:
-            for rid, comps in other.checkpoints.items():
+            for key, comps in other.checkpoints.items():
                 for name, sums in comps.items():
-                    first.checkpoints.setdefault(rid, {}).setdefault(name, {}).update(sums)
+                    first.checkpoints.setdefault(key, {}).setdefault(name, {}).update(sums)
         return first

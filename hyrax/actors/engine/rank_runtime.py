@@ -142,7 +142,7 @@ class RankRuntime:
         if self.broadcast is not None and specs:
             tokens = self.broadcast(tokens)
         self.last_token.update(zip(ids, tokens))
-        sums = {w.req_id: self._write_checkpoint(w, w.req_id in inside) for w in plan.checkpoints}
+        sums = self._write_checkpoints(plan.checkpoints, inside) if plan.checkpoints else {}
         if self.rank != 0:
             return StepResult([], checkpoints=sums)
         if any(sp.logprobs is not None for sp in specs):
@@ -162,25 +162,35 @@ class RankRuntime:
         dst.index_copy_(1, self._unit_rows(cp.dst_pool, cp.dst), src.index_select(1, self._unit_rows(cp.src_pool, cp.src)))
 
     @staticmethod
-    def _captures(plan: StepPlan) -> tuple[dict[int, tuple[int, dict[str, int]]], frozenset[str]]:
+    def _captures(plan: StepPlan) -> tuple[dict[int, list[tuple[int, dict[str, int]]]], frozenset[tuple[str, int]]]:
         """Checkpoints inside an entry's slice (not at its end) are the forward's to write:
-        ({row: (tokens before the capture, {slot component: checkpoint slot})}, their requests)."""
-        at = {w.req_id: w for w in plan.checkpoints}
+        ({row: [(tokens before the capture, {slot component: checkpoint slot}), ...]}, their
+        (request, position) keys)."""
+        at: dict[str, list] = {}
+        for w in plan.checkpoints:
+            at.setdefault(w.req_id, []).append(w)
         captures, inside = {}, []
         for i, e in enumerate(plan.entries, start=plan.num_decode):
-            w = at.get(e.req_id)
-            if w is not None and w.position < e.start + len(e.token_ids):
-                captures[i] = (w.position - e.start, {name: ckpt for name, _, ckpt in w.slots})
-                inside.append(e.req_id)
+            for w in at.get(e.req_id, ()):
+                if w.position < e.start + len(e.token_ids):
+                    captures.setdefault(i, []).append((w.position - e.start, {name: ckpt for name, _, ckpt in w.slots}))
+                    inside.append((e.req_id, w.position))
         return captures, frozenset(inside)
 
-    def _write_checkpoint(self, w, captured: bool) -> dict[str, dict[int, int]]:
-        """Copy the request's slots into its checkpoint slots (unless the forward `captured` them
-        inside the step); their state hashes, as this rank's."""
-        for name, slot, ckpt in (() if captured else w.slots):
-            self.pools[checkpoint_pool(name)][:, ckpt] = self.pools[name][:, slot]
-        sums = self._slot_checksum({name: ckpt for name, _, ckpt in w.slots})
-        return {name: {self.rank: h} for name, h in sums.items()}
+    def _write_checkpoints(self, writes, captured: frozenset[tuple[str, int]]) -> dict:
+        """Copy each write's request slots into its checkpoint slots (unless the forward
+        `captured` them inside the step); their state hashes, as this rank's, from one host
+        read: {(request, position): {component: {rank: hash}}}."""
+        for w in writes:
+            if (w.req_id, w.position) not in captured:
+                for name, slot, ckpt in w.slots:
+                    self.pools[checkpoint_pool(name)][:, ckpt] = self.pools[name][:, slot]
+        keys = [((w.req_id, w.position), name) for w in writes for name, _, _ in w.slots]
+        hashes = self.hash.many([self.pools[checkpoint_pool(name)][:, ckpt] for w in writes for name, _, ckpt in w.slots])
+        out: dict = {}
+        for (key, name), h in zip(keys, hashes):
+            out.setdefault(key, {})[name] = {self.rank: h}
+        return out
 
     def _slot_checksum(self, slots: dict[str, int]) -> dict[str, int]:
         """component -> the state hash of its checkpoint slot `slots[component]`, (layers, *unit)

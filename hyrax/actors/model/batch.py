@@ -310,14 +310,14 @@ def _row_inputs(seqs: Sequence, block, components: tuple[ComponentSpec, ...], fi
 def build_forward_batch(
     seqs: Sequence, components: tuple[ComponentSpec, ...], page_size: int, device: torch.device | str = "cpu",
     capture_into: Mapping[str, str] | None = None, *,
-    captures: Mapping[int, tuple[int, Mapping[str, int]]] | None = None, fills: Sequence[int] | None = None,
+    captures: Mapping[int, Sequence[tuple[int, Mapping[str, int]]]] | None = None, fills: Sequence[int] | None = None,
     block=None,
 ) -> ForwardBatch:
     """The step's batch on `device`, computed on the host (numpy) and moved in one copy (`to_device`).
     `seqs`: `SeqSlice`s, or anything with their first four fields (a plan's entries); `block`: a
     plan's `DecodeBlock`, whose rows come first. `capture_into`: slot component -> its
-    checkpoint pool's key, needed when a slice captures. `captures`: {row: capture} instead of
-    each SeqSlice's own; `fills`: per row, the token a negative last token stands for (`_filled`)."""
+    checkpoint pool's key, needed when a slice captures. `captures`: {row: [capture, ...]}
+    (several points of one slice allowed) instead of each SeqSlice's own; `fills`: per row, the token a negative last token stands for (`_filled`)."""
     if not seqs and not block:
         raise ValueError("empty batch")
     rows = _row_inputs(seqs, block, components, fills)
@@ -370,7 +370,7 @@ def build_forward_batch(
         })
         if read_start is not None:
             host[f"{comp.name}.first"] = read_start
-    captured = (sorted(captures.items()) if captures is not None
+    captured = ([(b, c) for b, cs in sorted(captures.items()) for c in cs] if captures is not None
                 else [(b, s.capture) for b, s in enumerate(seqs, start=B - len(seqs)) if s.capture is not None])
     if captured:
         if capture_into is None or any(not 0 < k < q_lens[b] for b, (k, _) in captured):

@@ -76,11 +76,15 @@ def _conv_one_token(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, we
     return nn.functional.silu(out).to(x.dtype)[:, None]
 
 
-def conv_state_after(state: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """A slot's conv state after the first `lens` tokens of a step: the last `kernel - 1`
-    inputs up to there. state: (n, C, K-1) the slots before the step; x: (n, T, C) the step's
-    inputs; lens: (n,) long, 0 < lens <= T. Returns (n, C, K-1) in state's dtype."""
+def conv_state_after(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Slots' conv states after the first `lens` tokens of a step: the last `kernel - 1` inputs
+    up to there. state: (n, C, K-1) the slots before the step; x: (B, T, C) the step's inputs;
+    rows: (n,) long, each point's batch row (one may repeat); lens: (n,) long, 0 < lens <= T.
+    Only the K-1 inputs each point needs are read. Returns (n, C, K-1) in state's dtype."""
     keep = state.shape[-1]
-    seq = torch.cat([state.transpose(1, 2), x.to(state.dtype)], dim=1)  # (n, K-1+T, C)
-    take = lens[:, None] + torch.arange(keep, device=x.device)[None, :]  # (n, K-1)
-    return seq.gather(1, take[:, :, None].expand(-1, keep, seq.shape[2])).transpose(1, 2)
+    B, T, C = x.shape
+    pos = lens[:, None] - keep + torch.arange(keep, device=x.device)[None, :]  # (n, K-1); < 0: from the slot
+    from_x = x.reshape(B * T, C).index_select(0, (rows[:, None] * T + pos.clamp(min=0)).reshape(-1))
+    from_x = from_x.view(-1, keep, C).transpose(1, 2).to(state.dtype)  # (n, C, K-1)
+    from_slot = state.gather(2, (pos + keep).clamp(max=keep - 1)[:, None, :].expand(-1, C, -1))
+    return torch.where((pos < 0)[:, None, :], from_slot, from_x)

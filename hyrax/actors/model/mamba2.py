@@ -22,7 +22,7 @@ from hyrax.actors.model.conv import causal_conv_step, conv_state_after
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
-from hyrax.actors.model.ssd import ssd_chunked, ssd_state_after, ssd_step, ssd_step_rows_
+from hyrax.actors.model.ssd import ssd_chunked, ssd_states_at, ssd_step, ssd_step_rows_
 
 
 CONV, SSM = "mamba_conv", "mamba_ssm"  # the state components a Mamba2 layer keeps
@@ -133,8 +133,7 @@ class Mamba2Mixer(nn.Module):
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
         if cap is not None:  # the conv inputs up to each capture point, before the slots move on
             pools[cap.into[CONV]][self.local_layer].index_copy_(0, cap.slots[CONV], conv_state_after(
-                conv_pool.index_select(0, conv_slots.index_select(0, cap.rows)), xbc.index_select(0, cap.rows),
-                cap.lens))
+                conv_pool.index_select(0, conv_slots.index_select(0, cap.rows)), xbc, cap.rows, cap.lens))
         xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
@@ -150,14 +149,13 @@ class Mamba2Mixer(nn.Module):
         else:
             state = ssm_pool.index_select(0, ssm_slots)
             dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
-            if cap is not None:  # the state at each capture point: dt = 0 from there on
-                rows = cap.rows
-                before = (torch.arange(T, device=x.device)[None, :] < cap.lens[:, None])[..., None]
-                pools[cap.into[SSM]][self.local_layer].index_copy_(0, cap.slots[SSM], ssd_state_after(
-                    xs.index_select(0, rows).view(-1, T, self.nh, P), dt.index_select(0, rows) * before, A,
-                    Bm.index_select(0, rows).view(-1, T, G, N), state.index_select(0, rows)))
-            y, new_state = ssd_chunked(xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
-                                       Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state)
+            x4, B4 = xs.view(B, T, self.nh, P), Bm.view(B, T, G, N)
+            out = ssd_chunked(x4, dt, A, B4, Cm.view(B, T, G, N), self.D, cfg.mamba_chunk_size, state,
+                              with_starts=cap is not None)
+            y, new_state = out[0], out[1]
+            if cap is not None:  # the state at each capture point, from the start of its chunk
+                pools[cap.into[SSM]][self.local_layer].index_copy_(0, cap.slots[SSM], ssd_states_at(
+                    x4, dt, A, B4, out[2], cap.rows, cap.lens, cfg.mamba_chunk_size))
             index_copy_rows_(ssm_pool, ssm_slots, new_state)
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.allreduce(self.out_proj(y.to(x.dtype)))

@@ -129,13 +129,14 @@ def _per_group(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 def ssd_chunked(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
-    D: torch.Tensor, chunk_size: int, init_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    D: torch.Tensor, chunk_size: int, init_state: torch.Tensor, with_starts: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Chunked scan over a right-padded batch.
 
     x: (B, T, H, P); dt: (B, T, H) with 0 at padding; A: (H,); Bm, Cm: (B, T, G, N); D: (H,);
     init_state: (B, H, P, N). Returns y: (B, T, H, P) and the final state (B, H, P, N),
-    both in init_state's dtype.
+    both in init_state's dtype; `with_starts`: also the state at each chunk's start
+    (B, chunks, H, P, N), which `ssd_states_at` reads states inside the step from.
 
     A step shorter than `chunk_size` is one chunk of its own length (a short prefill used
     to pad to a whole chunk and pay for it). The contractions shared by a group's heads run as
@@ -193,7 +194,37 @@ def ssd_chunked(
                             dim=3).view(Bsz, nc, L, H, P)
     y = from_start.mul_(decay_exp(acum)[..., None]).add_(y_in.transpose(2, 3))
     y = y.addcmul_(x.view(Bsz, nc, L, H, P), D.to(f)[:, None]).view(Bsz, nc * L, H, P)
+    if with_starts:
+        return (y[:, :T] if pad else y), state, start
     return (y[:, :T] if pad else y), state
+
+
+def ssd_states_at(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, starts: torch.Tensor,
+    rows: torch.Tensor, lens: torch.Tensor, chunk_size: int,
+) -> torch.Tensor:
+    """The state of batch row rows[i] after its first lens[i] tokens (0 < lens < T), for several
+    points at once (a row may appear more than once): the start state of the `ssd_chunked` chunk
+    holding the point, advanced by that chunk's tokens before it (none at a chunk start; fewer
+    than `chunk_size` otherwise), so a point costs one chunk's contraction, not the whole step's.
+
+    x: (B, T, H, P); dt: (B, T, H); A: (H,); Bm: (B, T, G, N); starts: ssd_chunked's chunk
+    start states (B, chunks, H, P, N); rows, lens: (n,) long. Returns (n, H, P, N) in starts'
+    dtype.
+    """
+    Bsz, T, H, P = x.shape
+    G, N = Bm.shape[2], Bm.shape[3]
+    L = min(chunk_size, T)
+    chunk = torch.div(lens, L, rounding_mode="floor")
+    ar = torch.arange(L, device=x.device)
+    at = chunk[:, None] * L + ar[None, :]  # (n, L): the tokens of each point's chunk
+    flat = (rows[:, None] * T + at.clamp(max=T - 1)).reshape(-1)  # a last partial chunk: clamped, masked below
+    before = (ar[None, :] < (lens - chunk * L)[:, None]).to(dt.dtype)  # (n, L): tokens before the point
+    n = rows.shape[0]
+    xw = x.reshape(Bsz * T, H, P).index_select(0, flat).view(n, L, H, P)
+    dtw = dt.reshape(Bsz * T, H).index_select(0, flat).view(n, L, H) * before[..., None]
+    Bw = Bm.reshape(Bsz * T, G, N).index_select(0, flat).view(n, L, G, N)
+    return ssd_state_after(xw, dtw, A, Bw, starts[rows, chunk])
 
 
 def ssd_state_after(
