@@ -190,3 +190,26 @@ def test_abort_of_a_running_hit_mid_decode_leaves_the_tree_unreferenced(overlap)
         engine.step()
     assert engine.caching.tree.root.ref == 0
     assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_several_checkpoints_in_one_chunk_are_cached_and_hit_with_unchanged_tokens(overlap):
+    """Not deterministic: a 32-token chunk passes the boundaries at 8, 16 and 24 and the forward
+    writes a checkpoint at each (batch.Capture, several points of one slice); the next wave's
+    prompts, sharing 24 tokens, hit all 24 and generate what a cold run does."""
+    prefix_len, n = SCENARIOS["three_intervals"]
+    kw = dict(deterministic=False, prefill_chunk=32, max_batch_tokens=64, overlap=overlap)
+    off, _ = _run(prefix_len, n, False, **kw)
+    prompts = _family(prefix_len, n, seed=prefix_len)
+    engine = make_engine(tiny_model(HYBRID), prefix_cache=True, mamba_track_interval=INTERVAL, **kw)
+    first = engine.add_request(prompts[0], greedy(12))
+    engine.step()  # the whole 27-token prompt in one chunk
+    while engine.has_inflight() and engine.stats.prefix.checkpoints == 0:
+        engine.step()
+    assert engine.stats.prefix.checkpoints == 3  # 8, 16 and 24 (also its last whole page), all inside the chunk
+    while engine.has_unfinished() or engine.has_inflight():
+        engine.step()
+    on = [engine.finished_requests[first].output_ids] + run_requests(engine, prompts[1:], greedy(12))
+    s = engine.caching.stats.summary()
+    assert on == off
+    assert s["hits"] >= n and s["hit_tokens"] >= n * prefix_len and s["corrupt_checkpoints"] == 0, s
