@@ -32,7 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CUDA only, 0 < F <= 1)")
     g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--prefill-chunk", type=int, default=512, help="max prompt tokens per request per step (at most --max-batch-tokens)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="max prompt tokens per request per step, at most --max-batch-tokens (default: "
+                        "--max-batch-tokens: a prompt that fits the step budget prefills in one step)")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
                    help=f"which prompts prefill first: shortest: the fewest tokens left first, among those that "
                         f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest waiting one; fcfs: arrival order "
@@ -95,7 +97,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         swa_capacity_tokens=a.swa_capacity_tokens,
         mamba_slots=SLOTS_DEFAULT if a.mamba_slots is None else a.mamba_slots,
         gpu_memory_fraction=a.gpu_memory_fraction, fixed_capacities=tuple(k for k, v in given.items() if v is not None), max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
-        prefill_chunk=min(a.prefill_chunk, a.max_batch_tokens), prefill_order=a.prefill_order,
+        prefill_chunk=a.prefill_chunk, prefill_order=a.prefill_order,
         retraction_backup=a.retraction_backup,
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,

@@ -81,7 +81,7 @@ class EngineConfig:
     mamba_slots: int = 64
     max_running: int = 64
     max_batch_tokens: int = 512
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # prompt tokens per request per step; None: max_batch_tokens
     # the order prompts are prefilled in (scheduler.prefill_order): "shortest" remaining first
     # among those that arrived together (scheduler.SHORTEST_FIRST_WINDOW_S), or "fcfs"
     prefill_order: str = "shortest"
@@ -128,6 +128,8 @@ class EngineConfig:
 
     def __post_init__(self):
         _check_types(self)
+        if self.prefill_chunk is None:  # a prompt that fits the step budget prefills in one step
+            object.__setattr__(self, "prefill_chunk", self.max_batch_tokens)
 
         def positive(name):
             if getattr(self, name) < 1:
@@ -168,7 +170,8 @@ class EngineConfig:
             raise HyraxInputError(f"fixed_capacities names {', '.join(unknown)}; the capacities are "
                                   f"{', '.join(CAPACITY_FIELDS)}")
         if self.prefill_chunk > self.max_batch_tokens:
-            raise HyraxInputError("prefill-chunk must not exceed max-batch-tokens")
+            raise HyraxInputError(f"prefill-chunk ({self.prefill_chunk}) must not exceed max-batch-tokens "
+                                  f"({self.max_batch_tokens})")
 
 
 # a field's annotation -> the types its value may have (bool is no int here, an int is a float)
