@@ -100,16 +100,16 @@ def test_captured_rows_equal_the_slots_of_a_run_that_stopped_there(layout):
     assert all(pools[into[c.name]][:, untouched].abs().sum() == 0 for c in slot_comps)
 
 
-def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stopped_there():
+def _several_captures_equal_stopped_runs(model, vocab: int, seed: int) -> None:
     """One row captured at three points of its slice and another at one (the plan's `captures`
     path: a step passing several track boundaries of one prompt), in a batch of mixed lengths:
     every checkpoint row holds the state after exactly its own prefix."""
-    model = random_model(tiny_config("full_swa_mamba"))
     comps = model.components
     slot_comps = [c for c in comps if not c.paged]
+    assert slot_comps and captures_mid_step(comps)
     into = {c.name: f"{c.name}.checkpoint" for c in slot_comps}
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1, 60, (n,), generator=g).tolist() for n in (14, 9)]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (14, 9)]
     every = shuffled_pages(model, 8, seed=11)
     pages = [{name: t[4 * b:4 * b + 4] for name, t in every.items()} for b in range(2)]
     want_at = {0: [(4, 0), (8, 1), (12, 2)], 1: [(5, 3)]}  # row -> (tokens before, checkpoint row)
@@ -129,6 +129,27 @@ def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stoppe
                 for c in slot_comps:
                     got, want = pools[into[c.name]][:, row], ref[c.name][:, 1]
                     assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (c.name, b, k, (got - want).abs().max())
+                    assert got.abs().sum() > 0
+
+
+def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stopped_there():
+    _several_captures_equal_stopped_runs(random_model(tiny_config("full_swa_mamba")), 60, 2)
+
+
+def test_gated_deltanet_captures_inside_a_slice_equal_runs_that_stopped_there(tmp_path):
+    """Qwen3-Next's Gated DeltaNet layers write checkpoints inside a slice too (its recurrence
+    copies the state rows after each capture's token; the conv keeps the inputs before it)."""
+    pytest.importorskip("transformers")
+    import hf_families as hff
+    from hyrax.actors.model.loader import load_model
+    from test_models_checkpoints import qwen3_next
+
+    torch.manual_seed(0)
+    hf = hff.randomize_hf_(qwen3_next().eval())
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float64)
+    assert {c.name for c in model.components if not c.paged} == {"gdn_conv", "gdn_state"}
+    _several_captures_equal_stopped_runs(model, hf.config.vocab_size, 3)
 
 
 def test_a_capture_must_lie_inside_its_slice():

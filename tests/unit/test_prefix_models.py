@@ -31,12 +31,7 @@ def family(request, tmp_path_factory):
 def _two_waves(engine, ps):
     """The first prompt alone (its prefix stays cached), then the rest (run_to_end checks
     invariants every step, then idle-clean, and flushes)."""
-    rid = engine.add_request(ps[0], greedy(hff.NEW_TOKENS))
-    while engine.has_unfinished():
-        engine.step()
-        engine.check_invariants()
-    rest = [engine.add_request(p, greedy(hff.NEW_TOKENS)) for p in ps[1:]]
-    return [engine.finished_requests[rid].output_ids] + hff.run_to_end(engine, rest)
+    return _two_waves_rest(engine, engine.add_request(ps[0], greedy(hff.NEW_TOKENS)), ps)
 
 
 @pytest.mark.parametrize("stress", [{}, {"overlap": True, "forced_retraction_interval": 3}],
@@ -73,3 +68,28 @@ def test_prefill_replica_caches_and_hands_off_to_decode(family):
     assert prefill.stats.summary()["prefix_cache"]["hits"] >= 3
     assert decode.stats.summary()["prefix_cache"]["query_tokens"] == 0  # decode replicas never match
     assert_idle_clean(prefill)
+
+
+def test_checkpoints_inside_one_chunk_hit_with_transformers_tokens(family):
+    """Not deterministic (TP 1): the first 18-token prompt prefills in one 32-token chunk and its
+    Mamba2 / Gated DeltaNet layers write the checkpoints at 8 and 16 inside it; the others hit
+    there and give transformers' tokens."""
+    path, ps, ref = family
+    engine = hff.make_engine(path, 1, mamba_track_interval=INTERVAL, deterministic=False, prefill_chunk=32,
+                             max_batch_tokens=64)
+    rid = engine.add_request(ps[0], greedy(hff.NEW_TOKENS))
+    engine.step()
+    assert engine.requests[rid].num_computed == len(ps[0])  # the whole prompt in one step
+    assert engine.stats.prefix.checkpoints == 2  # 8 and 16 (its last whole page), inside the chunk
+    assert _two_waves_rest(engine, rid, ps) == ref
+    s = engine.stats.summary()["prefix_cache"]
+    assert s["hits"] >= 3 and s["hit_tokens"] >= 3 * 16 and s["corrupt_checkpoints"] == 0, s
+
+
+def _two_waves_rest(engine, rid, ps):
+    """Finish the first prompt's request, then run the rest as `_two_waves` does."""
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_invariants()
+    rest = [engine.add_request(p, greedy(hff.NEW_TOKENS)) for p in ps[1:]]
+    return [engine.finished_requests[rid].output_ids] + hff.run_to_end(engine, rest)

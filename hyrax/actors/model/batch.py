@@ -147,6 +147,16 @@ class Capture:
     lens: torch.Tensor  # (n,) long: tokens of their slice before the capture point, 0 < lens < q_lens
     slots: dict[str, torch.Tensor]  # slot component -> (n,) long: the rows written in its checkpoint pool
     into: Mapping[str, str]  # slot component -> the key of its checkpoint pool among the forward's pools
+    lens_host: tuple[int, ...] = ()  # `lens` on the host (a token-by-token recurrence stops at each)
+
+    @cached_property
+    def at_token(self) -> dict[int, torch.Tensor]:
+        """Token index t -> (m,) long: the captures whose point is right after token t of their
+        slice (lens == t + 1), as indices into rows / slots; made once per step for every layer."""
+        by: dict[int, list[int]] = {}
+        for i, k in enumerate(self.lens_host):
+            by.setdefault(k - 1, []).append(i)
+        return {t: torch.tensor(ix, dtype=torch.long, device=self.rows.device) for t, ix in by.items()}
 
 
 @dataclass
@@ -383,7 +393,7 @@ def build_forward_batch(
                                                   count=len(captured))
     dev = to_device(host, device)
     capture = Capture(dev["capture.rows"], dev["capture.lens"], {name: dev[f"capture.{name}"] for name in slot_names},
-                      capture_into) if captured else None
+                      capture_into, tuple(k for _, (k, _) in captured)) if captured else None
     attn = {name: AttnIndex(
         dev[f"{name}.write_rows"], dev[f"{name}.pad_keys"], dev[f"{name}.page_table"],
         -(-max_tiles * KV_TILE_ROWS // page_size),

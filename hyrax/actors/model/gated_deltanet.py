@@ -21,7 +21,7 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.conv import causal_conv_step
+from hyrax.actors.model.conv import causal_conv_step, conv_state_after
 from hyrax.actors.model.norm import AllReduce
 from hyrax.actors.model.row_copy import index_copy_rows_
 from hyrax.actors.model.sharding import TP
@@ -38,7 +38,8 @@ def state_components(cfg: ModelConfig, tp: TP, dtype: torch.dtype) -> list[Compo
         return []
     g = cfg.gdn
     return recurrent_pair(CONV, STATE, layers, dtype, sharding.gdn_conv_channels(cfg, tp), g.conv_kernel,
-                          g.conv_dim, sharding.gdn_v_heads(cfg, tp), (g.k_head_dim, g.v_head_dim), g.num_v_heads)
+                          g.conv_dim, sharding.gdn_v_heads(cfg, tp), (g.k_head_dim, g.v_head_dim), g.num_v_heads,
+                          captures_mid_step=True)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -46,7 +47,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, snapshot=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence, token by token (prefill and decode share it). Updates `state` IN PLACE
     (the model passes the rows it gathered from its pool) and returns it.
 
@@ -55,6 +56,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     state, both in state's dtype. Per token: S <- exp(g) S; S <- S + k (x) beta (v - k^T S);
     o = q^T S. The state is the step's largest tensor (16 MB at 16 sequences of 16 heads of
     128 x 128): scaled and updated in place, it is never allocated anew per token.
+    `snapshot(t, state)`, if given, is called after each token t (a capture copies rows there).
     """
     f = state.dtype
     q, k, v, g, beta = (t.to(f) for t in (q, k, v, g, beta))
@@ -73,6 +75,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         delta = (v[:, t] - read(k[:, t])) * beta[:, t, :, None]
         heads.baddbmm_(k[:, t].reshape(B * H, Dk, 1), delta.reshape(B * H, 1, Dv))  # S += k (x) delta
         out.append(read(q[:, t]))
+        if snapshot is not None:
+            snapshot(t, s)
     return torch.stack(out, dim=1), s
 
 
@@ -119,6 +123,17 @@ class GatedDeltaNet(nn.Module):
         f = torch.float64 if dtype == torch.float64 else torch.float32
         return (h.to(f) * nn.functional.silu(z.to(f))).to(dtype)
 
+    def _snapshot(self, cap, into: torch.Tensor):
+        """The recurrence's per-token hook for `cap`: after token t, the state rows of the
+        captures whose point lies there are copied into their checkpoint rows."""
+        at, rows, dst, pool = cap.at_token, cap.rows, cap.slots[STATE], into[self.local_layer]
+
+        def snap(t: int, state: torch.Tensor) -> None:
+            ix = at.get(t)
+            if ix is not None:
+                pool.index_copy_(0, dst.index_select(0, ix), state.index_select(0, rows.index_select(0, ix)))
+        return snap
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and recurrent slots."""
         B, T, _ = x.shape
@@ -129,6 +144,10 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(B, T, nk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
+        if cap is not None:  # the conv inputs up to each capture point, before the slots move on
+            pools[cap.into[CONV]][self.local_layer].index_copy_(0, cap.slots[CONV], conv_state_after(
+                conv_pool.index_select(0, batch.slots[CONV].index_select(0, cap.rows)), mixed, cap.rows, cap.lens))
         mixed = causal_conv_step(mixed, conv_pool, batch.slots[CONV], batch.q_lens, self.conv1d.weight, None)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         f = state_pool.dtype
@@ -138,7 +157,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.reshape(B, T, nv).sigmoid().to(f) * valid
         g = -self.A_log.to(f).exp() * nn.functional.softplus(a.reshape(B, T, nv).to(f) + self.dt_bias.to(f)) * valid
         slots = batch.slots[STATE]
-        o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool.index_select(0, slots))
+        o, new_state = gated_delta_rule(q, k, v.reshape(B, T, nv, dv), g, beta, state_pool.index_select(0, slots),
+                                        None if cap is None else self._snapshot(cap, pools[cap.into[STATE]]))
         index_copy_rows_(state_pool, slots, new_state)
         y = self._gated_norm(o, z.reshape(B, T, nv, dv))
         return self.allreduce(self.out_proj(y.reshape(B, T, nv * dv)))
