@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, PREFILL_ORDERS, EngineConfig,
-                                       UnsafeFaults)
+from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, PREFILL_CHUNK, PREFILL_ORDERS,
+                                        EngineConfig, UnsafeFaults)
 from hyrax.actors.engine.scheduler import SHORTEST_FIRST_WINDOW_S
 
 KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
@@ -33,8 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="max prompt tokens per request per step, at most --max-batch-tokens (default: "
-                        "--max-batch-tokens: a prompt that fits the step budget prefills in one step)")
+                   help=f"max prompt tokens per request per step, at most --max-batch-tokens (default: "
+                        f"{PREFILL_CHUNK}, or --max-batch-tokens if smaller)")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
                    help=f"which prompts prefill first: shortest: the fewest tokens left first, among those that "
                         f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest waiting one; fcfs: arrival order "

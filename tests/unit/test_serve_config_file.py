@@ -51,11 +51,11 @@ def test_the_cli_answers_a_bad_file_value_with_a_one_line_error(tmp_path, capsys
     assert err == ["hyrax: error: --config: deterministic must be true or false, got 'false'"]
 
 
-def test_the_prefill_chunk_follows_the_step_budget_unless_given_and_never_exceeds_it(tmp_path):
-    """The default chunk is the whole budget, also a smaller one given alone; an explicit chunk
-    larger than the budget is an error naming both (it was silently cut to the budget)."""
-    assert engine_config_from_args(parse(tmp_path, "")).prefill_chunk == 512
-    assert engine_config_from_args(parse(tmp_path, "max-batch-tokens: 256\n")).prefill_chunk == 256
+def test_the_prefill_chunk_fits_the_step_budget_unless_given_and_never_exceeds_it(tmp_path):
+    """The default chunk (256) shrinks to a smaller budget given alone; an explicit chunk larger
+    than the budget is an error naming both (it was silently cut to the budget)."""
+    assert engine_config_from_args(parse(tmp_path, "")).prefill_chunk == 256
+    assert engine_config_from_args(parse(tmp_path, "max-batch-tokens: 128\n")).prefill_chunk == 128
     assert engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "128")).prefill_chunk == 128
     with pytest.raises(HyraxInputError, match=r"prefill-chunk \(1024\) must not exceed max-batch-tokens \(512\)"):
         engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024"))
