@@ -81,10 +81,9 @@ def conv_state_after(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, l
     up to there. state: (n, C, K-1) the slots before the step; x: (B, T, C) the step's inputs;
     rows: (n,) long, each point's batch row (one may repeat); lens: (n,) long, 0 < lens <= T.
     Only the K-1 inputs each point needs are read. Returns (n, C, K-1) in state's dtype."""
-    keep = state.shape[-1]
-    B, T, C = x.shape
+    keep, C = state.shape[-1], x.shape[2]
     pos = lens[:, None] - keep + torch.arange(keep, device=x.device)[None, :]  # (n, K-1); < 0: from the slot
-    from_x = x.reshape(B * T, C).index_select(0, (rows[:, None] * T + pos.clamp(min=0)).reshape(-1))
-    from_x = from_x.view(-1, keep, C).transpose(1, 2).to(state.dtype)  # (n, C, K-1)
+    # x may be a strided view (a split of in_proj's output): indexed where it lies, not copied whole
+    from_x = x[rows[:, None], pos.clamp(min=0)].transpose(1, 2).to(state.dtype)  # (n, C, K-1)
     from_slot = state.gather(2, (pos + keep).clamp(max=keep - 1)[:, None, :].expand(-1, C, -1))
     return torch.where((pos < 0)[:, None, :], from_slot, from_x)
