@@ -70,6 +70,21 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                              f"is the address right, and is the cluster up (`ray start --head`)?") from None
 
 
+def gcs_alive(timeout_s: float = 1.0) -> bool:
+    """Whether the GCS of the cluster this driver joined still accepts connections. A SIGTERM to
+    the whole process group (GNU `timeout`, systemd's default KillMode) stops a local cluster's
+    GCS and raylet together with `hyrax serve`; every Ray call after that waits a minute for the
+    GCS before Ray gives up."""
+    import ray
+
+    try:
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def local_num_cpus(needed: int, requested: int | None) -> tuple[int, str | None]:
     """Logical CPUs of a local cluster for a deployment that needs `needed` (one per rank):
     exactly that unless --num-cpus asks for more, and a note when it exceeds this machine's

@@ -21,7 +21,7 @@ from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
-from hyrax.cluster.ray_cluster import local_num_cpus
+from hyrax.cluster.ray_cluster import gcs_alive, local_num_cpus
 from hyrax.env import admin_token as env_admin_token
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
@@ -363,9 +363,14 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
     finally:
         if lease is not None:
             lease.stop()
-        if ctl is not None and owner:
+        cluster_up = gcs_alive() if (ctl is not None and owner) or started_ray else True
+        if ctl is not None and owner and cluster_up:
             print("hyrax: stopping replicas ...", file=sys.stderr)
             controller.tear_down(ctl)
+        if not cluster_up:  # stopped with us (a signal to the whole process group): nothing to tear down
+            print("hyrax: the Ray cluster already stopped; exiting", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(0)  # Ray's exit hook would wait a minute for the GCS
         if started_ray:
             ray.shutdown()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import socket
 from collections import Counter
@@ -30,6 +31,15 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # mamba_slots=12 < 32 streams: requests wait for slots, so a held request's slot is reused
 # by another and its restore lands in different indices.
 E2E_CONFIG = EngineConfig(deterministic=True, mamba_slots=12)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group `pgid` still runs."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def port_is_free(port: int) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_harness import MODEL, free_port, port_is_free, sse_data, wait_until
+from e2e_harness import MODEL, free_port, group_alive, port_is_free, sse_data, wait_until
 from listen_harness import listening, session_pids
 from serve_harness import wait_serving
 
@@ -31,14 +31,6 @@ HYRAX = Path(sys.executable).with_name("hyrax")
 TOKEN = "cli-e2e-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 STREAM_TOKENS = 150
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +100,7 @@ def served(tmp_path_factory):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-        if _group_alive(proc.pid):  # Ray processes the server left behind
+        if group_alive(proc.pid):  # Ray processes the server left behind
             os.killpg(proc.pid, signal.SIGKILL)
 
 
@@ -137,7 +129,7 @@ def test_cli_serves_completions_and_admin_then_stops_on_sigterm(served):
     assert served["stop_seconds"] < 60
     assert "Traceback" not in served["log"], served["log"][-3000:]
     assert port_is_free(served["port"])
-    wait_until(lambda: not _group_alive(served["pgid"]), 30, interval=0.5,
+    wait_until(lambda: not group_alive(served["pgid"]), 30, interval=0.5,
                what="the server's Ray processes to exit")
 
 
