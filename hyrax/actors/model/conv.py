@@ -87,3 +87,13 @@ def conv_state_after(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, l
     from_x = x[rows[:, None], pos.clamp(min=0)].transpose(1, 2).to(state.dtype)  # (n, C, K-1)
     from_slot = state.gather(2, (pos + keep).clamp(max=keep - 1)[:, None, :].expand(-1, C, -1))
     return torch.where((pos < 0)[:, None, :], from_slot, from_x)
+
+
+
+def capture_conv_states(into: torch.Tensor, name: str, pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                        cap) -> None:
+    """Write each capture point's conv state (`conv_state_after`) into its row of `into`, one
+    layer of component `name`'s checkpoint pool: `pool`/`slots` are the layer's conv slots before
+    the step moves them on, x the step's conv inputs, `cap` the batch's Capture."""
+    into.index_copy_(0, cap.slots[name], conv_state_after(pool.index_select(0, slots.index_select(0, cap.rows)),
+                                                         x, cap.rows, cap.lens))

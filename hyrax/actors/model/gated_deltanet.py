@@ -21,7 +21,7 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.components import ComponentSpec, recurrent_pair
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.conv import causal_conv_step, conv_state_after
+from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
 from hyrax.actors.model.norm import AllReduce
 from hyrax.actors.model.row_copy import index_copy_rows_
 from hyrax.actors.model.sharding import TP
@@ -146,8 +146,7 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
         if cap is not None:  # the conv inputs up to each capture point, before the slots move on
-            pools[cap.into[CONV]][self.local_layer].index_copy_(0, cap.slots[CONV], conv_state_after(
-                conv_pool.index_select(0, batch.slots[CONV].index_select(0, cap.rows)), mixed, cap.rows, cap.lens))
+            capture_conv_states(pools[cap.into[CONV]][self.local_layer], CONV, conv_pool, batch.slots[CONV], mixed, cap)
         mixed = causal_conv_step(mixed, conv_pool, batch.slots[CONV], batch.q_lens, self.conv1d.weight, None)
         q, k, v = mixed.split([nk * dk, nk * dk, nv * dv], dim=-1)
         f = state_pool.dtype

@@ -18,7 +18,7 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.components import ComponentSpec, recurrent_pair, ssm_dtype
 from hyrax.actors.model.config import ModelConfig
-from hyrax.actors.model.conv import causal_conv_step, conv_state_after
+from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
@@ -132,8 +132,7 @@ class Mamba2Mixer(nn.Module):
 
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
         if cap is not None:  # the conv inputs up to each capture point, before the slots move on
-            pools[cap.into[CONV]][self.local_layer].index_copy_(0, cap.slots[CONV], conv_state_after(
-                conv_pool.index_select(0, conv_slots.index_select(0, cap.rows)), xbc, cap.rows, cap.lens))
+            capture_conv_states(pools[cap.into[CONV]][self.local_layer], CONV, conv_pool, conv_slots, xbc, cap)
         xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
