@@ -116,8 +116,14 @@ def _backend(request: Request, ref: ReplicaRef):
 
 @router.post("/migrate")
 async def migrate(body: MigrateBody, request: Request):
+    client = request.app.state.client
     target = _backend(request, body.to) if body.to else None
-    outcome, to = await request.app.state.client.migrate(body.request_id, target)
+    refusal = target and client.migration_refusal(target)
+    if refusal:
+        status, message = refusal
+        raise APIError(status, message, param="to.role" if status == 400 else "to",
+                       code="invalid_value" if status == 400 else "replica_unavailable")
+    outcome, to = await client.migrate(body.request_id, target)
     if not outcome.ok:
         raise APIError(404 if outcome == Outcome.UNKNOWN else 409, outcome.message, param="request_id")
     return {"request_id": body.request_id, "result": f"{outcome.value} to {to.role}/{to.index}"}

@@ -53,6 +53,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
 
 
+DECODING_ROLES = ("decode", "colocated")  # the roles that continue a request after its first token
+
+
 def least_loaded(backends: list, inflight: dict[int, int]) -> object:
     return min(backends, key=lambda b: (inflight.get(id(b), 0), b.index))
 
@@ -190,7 +193,7 @@ class EngineClient:
                         return  # (not done: it is aborted wherever it may still be)
                     return
                 offered_by = backend
-                target = self.migrate_to.pop(request_id, None) or self._pick(("decode", "colocated"), exclude=backend)
+                target = self.migrate_to.pop(request_id, None) or self._pick(DECODING_ROLES, exclude=backend)
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
                     yield _error_item("no decode replica accepts requests (all draining)", 503)
                     return
@@ -210,13 +213,26 @@ class EngineClient:
                 return b
         return None
 
+    def migration_refusal(self, target) -> tuple[int, str] | None:
+        """Why a request cannot be moved to `target`, as (HTTP status, message), or None: only
+        a replica that decodes and takes new work continues a request (a prefill replica
+        never decodes; a request moved there would stall, holding its state)."""
+        name = f"{target.role}/{target.index}"
+        if target.role not in DECODING_ROLES:
+            return 400, f"{name} is a {target.role} replica: a request moves only to a decode or colocated replica"
+        if target not in self._candidates(DECODING_ROLES):
+            return 409, f"{name} is draining or out of service"
+        return None
+
     async def migrate(self, request_id: str, target=None) -> tuple[Outcome, object]:
-        """Move a running request to `target` (a backend; default: least loaded other replica).
-        Returns (outcome, the target)."""
+        """Move a running request to `target` (a backend that `migration_refusal` accepts;
+        default: the least loaded other replica that decodes). Returns (outcome, the target)."""
         src = self.owner.get(request_id)
         if src is None:
             return Outcome.UNKNOWN, None
-        target = target or self._pick(("decode", "colocated"), exclude=src)
+        if target is not None and self.migration_refusal(target) is not None:
+            return Outcome.NO_TARGET, None
+        target = target or self._pick(DECODING_ROLES, exclude=src)
         if target is None or target is src:
             return Outcome.NO_TARGET, None
         self.migrate_to[request_id] = target

@@ -221,3 +221,28 @@ def test_disconnect_mid_stream_is_noticed_without_garbage_collection(local, path
         disconnect_mid_stream(local.url, path, 1)
         wait_until(local.loop.is_idle_clean, 20, what="the engine to drop the abandoned request")
         assert finished_count(local.loop.stats(), "abort") == before + 1
+
+
+def test_migrate_names_only_a_replica_that_can_decode(pd_clean):
+    """An attack session moved a decoding request to the prefill replica with an explicit
+    `to`: the gateway accepted it, the prefill replica (which never decodes) kept the request
+    and its pool units with no progress and no error for as long as the client waited. A
+    target must be a replica that decodes: a 400 naming it, and the request goes on where it
+    was."""
+    pd = pd_clean
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=HTTP.post(
+        f"{pd.url}/v1/completions", json=_body(False, max_tokens=VERY_LONG), timeout=120)))
+    t.start()
+    try:
+        wait_until(lambda: any(q["state"] == "running" and q["role"] == "decode" for q in admin_requests(pd.url)),
+                   30, what="the request to decode")
+        rid = admin_requests(pd.url)[0]["id"]
+        resp = HTTP.post(f"{pd.url}/admin/migrate", headers=ADMIN, timeout=60,
+                         json={"request_id": rid, "to": {"role": "prefill", "replica": 0}})
+        err = assert_error(resp, 400, code="invalid_value", param="to.role")
+        assert "prefill/0" in err["message"] and "decode" in err["message"], err
+    finally:
+        t.join()
+    assert out["r"].status_code == 200, out["r"].text  # it went on decoding where it was
+    assert out["r"].json()["choices"][0]["finish_reason"] == "length"

@@ -63,3 +63,18 @@ def test_without_any_decode_replica_in_service_a_pd_gateway_is_not_ready():
     h = _health(client)
     assert not h["ready"] and h["reasons"] == [
         "decode/0: unhealthy", "no decode replica accepts requests (all draining or out of service)"]
+
+
+def test_a_migration_target_must_decode_and_be_in_service():
+    """An explicit migration target was never checked: a request moved to a prefill replica
+    stalled there holding its state, one moved to a draining replica landed on a replica
+    being emptied. Both are refused with the reason, and nothing is asked of the source."""
+    client, (prefill, d0, d1) = _client(("prefill", 0), ("decode", 0), ("decode", 1))
+    assert client.migration_refusal(d1) is None
+    status, why = client.migration_refusal(prefill)
+    assert status == 400 and "prefill/0 is a prefill replica" in why
+    client.draining.add(id(d1))
+    assert client.migration_refusal(d1) == (409, "decode/1 is draining or out of service")
+    client.owner["r1"] = d0  # a running request; the source is never asked to export it
+    for target in (prefill, d1):
+        assert asyncio.run(client.migrate("r1", target))[0].ok is False

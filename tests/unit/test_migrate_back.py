@@ -49,3 +49,20 @@ def test_a_request_migrated_away_and_back_continues_as_if_it_never_moved(determi
         e.finished_requests.clear()
         assert_idle_clean(e)
     assert away.requests.get(rid) is None or away.requests[rid].state == State.FINISHED
+
+
+def test_a_prefill_replica_refuses_a_request_that_is_decoding():
+    """A prefill replica never decodes: a request imported there after its first token sat
+    running with no progress, holding its state (found by an attack session through an
+    admin migrate with an explicit target). The import is refused and nothing is taken."""
+    from hyrax.actors.model.errors import HyraxInputError
+
+    model = tiny_model(HYBRID)
+    src, prefill = make_engine(model), make_engine(model, role="prefill")
+    rid = src.add_request(make_prompts(1, seed=5)[0], greedy(max_tokens=MAX_TOKENS))
+    _decode_until(src, rid, 3)
+    handoff = src.export_running(rid)
+    with pytest.raises(HyraxInputError, match="prefill replica"):
+        prefill.import_request(handoff)
+    assert not prefill.has_unfinished() and rid not in prefill.requests
+    assert_idle_clean(prefill)

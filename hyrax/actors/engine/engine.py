@@ -307,6 +307,11 @@ class Engine:
         return self.transfers.acknowledged(req_id)
 
     def import_request(self, handoff: dict) -> Outcome:
+        """Take over a request another replica offered (transfer.py). A prefill replica takes
+        none: it never decodes, so a request it took would hold its state and never move."""
+        if self.config.role == "prefill":
+            raise HyraxInputError(f"request {handoff['request']['id']!r} offered to a prefill replica, "
+                                  "which does not decode")
         return self.transfers.import_(handoff)
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
