@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster.arg_types import non_negative_int, positive_int
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
 
@@ -24,14 +25,14 @@ def add_parser(sub) -> None:
     r = acts.add_parser("retract", help="retract requests")
     sel = r.add_mutually_exclusive_group(required=True)
     sel.add_argument("--id", action="append", dest="ids", help="request id (repeatable)")
-    sel.add_argument("--count", type=int)
+    sel.add_argument("--count", type=positive_int)
     sel.add_argument("--all", action="store_true")
     r.add_argument("--mode", choices=["cpu_tensor", "host_pool", "recompute"])
     r.add_argument("--hold", action="store_true", help="keep them retracted until resumed")
     s = acts.add_parser("resume", help="resume held requests")
     s.add_argument("ids", nargs="+")
     f = acts.add_parser("forced-retraction", help="retract one request every N steps (0 = off)")
-    f.add_argument("interval", type=int)
+    f.add_argument("interval", type=non_negative_int)
     acts.add_parser("flush-cache", help="evict every cached prompt prefix no request is using")
     m = acts.add_parser("migrate", help="move a running request to another replica")
     m.add_argument("id")

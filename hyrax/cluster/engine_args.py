@@ -7,6 +7,7 @@ import argparse
 from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, PREFILL_CHUNK, PREFILL_ORDERS,
                                         EngineConfig, UnsafeFaults)
 from hyrax.actors.engine.scheduler import SHORTEST_FIRST_WINDOW_S
+from hyrax.cluster.arg_types import non_negative_float, non_negative_int, positive_int
 
 KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
 SLOTS_DEFAULT = EngineConfig.mamba_slots
@@ -17,22 +18,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
                    help="model dtype; auto = float32 on the CPU, bfloat16 on CUDA (float16 on GPUs before "
                         "compute capability 8.0)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (default 16)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="tokens per K/V page (default 16)")
     # default None: whether a capacity was given explicitly matters with --gpu-memory-fraction
-    g.add_argument("--kv-capacity-tokens", type=int, default=None,
+    g.add_argument("--kv-capacity-tokens", type=positive_int, default=None,
                    help=f"K/V pool capacity per attention component, in tokens (default {KV_DEFAULT})")
-    g.add_argument("--swa-capacity-tokens", type=int, default=None,
+    g.add_argument("--swa-capacity-tokens", type=positive_int, default=None,
                    help="sliding-window K/V capacity in tokens (default: --kv-capacity-tokens)")
-    g.add_argument("--mamba-slots", type=int, default=None, help=f"Mamba state slots (default {SLOTS_DEFAULT})")
+    g.add_argument("--mamba-slots", type=positive_int, default=None,
+                   help=f"Mamba state slots (default {SLOTS_DEFAULT})")
     g.add_argument("--gpu-memory-fraction", type=float, default=None, metavar="F",
                    help="size the pools from the GPU's memory: after the weights load and a profiling forward at "
                         "--max-batch-tokens / --max-running measures the activation peak, the pools get F x total "
                         "memory - what is in use - that peak, shared in the ratio of the three capacities above; "
                         "a capacity given explicitly keeps its value (as vLLM's --gpu-memory-utilization; "
                         "CUDA only, 0 < F <= 1)")
-    g.add_argument("--max-running", type=int, default=64, help="max concurrently running requests")
-    g.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    g.add_argument("--max-running", type=positive_int, default=64, help="max concurrently running requests")
+    g.add_argument("--max-batch-tokens", type=positive_int, default=512, help="token budget per step")
+    g.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help=f"max prompt tokens per request per step, at most --max-batch-tokens (default: "
                         f"{PREFILL_CHUNK}, or --max-batch-tokens if smaller)")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
@@ -41,8 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"(default: shortest)")
     g.add_argument("--retraction-backup", choices=BACKUP_MODES, default="cpu_tensor",
                    help="how retracted requests keep their state (default cpu_tensor)")
-    g.add_argument("--host-pool-mb", type=float, default=256.0, help="host pool size for host_pool backups")
-    g.add_argument("--forced-retraction-interval", type=int, default=0, metavar="N",
+    g.add_argument("--host-pool-mb", type=non_negative_float, default=256.0,
+                   help="host pool size for host_pool backups")
+    g.add_argument("--forced-retraction-interval", type=non_negative_int, default=0, metavar="N",
                    help="testing hook: retract one request every N steps (0 = off)")
     g.add_argument("--no-overlap", action="store_true",
                    help="do not plan step N+1 while step N runs (overlap scheduling is on by default)")
@@ -64,10 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the state of cached prompt prefixes (radix tree; full-attention pages shared, "
                         "sliding-window rows and recurrent checkpoints copied); default on, ignored by decode "
                         "replicas, which never prefill prompts")
-    g.add_argument("--mamba-track-interval", type=int, default=None, metavar="N",
+    g.add_argument("--mamba-track-interval", type=positive_int, default=None, metavar="N",
                    help="checkpoint the recurrent state every N tokens for the prefix cache (a multiple of "
                         "--page-size; default: the first multiple of the page size >= 256)")
-    g.add_argument("--mamba-checkpoint-slots", type=int, default=0, metavar="N",
+    g.add_argument("--mamba-checkpoint-slots", type=non_negative_int, default=0, metavar="N",
                    help="checkpoint slots per recurrent component (default 0: 3 x --mamba-slots)")
     u = p.add_argument_group("fault injection (test-only; refused without --unsafe-allow-fault-injection)")
     u.add_argument("--unsafe-allow-fault-injection", action="store_true",
@@ -103,6 +106,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
         overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend,
         captured_decode=a.captured_decode, prefix_cache=a.prefix_cache,
-        mamba_track_interval=a.mamba_track_interval or -(-256 // max(a.page_size, 1)) * max(a.page_size, 1),
+        mamba_track_interval=(-(-256 // max(a.page_size, 1)) * max(a.page_size, 1) if a.mamba_track_interval is None
+                              else a.mamba_track_interval),
         mamba_checkpoint_slots=a.mamba_checkpoint_slots,
     )

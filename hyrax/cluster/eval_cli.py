@@ -8,6 +8,7 @@ import sys
 import time
 
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster.arg_types import positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -16,8 +17,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "official openai client (completions, temperature 0, stop at EOS) and "
                                    "print accuracy and invalid-answer rate.")
     p.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
-    p.add_argument("--limit", type=int, default=200, help="held-out problems to run (default 200)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--limit", type=positive_int, default=200, help="held-out problems to run (default 200)")
+    p.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (default 8)")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, else none)")
     p.add_argument("--json", action="store_true", help='print {"accuracy", "invalid_rate", "n"} as JSON')
@@ -33,10 +34,6 @@ def run(a: argparse.Namespace) -> int:
     from hyrax.tasks import recall
     from hyrax.tasks.evaluate import run_server
 
-    if a.limit < 1:
-        raise HyraxInputError("--limit must be >= 1")
-    if a.concurrency < 1:
-        raise HyraxInputError("--concurrency must be >= 1")
     problems = recall.heldout(a.limit)
     if a.write_jsonl:
         with open(a.write_jsonl, "w", encoding="utf-8") as f:

@@ -13,6 +13,7 @@ from hyrax.actors.model.demo import resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.env import apply_torch_threads
+from hyrax.cluster.arg_types import fraction, non_negative_float, non_negative_int, positive_int
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -24,10 +25,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} or {\"prompt_ids\": [...]} per line")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")

@@ -18,6 +18,8 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
+from hyrax.cluster.arg_types import (bearer_token, is_bearer_token, non_negative_float, positive_float,
+                                      positive_int)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
@@ -44,9 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--attach", action="store_true",
                    help="serve the existing deployment of that name (deploying it with this command's shape if the "
                         "cluster has none yet) and leave it running on exit; needs --address")
-    p.add_argument("--num-cpus", type=int, default=None,
+    p.add_argument("--num-cpus", type=positive_int, default=None,
                    help="logical CPUs of a local Ray cluster (default: one per TP rank of the deployment)")
-    p.add_argument("--placement-wait", type=float, default=0.0,
+    p.add_argument("--placement-wait", type=non_negative_float, default=0.0,
                    help="seconds to wait for room on a joined cluster (nodes still joining) before failing; "
                         "default 0: a deployment that does not fit fails at once, naming what is missing")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
@@ -54,34 +56,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
     shape = p.add_argument_group("deployment shape")
     shape.add_argument("--colocated", action="store_true",
                        help="one role that does prefill and decode (default: separate prefill and decode roles)")
-    shape.add_argument("--replicas", type=int, default=1, help="replicas of the colocated role")
-    shape.add_argument("--tp", type=int, default=1, help="TP size of the colocated role")
-    shape.add_argument("--prefill-replicas", type=int, default=None)
-    shape.add_argument("--prefill-tp", type=int, default=None)
-    shape.add_argument("--decode-replicas", type=int, default=None)
-    shape.add_argument("--decode-tp", type=int, default=None)
+    shape.add_argument("--replicas", type=positive_int, default=None,
+                       help="replicas of the colocated role (default 1; only with --colocated)")
+    shape.add_argument("--tp", type=positive_int, default=None,
+                       help="TP size of the colocated role (default 1; only with --colocated)")
+    shape.add_argument("--prefill-replicas", type=positive_int, default=None)
+    shape.add_argument("--prefill-tp", type=positive_int, default=None)
+    shape.add_argument("--decode-replicas", type=positive_int, default=None)
+    shape.add_argument("--decode-tp", type=positive_int, default=None)
     for lo, hi, role in SCALING_FLAGS:
         shape.add_argument(lo, type=int, default=None,
                            help=f"autoscale the {role or 'decode (or colocated)'} role between this many replicas and "
                                 f"{hi}, on queue depth and pool usage; a replica scaled down is drained by live migration")
         shape.add_argument(hi, type=int, default=None, help=f"upper bound of {lo}' autoscaling")
-    shape.add_argument("--hung-replica-timeout", type=float, default=15.0,
+    shape.add_argument("--hung-replica-timeout", type=positive_float, default=15.0,
                        help="seconds a replica may leave the controller's health checks unanswered before it "
                             "counts as hung and is killed and replaced like a dead one (its requests are rebuilt "
                             "on other replicas)")
     gw = p.add_argument_group("gateway")
     gw.add_argument("--admin-token-file", default=None,
                     help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE})")
-    gw.add_argument("--api-key", action="append", default=[], help="require this API key on /v1 (repeatable)")
-    gw.add_argument("--max-inflight", type=int, default=1024, help="queued + running requests before 503")
+    gw.add_argument("--api-key", type=bearer_token, action="append", default=[],
+                    help="require this API key on /v1 (repeatable)")
+    gw.add_argument("--max-inflight", type=positive_int, default=1024, help="queued + running requests before 503")
     gw.add_argument("--cache-route-margin", type=int, default=4, metavar="N",
                     help="route a new request to the prefill (or colocated) replica with the longest cached "
                          "prefix unless it has more than N requests in flight beyond the least-loaded one "
                          "(default 4; -1 routes by load alone)")
-    gw.add_argument("--max-body-mb", type=float, default=4.0)
-    gw.add_argument("--grace-period", type=float, default=10.0, help="seconds to drain streams on shutdown")
-    gw.add_argument("--rank-timeout", type=float, default=60.0, help="seconds before a silent rank counts as failed")
-    gw.add_argument("--gateway-lease", type=float, default=10.0,
+    gw.add_argument("--max-body-mb", type=positive_float, default=4.0)
+    gw.add_argument("--grace-period", type=non_negative_float, default=10.0,
+                    help="seconds to drain streams on shutdown")
+    gw.add_argument("--rank-timeout", type=positive_float, default=60.0,
+                    help="seconds before a silent rank counts as failed")
+    gw.add_argument("--gateway-lease", type=positive_float, default=10.0,
                     help="seconds a replica keeps this gateway's streams after its last sign of life; a gateway "
                          "that dies has its requests aborted and freed on every replica once it runs out")
     add_engine_args(p)
@@ -133,7 +140,9 @@ def _yaml_scalar(action: argparse.Action, key: str, value):
         raise HyraxInputError(f"--config: {key} needs one value (a string or a number), got {value!r}")
     try:
         out = (action.type or str)(str(value))
-    except (ValueError, TypeError, argparse.ArgumentTypeError):
+    except argparse.ArgumentTypeError as e:  # a ranged type: its message names what it needs
+        raise HyraxInputError(f"--config: {key} {e}") from None
+    except (ValueError, TypeError):
         kind = getattr(action.type, "__name__", "value")
         raise HyraxInputError(f"--config: {key} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
                               f"got {value!r}") from None
@@ -146,11 +155,20 @@ def roles_from_args(a, cfg: ModelConfig):
     pd = any(x is not None for x in (a.prefill_replicas, a.prefill_tp, a.decode_replicas, a.decode_tp))
     if pd and a.colocated:
         raise HyraxInputError("--colocated cannot be combined with --prefill-*/--decode-* options")
+    given = [f for f, v in (("--replicas", a.replicas), ("--tp", a.tp)) if v is not None]
+    if given and not a.colocated:
+        raise HyraxInputError(f"{' and '.join(given)} size the colocated role and apply only with --colocated; "
+                              f"the default shape takes --prefill-replicas/--prefill-tp and "
+                              f"--decode-replicas/--decode-tp")
+
+    def one(v):  # left out: one replica, TP 1
+        return 1 if v is None else v
+
     if a.colocated:
-        roles = [RoleSpec("colocated", a.replicas, a.tp)]
+        roles = [RoleSpec("colocated", one(a.replicas), one(a.tp))]
     else:  # the default shape: one prefill and one decode replica
-        roles = [RoleSpec("prefill", a.prefill_replicas or 1, a.prefill_tp or 1),
-                 RoleSpec("decode", a.decode_replicas or 1, a.decode_tp or 1)]
+        roles = [RoleSpec("prefill", one(a.prefill_replicas), one(a.prefill_tp)),
+                 RoleSpec("decode", one(a.decode_replicas), one(a.decode_tp))]
     for r in roles:
         check_tp(cfg, r.tp)
     return roles
@@ -208,6 +226,8 @@ def resolve_admin_token(a) -> AdminToken:
     its token file locked: an explicit --admin-token-file that is locked is an error, and the
     default file, when locked, leaves it alone and uses <default>.<port> instead."""
     tok = env_admin_token()
+    if tok and not is_bearer_token(tok):  # no client could send it
+        raise HyraxInputError("HYRAX_ADMIN_TOKEN must be printable ASCII without spaces")
     if tok:
         return AdminToken(tok, "from HYRAX_ADMIN_TOKEN")
     path = Path(a.admin_token_file) if a.admin_token_file else DEFAULT_TOKEN_FILE
@@ -271,16 +291,12 @@ def validate(a) -> tuple:
     supervision_from_args(a)
     if not 0 < a.port < 65536:
         raise HyraxInputError("--port must be in 1..65535")
-    if a.max_inflight < 1:
-        raise HyraxInputError("--max-inflight must be >= 1")
     if a.cache_route_margin < -1:
         raise HyraxInputError("--cache-route-margin must be >= 0, or -1 to route by load alone")
-    if a.placement_wait < 0:
-        raise HyraxInputError("--placement-wait must be >= 0")
+    if a.max_body_mb * 2**20 < 1:  # the parser checked > 0; less than a byte would refuse every POST
+        raise HyraxInputError(f"--max-body-mb {a.max_body_mb:g} is less than one byte")
     if a.attach and not a.address:
         raise HyraxInputError("--attach serves a deployment on an existing Ray cluster: pass --address too")
-    if a.gateway_lease <= 0:
-        raise HyraxInputError("--gateway-lease must be > 0")
     namespace(a.deployment)  # a usable name
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster.arg_types import non_negative_int, positive_float, positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -17,13 +18,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Train a small full + sliding + mamba2 model on the key-value recall task "
                                    "and write an HF-format checkpoint, tokenizer and loss curve. "
                                    "`--out hyrax/models/demo` reproduces the shipped checkpoint.")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--out", default="demo-model", help="output directory (default ./demo-model)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"initialisation and data seed (default {d.seed})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
-    p.add_argument("--eval-n", type=int, default=200,
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--threads", type=positive_int, default=d.threads, help=f"torch threads (default {d.threads})")
+    p.add_argument("--eval-n", type=non_negative_int, default=200,
                    help="held-out problems decoded greedily by the engine after training (0: skip)")
     p.set_defaults(func=run)
     return p
@@ -32,10 +33,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(a: argparse.Namespace) -> int:
     from hyrax.tasks.train import TrainConfig, train
 
-    if a.steps < 1 or a.batch_size < 1 or a.threads < 1:
-        raise HyraxInputError("--steps, --batch-size and --threads must be >= 1")
-    if not a.lr > 0:
-        raise HyraxInputError("--lr must be > 0")
     tc = TrainConfig(steps=a.steps, seed=a.seed, batch_size=a.batch_size, lr=a.lr, threads=a.threads)
     out = Path(a.out)
     try:  # fail now, not after half an hour of training

@@ -42,6 +42,20 @@ def test_a_value_the_flag_would_refuse_is_an_error_naming_it(tmp_path, text, nam
         parse(tmp_path, text)
 
 
+@pytest.mark.parametrize("text, says", [
+    ("rank-timeout: 0\n", "--config: rank-timeout must be a finite number > 0, got '0'"),
+    ("max-body-mb: .nan\n", "--config: max-body-mb must be a finite number > 0, got 'nan'"),
+    ("grace-period: -5\n", "--config: grace-period must be a finite number >= 0, got '-5'"),
+    ("decode-replicas: 0\n", "--config: decode-replicas must be an int >= 1, got '0'"),
+    ("host-pool-mb: .inf\n", "--config: host-pool-mb must be a finite number >= 0, got 'inf'"),
+    ('api-key: ""\n', "--config: api-key must be"),
+])
+def test_a_value_out_of_the_flags_range_is_an_error_naming_it(tmp_path, text, says):
+    with pytest.raises(HyraxInputError) as e:
+        parse(tmp_path, text)
+    assert str(e.value).startswith(says)
+
+
 def test_the_cli_answers_a_bad_file_value_with_a_one_line_error(tmp_path, capsys):
     path = tmp_path / "serve.yaml"
     path.write_text('deterministic: "false"\n')

@@ -1,0 +1,43 @@
+"""Value types of the command line's options: each parses an option's text and checks its range,
+so that a bad value is refused where it is parsed, naming the option (argparse adds it) and the
+value, on the command line and in `hyrax serve --config` alike. NaN and the infinities are never a
+count, a size or a number of seconds."""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def _ranged(kind: type, ok: Callable[[float], bool], says: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {says}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _ranged(int, lambda v: v >= 1, "an int >= 1")
+non_negative_int = _ranged(int, lambda v: v >= 0, "an int >= 0")
+positive_float = _ranged(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+non_negative_float = _ranged(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+fraction = _ranged(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fails the comparison
+
+
+def is_bearer_token(text: str) -> bool:
+    """Whether `text` can travel as `Authorization: Bearer <text>` and match as it is: printable
+    ASCII without spaces (the gateway strips the header's value; a header holds no other byte)."""
+    return bool(text) and all("!" <= ch <= "~" for ch in text)
+
+
+def bearer_token(text: str) -> str:
+    """An API key or token given as an option; the error never repeats it (it is a secret)."""
+    if not is_bearer_token(text):
+        raise argparse.ArgumentTypeError("must be non-empty printable ASCII without spaces (clients send it as "
+                                         "`Authorization: Bearer <key>`)")
+    return text
