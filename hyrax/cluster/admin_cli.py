@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
-from hyrax.cluster.arg_types import non_negative_int, positive_int
+from hyrax.cluster.arg_types import is_bearer_token, non_negative_int, positive_int
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
 
@@ -44,16 +44,26 @@ def add_parser(sub) -> None:
 
 
 def _token(a) -> str:
+    """The admin token, checked before it goes into a header: what is not one (a wrong file) is an
+    error naming where it came from, never showing it (it may be another secret)."""
     if a.token_file:
         path = Path(a.token_file)
     elif os.environ.get("HYRAX_ADMIN_TOKEN"):
-        return os.environ["HYRAX_ADMIN_TOKEN"]
+        tok = os.environ["HYRAX_ADMIN_TOKEN"]
+        if not is_bearer_token(tok):
+            raise HyraxInputError("HYRAX_ADMIN_TOKEN is not an admin token: it must be printable ASCII without spaces")
+        return tok
     else:
         path = DEFAULT_TOKEN_FILE
     try:
-        return path.read_text().strip()
+        tok = path.read_bytes().strip().decode("ascii", errors="replace")  # the line hyrax serve wrote
     except OSError:
         raise HyraxInputError(f"no admin token: set HYRAX_ADMIN_TOKEN or pass --token-file ({path} unreadable)") from None
+    if not is_bearer_token(tok):
+        where = f"--token-file {path}" if a.token_file else f"the token file {path}"
+        raise HyraxInputError(f"{where} does not hold an admin token (one line of printable ASCII without spaces, "
+                              f"as hyrax serve writes it)")
+    return tok
 
 
 def _replica(text: str) -> dict:
@@ -95,5 +105,9 @@ def run(a: argparse.Namespace) -> int:
                           headers={"Authorization": f"Bearer {_token(a)}"})
     except httpx.HTTPError as e:
         raise HyraxInputError(f"cannot reach {a.url}: {e}") from None
-    print(json.dumps(r.json(), indent=2))
+    try:
+        answer = r.json()
+    except ValueError:  # not the admin API answering
+        raise HyraxInputError(f"{a.url} answered HTTP {r.status_code} without JSON: is it a hyrax server?") from None
+    print(json.dumps(answer, indent=2))
     return 0 if r.is_success else 1

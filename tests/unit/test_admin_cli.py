@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hyrax.actors.model.errors import HyraxInputError
-from hyrax.cluster import admin_cli
+from hyrax.cluster import admin_cli, cli
 from hyrax.cluster.cli import build_parser
 
 
@@ -29,3 +29,61 @@ def test_admin_actions_map_to_admin_endpoints():
 def test_bad_replica_reference_is_a_clear_error():
     with pytest.raises(HyraxInputError, match="ROLE/REPLICA"):
         _req("drain", "decode")
+
+
+@pytest.mark.parametrize("content", [b"first SeCrEt\nsecond\n", b"hunter2 SeCrEt\n", b"\xff\xfeSeCrEt", b"", b"  \n",
+                                     "caf\u00e9SeCrEt".encode()])
+def test_a_token_file_without_a_token_is_a_one_line_error_that_never_shows_its_contents(tmp_path, capsys, content):
+    """It was sent as it was: `cannot reach URL: Illegal header value b'Bearer <the file>'` (or a
+    UnicodeDecodeError traceback), echoing what may be another secret."""
+    f = tmp_path / "tok"
+    f.write_bytes(content)
+    assert cli.main(["admin", "--url", "http://127.0.0.1:9", "--token-file", str(f), "requests"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"hyrax: error: --token-file {f} does not hold an admin token (one line of printable ASCII "
+                   f"without spaces, as hyrax serve writes it)"]
+
+
+def test_the_token_file_holds_the_token_hyrax_serve_writes(tmp_path, monkeypatch):
+    f = tmp_path / "tok"
+    f.write_text("abc-DEF_123\n")
+    assert admin_cli._token(build_parser().parse_args(["admin", "--token-file", str(f), "requests"])) == "abc-DEF_123"
+    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "two words")
+    with pytest.raises(HyraxInputError) as e:
+        admin_cli._token(build_parser().parse_args(["admin", "requests"]))
+    assert str(e.value) == "HYRAX_ADMIN_TOKEN is not an admin token: it must be printable ASCII without spaces"
+
+
+def test_serve_refuses_an_admin_token_no_client_could_send(monkeypatch):
+    from hyrax.cluster.serve import resolve_admin_token
+
+    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "two words")
+    with pytest.raises(HyraxInputError, match="^HYRAX_ADMIN_TOKEN must be printable ASCII without spaces$"):
+        resolve_admin_token(build_parser().parse_args(["serve"]))
+
+
+def test_an_answer_that_is_not_json_is_a_one_line_error(tmp_path, capsys):
+    """--url pointing at something else than a hyrax server was a JSONDecodeError traceback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NotJson(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>hello</html>")
+
+        def log_message(self, *args):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), NotJson)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    f = tmp_path / "tok"
+    f.write_text("abc\n")
+    url = f"http://127.0.0.1:{srv.server_port}"
+    try:
+        assert cli.main(["admin", "--url", url, "--token-file", str(f), "requests"]) == 2
+    finally:
+        srv.shutdown()
+    assert capsys.readouterr().err.splitlines() == [
+        f"hyrax: error: {url} answered HTTP 200 without JSON: is it a hyrax server?"]
