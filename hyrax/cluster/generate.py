@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                    "(org/name[@revision], never downloaded), or 'demo' (default)")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
-    p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} or {\"prompt_ids\": [...]} per line")
+    p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} or {\"prompt_ids\": [...]} per line, no "
+                                          "other key (the sampling options apply to every prompt)")
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=fraction, default=1.0)
@@ -37,34 +38,72 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+LINE_KEYS = ("prompt", "prompt_ids")  # what a --prompts-file line holds: one of them
+
+
 def _prompts(a, tok) -> list[list[int]]:
-    out = [tok.encode(t) for t in a.prompt]
+    out = [_encode(tok, t, "--prompt") for t in a.prompt]
     for s in a.prompt_ids:
         try:
             out.append([int(x) for x in s.split(",") if x.strip()])
         except ValueError:
             raise HyraxInputError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
     if a.prompts_file:
-        try:
-            lines = open(a.prompts_file, encoding="utf-8").read().splitlines()
-        except OSError as e:
-            raise HyraxInputError(f"cannot read --prompts-file: {e.strerror}") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise HyraxInputError(f"{a.prompts_file}:{n}: not valid JSON") from None
-            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                out.append(tok.encode(obj["prompt"]))
-            elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list):
-                out.append(obj["prompt_ids"])
-            else:
-                raise HyraxInputError(f"{a.prompts_file}:{n}: expected {{\"prompt\": str}} or {{\"prompt_ids\": [int]}}")
+        out += _file_prompts(a.prompts_file, tok)
     if not out:
         raise HyraxInputError("give at least one --prompt, --prompt-ids or --prompts-file")
     return out
+
+
+def _file_prompts(path: str, tok) -> list[list[int]]:
+    """The prompts of a JSONL file; a line it cannot use is an error naming the file and line."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise HyraxInputError(f"cannot read --prompts-file: {e.strerror}") from None
+    out = []
+    for n, raw in enumerate(data.splitlines(), 1):  # bytes: only \n, \r end a line (U+2028 may be in a string)
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise HyraxInputError(f"{where}: not valid UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise HyraxInputError(f"{where}: not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise HyraxInputError(f"{where}: expected {{\"prompt\": str}} or {{\"prompt_ids\": [int]}}")
+        unknown = [k for k in obj if k not in LINE_KEYS]
+        if unknown:
+            raise HyraxInputError(f"{where}: unknown key {', '.join(map(repr, unknown))}: a line holds \"prompt\" or "
+                                  f"\"prompt_ids\"; sampling options (--max-tokens, --temperature, ...) apply to every "
+                                  f"prompt")
+        if len(obj) != 1:
+            raise HyraxInputError(f"{where}: a line holds one of \"prompt\" or \"prompt_ids\"")
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise HyraxInputError(f"{where}: \"prompt\" must be a string")
+            out.append(_encode(tok, obj["prompt"], f"{where}: prompt"))
+        else:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+                raise HyraxInputError(f"{where}: \"prompt_ids\" must be a list of token ids (ints >= 0)")
+            out.append(ids)
+    return out
+
+
+def _encode(tok, text: str, where: str) -> list[int]:
+    """`text`'s token ids; a lone surrogate (a JSON escape such as \\ud800, or command-line bytes
+    that are not UTF-8) is no text a tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HyraxInputError(f"{where}: not valid Unicode (it holds a lone surrogate)") from None
+    return tok.encode(text)
 
 
 def run(a: argparse.Namespace) -> int:
