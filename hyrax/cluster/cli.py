@@ -58,11 +58,15 @@ def _has_default(action: argparse.Action) -> bool:
 
 def _document(parser: argparse.ArgumentParser) -> None:
     """Every option of `parser` and its subcommands gets help (FALLBACK_HELP where its definition
-    has none) and shows its default."""
+    has none) and shows its default; a subcommand without a description gets its one-line help
+    as one, so that its --help says what it does."""
     parser.formatter_class = _DefaultsFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for sp in action.choices.values():
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sp in action.choices.items():
+                if not sp.description and helps.get(name):
+                    sp.description = helps[name][0].upper() + helps[name][1:] + "."
                 _document(sp)
         elif action.help is None:
             key = action.option_strings[-1] if action.option_strings else action.dest

@@ -185,7 +185,12 @@ def run_checks(machine: Machine, checks: tuple[Callable[[Machine], Check], ...])
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="check this installation (torch, CUDA, kernels, NCCL, backups)")
+    p = sub.add_parser("doctor", help="check this installation (torch, CUDA, kernels, NCCL, backups)",
+                       description="Check what this installation can run, one line per check: torch and CUDA "
+                                   "versions, the attention backend each dtype gets, the flash-attention kernel "
+                                   "against SDPA, NCCL across two GPUs, a backup/restore round trip through host "
+                                   "buffers, and the demo model on CUDA against the CPU. A check this machine "
+                                   "cannot run is skipped; the exit status is 1 only when a check fails.")
     p.add_argument("--json", action="store_true", help="print one JSON object per check instead of text")
     p.set_defaults(func=main)
 

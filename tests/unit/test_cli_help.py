@@ -56,3 +56,11 @@ def test_help_text_names_the_default(cmd, flag, says):
     parser = COMMANDS[cmd]
     action = next(a for a in parser._actions if flag in a.option_strings or a.dest == flag)
     assert says in " ".join(parser._get_formatter()._expand_help(action).split())
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_help_starts_with_a_description(name):
+    """`hyrax doctor --help` (and each `hyrax admin ACTION --help`) had none: usage, then options."""
+    parser = COMMANDS[name]
+    assert parser.description, f"{name} --help has no description"
+    assert " ".join(parser.description.split()) in " ".join(parser.format_help().split())
