@@ -51,7 +51,8 @@ def _token(a) -> str:
     elif os.environ.get("HYRAX_ADMIN_TOKEN"):
         tok = os.environ["HYRAX_ADMIN_TOKEN"]
         if not is_bearer_token(tok):
-            raise HyraxInputError("HYRAX_ADMIN_TOKEN is not an admin token: it must be printable ASCII without spaces")
+            raise HyraxInputError("HYRAX_ADMIN_TOKEN is not an admin token: it must be printable ASCII, no space at "
+                                  "either end")
         return tok
     else:
         path = DEFAULT_TOKEN_FILE
@@ -59,7 +60,7 @@ def _token(a) -> str:
         tok = path.read_bytes().strip().decode("ascii", errors="replace")  # the line hyrax serve wrote
     except OSError:
         raise HyraxInputError(f"no admin token: set HYRAX_ADMIN_TOKEN or pass --token-file ({path} unreadable)") from None
-    if not is_bearer_token(tok):
+    if not is_bearer_token(tok) or " " in tok:  # hyrax serve writes one word
         where = f"--token-file {path}" if a.token_file else f"the token file {path}"
         raise HyraxInputError(f"{where} does not hold an admin token (one line of printable ASCII without spaces, "
                               f"as hyrax serve writes it)")

@@ -31,13 +31,14 @@ fraction = _ranged(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fai
 
 def is_bearer_token(text: str) -> bool:
     """Whether `text` can travel as `Authorization: Bearer <text>` and match as it is: printable
-    ASCII without spaces (the gateway strips the header's value; a header holds no other byte)."""
-    return bool(text) and all("!" <= ch <= "~" for ch in text)
+    ASCII (what a header holds) that neither starts nor ends with a space (the gateway strips the
+    header's value)."""
+    return bool(text) and text == text.strip() and all(" " <= ch <= "~" for ch in text)
 
 
 def bearer_token(text: str) -> str:
     """An API key or token given as an option; the error never repeats it (it is a secret)."""
     if not is_bearer_token(text):
-        raise argparse.ArgumentTypeError("must be non-empty printable ASCII without spaces (clients send it as "
-                                         "`Authorization: Bearer <key>`)")
+        raise argparse.ArgumentTypeError("must be non-empty printable ASCII, no space at either end (clients send "
+                                         "it as `Authorization: Bearer <key>`)")
     return text

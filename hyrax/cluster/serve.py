@@ -227,7 +227,7 @@ def resolve_admin_token(a) -> AdminToken:
     default file, when locked, leaves it alone and uses <default>.<port> instead."""
     tok = env_admin_token()
     if tok and not is_bearer_token(tok):  # no client could send it
-        raise HyraxInputError("HYRAX_ADMIN_TOKEN must be printable ASCII without spaces")
+        raise HyraxInputError("HYRAX_ADMIN_TOKEN must be printable ASCII, no space at either end")
     if tok:
         return AdminToken(tok, "from HYRAX_ADMIN_TOKEN")
     path = Path(a.admin_token_file) if a.admin_token_file else DEFAULT_TOKEN_FILE

@@ -48,17 +48,17 @@ def test_the_token_file_holds_the_token_hyrax_serve_writes(tmp_path, monkeypatch
     f = tmp_path / "tok"
     f.write_text("abc-DEF_123\n")
     assert admin_cli._token(build_parser().parse_args(["admin", "--token-file", str(f), "requests"])) == "abc-DEF_123"
-    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "two words")
+    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "tab\tinside")
     with pytest.raises(HyraxInputError) as e:
         admin_cli._token(build_parser().parse_args(["admin", "requests"]))
-    assert str(e.value) == "HYRAX_ADMIN_TOKEN is not an admin token: it must be printable ASCII without spaces"
+    assert str(e.value) == "HYRAX_ADMIN_TOKEN is not an admin token: it must be printable ASCII, no space at either end"
 
 
 def test_serve_refuses_an_admin_token_no_client_could_send(monkeypatch):
     from hyrax.cluster.serve import resolve_admin_token
 
-    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "two words")
-    with pytest.raises(HyraxInputError, match="^HYRAX_ADMIN_TOKEN must be printable ASCII without spaces$"):
+    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "padded ")
+    with pytest.raises(HyraxInputError, match="^HYRAX_ADMIN_TOKEN must be printable ASCII, no space at either end$"):
         resolve_admin_token(build_parser().parse_args(["serve"]))
 
 
