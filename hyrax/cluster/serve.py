@@ -157,9 +157,8 @@ def roles_from_args(a, cfg: ModelConfig):
         raise HyraxInputError("--colocated cannot be combined with --prefill-*/--decode-* options")
     given = [f for f, v in (("--replicas", a.replicas), ("--tp", a.tp)) if v is not None]
     if given and not a.colocated:
-        raise HyraxInputError(f"{' and '.join(given)} size the colocated role and apply only with --colocated; "
-                              f"the default shape takes --prefill-replicas/--prefill-tp and "
-                              f"--decode-replicas/--decode-tp")
+        raise HyraxInputError(f"{' and '.join(given)}: only with --colocated (the colocated role's shape); without it "
+                              f"use --prefill-replicas/--prefill-tp and --decode-replicas/--decode-tp")
 
     def one(v):  # left out: one replica, TP 1
         return 1 if v is None else v

@@ -80,7 +80,7 @@ def _roles(*flags: str):
 
 @pytest.mark.parametrize("flags", [("--tp", "2"), ("--replicas", "2"), ("--tp", "1")])
 def test_colocated_shape_flags_without_colocated_are_an_error(flags):
-    with pytest.raises(HyraxInputError, match=f"{flags[0]} .*only with --colocated"):
+    with pytest.raises(HyraxInputError, match=f"^{flags[0]}.*: only with --colocated"):
         _roles(*flags)
 
 
