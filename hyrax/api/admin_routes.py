@@ -9,9 +9,10 @@ from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 from hyrax.api.auth import require_admin
 from hyrax.api.errors import APIError
+from hyrax.api.json_body import JSONRoute
 from hyrax.api.schemas import Body, Text
 
-router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=JSONRoute)
 
 
 class RetractBody(Body):
@@ -46,8 +47,16 @@ def _selection(body) -> Selection:
     return Selection(ids=tuple(body.request_ids or ()), count=body.count, all=bool(body.all))
 
 
-def _results(res: dict) -> dict:
-    return {k: Outcome(v).value for k, v in res.items()}
+def _answer(body, res: dict, done: str) -> dict:
+    """Per-request results. Ids the body names that no replica knows are listed under `unknown`;
+    when it names only unknown ids the answer is a 404, as for migrate."""
+    results = {k: Outcome(v) for k, v in res.items()}
+    unknown = [k for k in body.request_ids or () if results.get(k, Outcome.UNKNOWN) == Outcome.UNKNOWN]
+    if body.request_ids and len(unknown) == len(body.request_ids):
+        raise APIError(404, f"unknown request{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}",
+                       param="request_ids", code="request_not_found")
+    return {"results": {k: v.value for k, v in results.items()}, done: [k for k, v in results.items() if v.ok],
+            "unknown": unknown}
 
 
 class ForcedBody(Body):
@@ -68,13 +77,13 @@ async def pools(request: Request):
 @router.post("/retract")
 async def retract(body: RetractBody, request: Request):
     res = await request.app.state.client.retract(Retract(_selection(body), body.mode, body.hold))
-    return {"results": _results(res), "retracted": [k for k, v in res.items() if Outcome(v).ok]}
+    return _answer(body, res, "retracted")
 
 
 @router.post("/resume")
 async def resume(body: ResumeBody, request: Request):
     res = await request.app.state.client.resume(Resume(_selection(body)))
-    return {"results": _results(res), "resumed": [k for k, v in res.items() if Outcome(v).ok]}
+    return _answer(body, res, "resumed")
 
 
 @router.post("/forced-retraction")
@@ -124,8 +133,14 @@ async def migrate(body: MigrateBody, request: Request):
         raise APIError(status, message, param="to.role" if status == 400 else "to",
                        code="invalid_value" if status == 400 else "replica_unavailable")
     outcome, to = await client.migrate(body.request_id, target)
+    if outcome == Outcome.UNKNOWN:
+        raise APIError(404, f"unknown request: {body.request_id}", param="request_id", code="request_not_found")
+    if outcome == Outcome.NO_TARGET and target is not None and client.migration_refusal(target) is None:
+        # an acceptable target refused: it is the replica the request is on
+        raise APIError(409, f"request {body.request_id} is already on {body.to.role}/{body.to.replica}",
+                       param="to", code="already_on_replica")
     if not outcome.ok:
-        raise APIError(404 if outcome == Outcome.UNKNOWN else 409, outcome.message, param="request_id")
+        raise APIError(409, f"request {body.request_id}: {outcome.message}", param="request_id", code=outcome.value)
     return {"request_id": body.request_id, "result": f"{outcome.value} to {to.role}/{to.index}"}
 
 

@@ -107,7 +107,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         request.app.state.ready = h["ready"]
         if not h["ready"]:
             why = "; ".join(h.get("reasons") or ["some replica is unhealthy"])
-            return error_response(503, f"not ready: {why}", headers={"Retry-After": "5"})
+            return error_response(503, f"not ready: {why}", code="unavailable", headers={"Retry-After": "5"})
         return {"status": "ok", **h}
 
     @app.get("/metrics")

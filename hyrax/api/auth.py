@@ -8,6 +8,8 @@ from fastapi import Request
 
 from hyrax.api.errors import APIError
 
+CHALLENGE = {"WWW-Authenticate": "Bearer"}  # RFC 9110: a 401 says which scheme to use
+
 
 def _bearer(request: Request) -> str | None:
     h = request.headers.get("authorization", "")
@@ -28,10 +30,11 @@ def _matches(token: str | None, allowed: list[str]) -> bool:
 def require_admin(request: Request) -> None:
     token = request.app.state.settings.admin_token
     if not token or not _matches(_bearer(request), [token]):
-        raise APIError(401, "admin endpoints need `Authorization: Bearer <admin token>`", code="invalid_admin_token")
+        raise APIError(401, "admin endpoints need `Authorization: Bearer <admin token>`", code="invalid_admin_token",
+                       headers=CHALLENGE)
 
 
 def require_api_key(request: Request) -> None:
     keys = request.app.state.settings.api_keys
     if keys and not _matches(_bearer(request), list(keys)):
-        raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+        raise APIError(401, "invalid or missing API key", code="invalid_api_key", headers=CHALLENGE)

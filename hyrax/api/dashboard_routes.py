@@ -26,7 +26,7 @@ async def page():
 @router.get("/dashboard/assets/{name}")
 async def asset(name: str):
     if name not in _ASSETS:
-        raise APIError(404, "no such asset")
+        raise APIError(404, "no such asset", param="name", code="not_found")
     return Response(_read(name), media_type=_ASSETS[name])
 
 

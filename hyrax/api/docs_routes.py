@@ -10,7 +10,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from hyrax.api.schemas import (
-    ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelList,
+    ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList,
 )
 
 ASSETS = "/docs/assets"
@@ -20,6 +20,7 @@ _ERROR_TEXT = {
     404: "Unknown model, request or replica",
     409: "The request is not in a state that allows this operation",
     413: "The request body exceeds the server's limit",
+    415: "Content-Type declares a charset other than UTF-8 (JSON over HTTP is UTF-8)",
     503: "Not ready or the request queue is full; retry after the `Retry-After` header's seconds",
 }
 _EXTRA = {  # statuses beyond the ones every route of its kind answers
@@ -27,6 +28,8 @@ _EXTRA = {  # statuses beyond the ones every route of its kind answers
     ("post", "/v1/chat/completions"): (404, 503),
     ("post", "/v1/tokenize"): (404,), ("post", "/tokenize"): (404,),
     ("post", "/v1/detokenize"): (404,), ("post", "/detokenize"): (404,),
+    ("get", "/v1/models/{model}"): (404,),
+    ("post", "/admin/retract"): (404,), ("post", "/admin/resume"): (404,),
     ("post", "/admin/migrate"): (404, 409),
     ("post", "/admin/drain"): (404,),
     ("get", "/health"): (503,),
@@ -34,6 +37,7 @@ _EXTRA = {  # statuses beyond the ones every route of its kind answers
 }
 _OK_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse, "/v1/models": ModelList,
+    "/v1/models/{model}": ModelCard,
 }
 _GUARDED = ("/v1/", "/admin/", "/tokenize", "/detokenize")
 
@@ -44,7 +48,7 @@ def error_statuses(method: str, path: str) -> tuple[int, ...]:
     if path.startswith(_GUARDED):
         s.add(401)
     if method == "post":
-        s |= {400, 413}
+        s |= {400, 413, 415}
     return tuple(sorted(s))
 
 

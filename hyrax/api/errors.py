@@ -15,12 +15,16 @@ from hyrax.api.schemas import UNSUPPORTED_FIELDS
 log = logging.getLogger("hyrax.api")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 503: "service_unavailable",
-          500: "internal_error"}
+          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 503: "service_unavailable", 500: "internal_error"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}  # Starlette's own errors (no route, wrong method)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+    """An error answer. `code` is required: every error names its code (docs/api.md's table),
+    so a client can tell errors apart without parsing the message."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
@@ -32,7 +36,7 @@ def _printable(s: str | None) -> str | None:
     return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
     return {"error": {"message": _printable(message), "type": _TYPES.get(status, "invalid_request_error"),
                       "param": _printable(param), "code": code}}
 
@@ -49,54 +53,76 @@ def _pick(errors: list[dict]) -> dict:
     return unknown[0] if unknown else max(errors, key=lambda e: len(e.get("loc", ())), default={})
 
 
-def validation_error(errors: list[dict]) -> JSONResponse:
-    """A 400 for pydantic errors; it names the field (`param`) and says what is wrong with it."""
+def _at(body, loc: list):
+    """The part of the request body at a pydantic error location (union tags skipped)."""
+    for part in loc:
+        if isinstance(body, dict) and part in body:
+            body = body[part]
+        elif isinstance(body, list) and isinstance(part, int) and 0 <= part < len(body):
+            body = body[part]
+    return body
+
+
+def validation_error(errors: list[dict], body=None) -> JSONResponse:
+    """A 400 for pydantic errors; it names the field (`param`) and says what is wrong with it.
+    `body`: the parsed request body, to tell a bad key from a bad value."""
     first = _pick(errors)
-    if first.get("type") == "json_invalid":
-        return error_response(400, "request body is not valid JSON", None, "invalid_json")
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return error_response(400, "request body is not valid JSON", code="invalid_json")
     loc = [x for x in first.get("loc", []) if x != "body"]
-    if not loc and first.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+    if not loc and kind == "missing":  # FastAPI reads an empty body as no body
+        return error_response(400, "the request body is empty; send a JSON object with Content-Type: "
+                              "application/json", code="invalid_json")
+    if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
         # a JSON array or scalar, or a body sent without Content-Type: application/json (which
         # is then not parsed: `curl -d` sends application/x-www-form-urlencoded)
         return error_response(400, "the request body must be a JSON object, sent with Content-Type: application/json",
-                              None, "invalid_json")
-    unknown = first.get("type") == "extra_forbidden"  # its last element is the client's key, whatever it looks like
+                              code="invalid_json")
+    bad = first.get("input")
+    if kind == "string_unicode" and isinstance(bad, str):  # pydantic cannot read text with a lone surrogate
+        node = _at(body, loc)
+        if isinstance(node, dict) and bad in node:  # a key: no field has such a name
+            loc, kind = [*loc, bad], "extra_forbidden"
+        else:
+            try:
+                bad.encode("utf-8")
+            except UnicodeEncodeError as e:
+                first = {"msg": f"invalid text: lone surrogate {bad[e.start]!r} at character {e.start}"}
+    unknown = kind == "extra_forbidden"  # its last element is the client's key, whatever it looks like
     loc = [str(x) for x in loc[:-1] if not _is_union_tag(x)] + [str(x) for x in loc[-1:] if unknown or not _is_union_tag(x)]
     param = ".".join(loc) or None
     if unknown:
         name = loc[-1]
         if name in UNSUPPORTED_FIELDS:
             return error_response(400, f"{param}: not supported by Hyrax ({UNSUPPORTED_FIELDS[name]} is not "
-                                  "implemented); remove the field or set it to null", param, "unsupported_parameter")
+                                  "implemented); remove the field or set it to null", param=param,
+                                  code="unsupported_parameter")
         return error_response(400, f"{param}: unknown field; Hyrax rejects fields it does not implement "
-                              "(see docs/api.md)", param, "unknown_parameter")
+                              "(see docs/api.md)", param=param, code="unknown_parameter")
     msg = first.get("msg", "invalid request").removeprefix("Value error, ")
-    return error_response(400, f"{param}: {msg}" if param else msg, param, "invalid_value")
+    return error_response(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+def error_response(status: int, message: str, *, code: str, param=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.code, e.headers)
+        return error_response(e.status, e.message, code=e.code, param=e.param, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
-        return validation_error(e.errors())
+        return validation_error(e.errors(), e.body)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI's 400 for a body that is no UTF-8
-            bad = e.__cause__
-            return error_response(400, f"request body is not valid JSON: byte 0x{bad.object[bad.start]:02x} at "
-                                  f"offset {bad.start} is not UTF-8", None, "invalid_json")
         msg = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
-        return error_response(e.status_code, msg)
+        return error_response(e.status_code, msg, code=_HTTP_CODES.get(e.status_code, "invalid_request"))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         log.exception("unhandled error")
-        return error_response(500, "internal error; see the server log", None, "internal_error")
+        return error_response(500, "internal error; see the server log", code="internal_error")

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError
 from hyrax.api.client import Reservation, Unavailable
+from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import grammar_of
@@ -18,14 +19,14 @@ from hyrax.api.text import TextStream, render_chat, template_error
 from hyrax.api.tool_parser import ToolCallParser
 from hyrax.api.tools import plan_tools
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONRoute)
 CHAT_DEFAULT_MAX_TOKENS = 256
 
 
-def _check_model(request: Request, body: _Sampling) -> None:
+def _check_model(request: Request, model: str) -> None:
     name = request.app.state.client.model.name
-    if body.model != name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
+    if model != name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {name!r}",
                        param="model", code="model_not_found")
 
 
@@ -44,7 +45,7 @@ def _call_id(request: Request) -> str:
         return uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(given):
         raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-100 characters of A-Z a-z 0-9 . _ : - "
-                            "starting with a letter or digit", param=REQUEST_ID_HEADER)
+                            "starting with a letter or digit", param=REQUEST_ID_HEADER, code="invalid_value")
     return given
 
 
@@ -73,12 +74,13 @@ def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
     elif p and all(isinstance(x, list) for x in p):
         out = [list(x) for x in p]
     else:
-        raise APIError(400, "prompt must be a non-empty string, list of strings, or token id list(s)", param="prompt")
+        raise APIError(400, "prompt must be a non-empty string, list of strings, or token id list(s)", param="prompt",
+                       code="invalid_value")
     for ids in out:
         if not ids:
-            raise APIError(400, "prompt is empty", param="prompt")
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
         if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
     return out
 
 
@@ -87,31 +89,34 @@ def _penalty_params(body: _Sampling, vocab: int) -> dict:
     bias = tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items()))
     for name, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", body.stop_token_ids or [])):
         if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(400, f"{name}: token ids must be in [0, {vocab})", param=name)
+            raise APIError(400, f"{name}: token ids must be in [0, {vocab})", param=name, code="invalid_value")
     return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "logit_bias": bias, "min_tokens": body.min_tokens,
             "stop_token_ids": tuple(body.stop_token_ids or ())}
 
 
 def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list[int]], max_tokens: int | None,
-             default_max: int | None, logprobs: int | None = None, grammar=None) -> list[Choice]:
+             default_max: int | None, logprobs: int | None = None, grammar=None,
+             prompt_param: str = "prompt") -> list[Choice]:
+    """`prompt_param`: the field the prompt came from (chat: messages), which a prompt over the context names."""
     info = request.app.state.client.model
     if grammar is not None and (body.ignore_eos or body.min_tokens):
         raise APIError(400, "structured output and tool calls end the answer with EOS when the grammar is complete: "
                             "they cannot be combined with ignore_eos or min_tokens",
-                       param="ignore_eos" if body.ignore_eos else "min_tokens")
+                       param="ignore_eos" if body.ignore_eos else "min_tokens", code="invalid_value")
     out, nonce = [], uuid.uuid4().hex[:8]
     for pi, ids in enumerate(prompts):
         room = info.max_model_len - len(ids)
         if room < 1:
             raise APIError(400, f"prompt has {len(ids)} tokens; the model's context is {info.max_model_len}",
-                           param="prompt", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         mt = max_tokens if max_tokens is not None else min(default_max or room, room)
         if mt > room:
             raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds the model's context "
                            f"of {info.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
         if body.min_tokens > mt:
-            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({mt})", param="min_tokens")
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({mt})", param="min_tokens",
+                           code="invalid_value")
         for k in range(body.n):
             params = {
                 "max_tokens": mt, "temperature": body.temperature, "top_p": body.top_p,
@@ -166,7 +171,8 @@ async def _collect(request: Request, choices: list[Choice], reservation: Reserva
                                                 reservation):
             if finished and c.error and not c.token_ids:
                 headers = {"Retry-After": "1"} if c.error_status == 503 else None
-                raise APIError(c.error_status, c.error, headers=headers)
+                raise APIError(c.error_status, c.error, headers=headers,
+                               code="unavailable" if c.error_status == 503 else "invalid_value")
 
     try:
         await until_disconnected(request, run())
@@ -176,19 +182,31 @@ async def _collect(request: Request, choices: list[Choice], reservation: Reserva
         reservation.release_all()
 
 
+def _card(request: Request) -> dict:
+    info = request.app.state.client.model
+    return {"id": info.name, "object": "model", "created": request.app.state.started, "owned_by": "hyrax",
+            "max_model_len": info.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    info = request.app.state.client.model
-    return {"object": "list", "data": [{"id": info.name, "object": "model", "created": request.app.state.started,
-                                        "owned_by": "hyrax", "max_model_len": info.max_model_len}]}
+    return {"object": "list", "data": [_card(request)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request):
+    """OpenAI's retrieve-model route; a model id may have slashes (org/name)."""
+    _check_model(request, model)
+    return _card(request)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response):
-    _check_model(request, body)
+    _check_model(request, body.model)
     call_id = _call_id(request)
     if body.logprobs is not None and body.echo:
-        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo",
+                       code="unsupported_parameter")
     info = request.app.state.client.model
     prompts = _prompts(body, info.tokenizer, info.vocab_size)
     choices = _choices(request, body, call_id, prompts, body.max_tokens, 16, body.logprobs, grammar_of(body))
@@ -235,10 +253,10 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request, response: Response):
-    _check_model(request, body)
+    _check_model(request, body.model)
     call_id = _call_id(request)
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     want_lp = bool(body.logprobs)
     info = request.app.state.client.model
     tools = plan_tools(body, info.chat_template, info.tokenizer)
@@ -248,15 +266,15 @@ async def chat(body: ChatRequest, request: Request, response: Response):
                             "structured_outputs" if tools.forced else
                             "tool_choice 'auto' lets the model write calls in its own syntax, which response_format "
                             "or structured_outputs would rule out: drop them, or force the call (tool_choice "
-                            "'required' or a named function)", param="tool_choice")
+                            "'required' or a named function)", param="tool_choice", code="invalid_value")
     try:
         prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages], tools=tools.tools)
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
-        raise APIError(400, template_error(e)) from None
+        raise APIError(400, template_error(e), param="messages", code="invalid_value") from None
     ids = info.tokenizer.encode(prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens
     choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
-                       (body.top_logprobs or 0) if want_lp else None, tools.grammar or grammar)
+                       (body.top_logprobs or 0) if want_lp else None, tools.grammar or grammar, prompt_param="messages")
     parsers = {c.index: tools.parser() for c in choices} if tools.parses else {}
 
     def finish_reason(c):  # an answer that made calls and ended by itself ends as OpenAI's do

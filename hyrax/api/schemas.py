@@ -55,6 +55,42 @@ def _valid_text(s: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_text)]
 
 
+def lone_surrogate(value) -> str | None:
+    """Where a JSON value (a schema) has text with a lone surrogate, in words; None if nowhere.
+    Iterative: a schema may be nested as deeply as the parser allows."""
+    todo = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str) and not k.isascii() and _bad(k):
+                    return f"in the key {k!r}" + (f" at {path}" if path else "")
+                todo.append((f"{path}.{k}" if path else str(k), x))
+        elif isinstance(v, list):
+            todo.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
+        elif isinstance(v, str) and not v.isascii() and _bad(v):
+            return f"in {v!r}" + (f" at {path}" if path else "")
+    return None
+
+
+def _bad(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _valid_json_text(v: dict) -> dict:
+    where = lone_surrogate(v)
+    if where is not None:
+        raise ValueError(f"invalid text: lone surrogate {where}")
+    return v
+
+
+JSONObject = Annotated[dict, AfterValidator(_valid_json_text)]  # a JSON schema: all its text valid Unicode
+
+
 class Body(BaseModel):
     """Base of every JSON request body: strict types, no unknown fields. As in OpenAI's API,
     null for an optional field means "not set" (its default), and null for a
@@ -85,7 +121,7 @@ Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 class JSONSchemaFormat(Body):
     name: Name
     description: Text | None = None
-    schema_: dict = Field(default_factory=dict, alias="schema", description="a JSON schema the answer matches")
+    schema_: JSONObject = Field(default_factory=dict, alias="schema", description="a JSON schema the answer matches")
     strict: bool | None = Field(default=None, description="true: no properties or items the schema does not name")
 
 
@@ -103,7 +139,8 @@ class ResponseFormat(Body):
 class StructuredOutputs(Body):
     """vLLM's structured-output extras: exactly one of json, regex, choice."""
 
-    json_: Union[dict, Text, None] = Field(default=None, alias="json", description="a JSON schema (object or text)")
+    json_: Union[JSONObject, Text, None] = Field(default=None, alias="json",
+                                                 description="a JSON schema (object or text)")
     regex: Text | None = None
     choice: list[Text] | None = Field(default=None, min_length=1)
 
@@ -253,7 +290,8 @@ def _arguments(text: str):
 class FunctionDef(Body):
     name: Name
     description: Text | None = None
-    parameters: dict | None = Field(default=None, description="a JSON schema of the arguments (default: any object)")
+    parameters: JSONObject | None = Field(default=None,
+                                          description="a JSON schema of the arguments (default: any object)")
     strict: bool | None = None
 
 

@@ -7,7 +7,7 @@ import json
 from hyrax.actors.engine.grammar import GrammarKind, GrammarSpec
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.api.errors import APIError
-from hyrax.api.schemas import _Sampling
+from hyrax.api.schemas import _Sampling, lone_surrogate
 
 
 def grammar_of(body: _Sampling) -> GrammarSpec | None:
@@ -22,7 +22,8 @@ def grammar_of(body: _Sampling) -> GrammarSpec | None:
             spec = GrammarSpec.json_schema(rf.json_schema.schema_, strict=bool(rf.json_schema.strict))
     if so is not None:
         if spec is not None:
-            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs",
+                           code="invalid_value")
         param = "structured_outputs"
         if so.json_ is not None:
             schema = so.json_
@@ -30,9 +31,15 @@ def grammar_of(body: _Sampling) -> GrammarSpec | None:
                 try:
                     schema = json.loads(schema)
                 except ValueError:
-                    raise APIError(400, "structured_outputs.json is not valid JSON", param=param) from None
+                    raise APIError(400, "structured_outputs.json is not valid JSON", param=param,
+                                   code="invalid_value") from None
             if not isinstance(schema, dict):
-                raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
+                raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param,
+                               code="invalid_value")
+            where = lone_surrogate(schema)  # \ud800 escapes in the JSON text
+            if where is not None:
+                raise APIError(400, f"structured_outputs.json: invalid text: lone surrogate {where}",
+                               param="structured_outputs.json", code="invalid_value")
             spec = GrammarSpec.json_schema(schema)
         elif so.regex is not None:
             spec = GrammarSpec(GrammarKind.REGEX, so.regex)
@@ -47,4 +54,4 @@ def check(spec: GrammarSpec, param: str) -> None:
     try:
         spec.check()
     except HyraxInputError as e:
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param=param, code="invalid_value") from None

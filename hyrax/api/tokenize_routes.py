@@ -6,10 +6,11 @@ from fastapi import APIRouter, Depends, Request
 
 from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError
+from hyrax.api.json_body import JSONRoute
 from hyrax.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from hyrax.api.text import template_error, render_chat
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONRoute)
 
 
 def _model(request: Request, name: str | None):
@@ -29,7 +30,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
             text = render_chat(info.chat_template, [m.for_template() for m in body.messages],
                                body.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
-            raise APIError(400, template_error(e)) from None
+            raise APIError(400, template_error(e), param="messages", code="invalid_value") from None
     else:
         text = body.prompt
     ids = info.tokenizer.encode(text)
@@ -41,5 +42,6 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     info = _model(request, body.model)
     if any(t < 0 or t >= info.vocab_size for t in body.tokens):
-        raise APIError(400, f"tokens: token ids must be in [0, {info.vocab_size})", param="tokens")
+        raise APIError(400, f"tokens: token ids must be in [0, {info.vocab_size})", param="tokens",
+                       code="invalid_value")
     return {"prompt": info.tokenizer.decode(body.tokens)}

@@ -135,7 +135,7 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
         return ToolPlan()
     choice = choice or "auto"
     if choice == "none":
@@ -143,7 +143,7 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
     rendered = [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
     by_name = {t.function.name: t.function for t in body.tools}
     if len(by_name) != len(body.tools):
-        raise APIError(400, "tool names must be unique", param="tools")
+        raise APIError(400, "tool names must be unique", param="tools", code="invalid_value")
     if choice == "auto":
         return _plan_auto(body, template, tokenizer, rendered)
     if choice == "required":
@@ -154,7 +154,8 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
         return ToolPlan(rendered, spec, required=True)
     name = choice.function.name
     if name not in by_name:
-        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice",
+                       code="invalid_value")
     f = by_name[name]
     spec = GrammarSpec.json_schema(f.parameters or ANY_OBJECT, strict=f.strict is not False)
     check(spec, "tools")

@@ -57,8 +57,7 @@ def test_admin_endpoints_answer_200_with_the_right_token(local):
     assert pools and all(c["used"] == 0 for rep in pools for c in rep["components"].values())
     r = call(local.url, "POST", "/admin/retract", ADMIN)
     assert r.status_code == 200 and r.json()["retracted"] == []
-    r = call(local.url, "POST", "/admin/resume", ADMIN)
-    assert r.status_code == 200 and r.json()["results"]["req-none"] == "unknown_request" and r.json()["resumed"] == []
+    assert_error(call(local.url, "POST", "/admin/resume", ADMIN), 404, code="request_not_found")
     r = call(local.url, "POST", "/admin/forced-retraction", ADMIN)
     assert r.status_code == 200 and local.engine.forced_interval == 3
     r = HTTP.post(f"{local.url}/admin/forced-retraction", headers=ADMIN, json={"interval": 0})
@@ -148,3 +147,34 @@ def test_api_keys_and_the_admin_token_do_not_open_each_other(local, gateway_with
     assert_error(HTTP.get(f"{url}/v1/models", headers=ADMIN), 401)
     assert HTTP.get(f"{url}/admin/requests", headers=ADMIN).status_code == 200
     assert HTTP.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+
+
+# ---- unknown ids and impossible moves: the same contract on retract, resume and migrate ------------
+@pytest.mark.parametrize("path", ["/admin/retract", "/admin/resume"])
+def test_naming_only_unknown_requests_is_404_like_migrate(local, path):
+    for ids in (["nope"], ["nope", "nope-2"]):
+        err = assert_error(HTTP.post(f"{local.url}{path}", headers=ADMIN, json={"request_ids": ids}), 404,
+                           code="request_not_found", param="request_ids")
+        assert all(i in err["message"] for i in ids), err
+    assert_error(HTTP.post(f"{local.url}/admin/migrate", headers=ADMIN, json={"request_id": "nope"}), 404,
+                 code="request_not_found", param="request_id")
+    # a count or `all` names no request: nothing to retract is no error
+    assert HTTP.post(f"{local.url}{path}", headers=ADMIN, json={"all": True}).json()["unknown"] == []
+
+
+def test_a_batch_with_known_and_unknown_ids_answers_per_id_and_lists_the_unknown(local, running):
+    r = HTTP.post(f"{local.url}/admin/retract", headers=ADMIN, json={"request_ids": [running, "nope"], "hold": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["retracted"] == [running] and r.json()["unknown"] == ["nope"]
+    assert r.json()["results"]["nope"] == "unknown_request"
+    r = HTTP.post(f"{local.url}/admin/resume", headers=ADMIN, json={"request_ids": ["nope", running]})
+    assert r.status_code == 200 and r.json()["resumed"] == [running] and r.json()["unknown"] == ["nope"], r.text
+
+
+def test_migrating_to_the_replica_a_request_is_on_says_so(local, running):
+    err = assert_error(HTTP.post(f"{local.url}/admin/migrate", headers=ADMIN, json={
+        "request_id": running, "to": {"role": "colocated", "replica": 0}}), 409, code="already_on_replica", param="to")
+    assert "already on colocated/0" in err["message"], err
+    # without a target, the only replica has no other to move it to
+    assert_error(HTTP.post(f"{local.url}/admin/migrate", headers=ADMIN, json={"request_id": running}), 409,
+                 code="no_other_replica")

@@ -302,8 +302,10 @@ def test_openapi_documents_every_error_status_with_the_error_shape(local):
             for status, r in op["responses"].items():
                 if status != "200":
                     assert r["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
-    assert set(ops["/v1/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "503"}
-    assert set(ops["/admin/migrate"]["post"]["responses"]) == {"200", "400", "401", "404", "409", "413"}
+    assert set(ops["/v1/completions"]["post"]["responses"]) == {"200", "400", "401", "404", "413", "415", "503"}
+    assert set(ops["/admin/migrate"]["post"]["responses"]) == {"200", "400", "401", "404", "409", "413", "415"}
     assert {"400", "401", "404"} <= set(ops["/v1/tokenize"]["post"]["responses"])
+    assert set(ops["/v1/models/{model}"]["get"]["responses"]) == {"200", "401", "404"}
+    assert "404" in ops["/admin/retract"]["post"]["responses"] and "404" in ops["/admin/resume"]["post"]["responses"]
     assert "503" in ops["/health"]["get"]["responses"]
     assert "CompletionResponse" in schema["components"]["schemas"]

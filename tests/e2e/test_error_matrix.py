@@ -42,9 +42,10 @@ def test_bad_json_is_400_on_every_post_endpoint(local, no_generation):
     paths = [path for method, path in routes(local.app) if method == "POST"]
     assert {"/v1/completions", "/v1/chat/completions", "/admin/retract", "/admin/resume"} <= set(paths)
     for path in paths:
-        # the last: JSON syntax around bytes that are no UTF-8 (FastAPI's own 400 for it said
-        # "There was an error parsing the body", code null)
-        for raw in (b'{"model": "hyrax-demo", "prompt": ', b"\xff\xfe", b"[1, 2", b'{"prompt": "\xff\xfeab"}'):
+        # JSON syntax around bytes that are no UTF-8 (FastAPI's own 400 for it said "There was an
+        # error parsing the body", code null); a key twice (every JSON route reads bodies strictly)
+        for raw in (b'{"model": "hyrax-demo", "prompt": ', b"\xff\xfe", b"[1, 2", b'{"prompt": "\xff\xfeab"}',
+                    b'{"all": true, "all": true}'):
             r = post(local, path, content=raw, headers={"Content-Type": "application/json"})
             assert_error(r, 400, code="invalid_json")
 
@@ -119,7 +120,8 @@ def test_prompt_longer_than_the_context_is_400(local, no_generation, path):
     else:
         too_long = {"messages": [{"role": "user", "content": "A" * ctx}]}
         fits_alone = {"messages": [{"role": "user", "content": "A" * (ctx - 40)}], "max_tokens": 100}
-    assert_error(post(local, path, {**BASE[path], **too_long}), 400, code="context_length_exceeded", param="prompt")
+    assert_error(post(local, path, {**BASE[path], **too_long}), 400, code="context_length_exceeded",
+                 param="prompt" if path == "/v1/completions" else "messages")
     assert_error(post(local, path, {**BASE[path], **fits_alone}), 400, code="context_length_exceeded",
                  param="max_tokens")
 

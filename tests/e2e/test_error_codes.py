@@ -1,0 +1,164 @@
+"""Every client error names a documented `code` (docs/api.md's error table): the checks the
+routes make after pydantic (token ids against the vocabulary, prompt length, structured output,
+tools, X-Request-Id) as much as pydantic's own. A body the server cannot read as JSON (empty,
+a number too long for the parser, nesting too deep, not UTF-8, duplicate keys) is
+`invalid_json`, and JSON in another charset is a 415. OpenAI's retrieve-model route answers,
+and 401s say how to authenticate (`WWW-Authenticate: Bearer`)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from e2e_harness import ADMIN, HTTP, MODEL, assert_error
+from test_error_matrix import no_generation, still_healthy  # noqa: F401 - the same fixtures (still_healthy autouse)
+
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SURROGATE = "\ud800"
+
+
+def post(url: str, path: str, body, headers=None):
+    """JSON with \\u escapes (ASCII), so a lone surrogate reaches the server as JSON allows it."""
+    return HTTP.post(f"{url}{path}", content=json.dumps(body), timeout=60,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+
+
+CASES = [  # (path, body, headers, code, param)
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [264]}, None, "invalid_value", "stop_token_ids"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"264": 1}}, None, "invalid_value", "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "prompt": [[]]}, None, "invalid_value", "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 264]}, None, "invalid_value", "prompt"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 1000000}, None, "invalid_value", "min_tokens"),
+    ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, None, "unsupported_parameter", "echo"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_object"}, "ignore_eos": True}, None,
+     "invalid_value", "ignore_eos"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_object"},
+                         "structured_outputs": {"regex": "a"}}, None, "invalid_value", "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"choice": [""]}}, None, "invalid_value",
+     "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": "{nope"}}, None, "invalid_value",
+     "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, None, "invalid_value", "response_format"),
+    ("/v1/completions", COMPLETION, {"X-Request-Id": "no spaces"}, "invalid_value", "X-Request-Id"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "invalid_value", "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL], "tool_choice": "required"}, None, "invalid_value",
+     "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "g"}}}, None, "invalid_value", "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, None, "invalid_value", "tool_choice"),
+    ("/v1/tokenize", {"prompt": "hi", "model": "nope"}, None, "model_not_found", "model"),
+    ("/v1/detokenize", {"tokens": [264]}, None, "invalid_value", "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,headers,code,param", CASES, ids=[f"{c[0]}:{c[4]}:{i}" for i, c in enumerate(CASES)])
+def test_every_client_error_names_its_documented_code(local, no_generation, path, body, headers, code, param):
+    for stream in ((False, True) if path.endswith("completions") else (None,)):
+        sent = body if stream is None else {**body, "stream": stream}
+        assert_error(post(local.url, path, sent, headers), 400 if code != "model_not_found" else 404, code=code,
+                     param=param)
+
+
+def test_prompt_over_the_context_names_messages_in_chat_and_prompt_in_completions(local, no_generation):
+    ctx = local.client.model.max_model_len
+    assert_error(post(local.url, "/v1/completions", {**COMPLETION, "prompt": [65] * ctx}), 400,
+                 code="context_length_exceeded", param="prompt")
+    too_long = {**CHAT, "messages": [{"role": "user", "content": "A" * ctx}]}
+    assert_error(post(local.url, "/v1/chat/completions", too_long), 400, code="context_length_exceeded",
+                 param="messages")
+
+
+# ---- bodies that are not JSON the server can read --------------------------------------------------
+def raw(url: str, path: str, content: bytes, ctype: str = "application/json"):
+    return HTTP.post(f"{url}{path}", content=content, headers={"Content-Type": ctype}, timeout=60)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/admin/retract"])
+def test_an_empty_body_is_invalid_json_not_a_missing_field(local, no_generation, path):
+    for ctype in ("application/json", None):
+        headers = {**ADMIN, **({"Content-Type": ctype} if ctype else {})}
+        err = assert_error(HTTP.post(f"{local.url}{path}", content=b"", headers=headers), 400, code="invalid_json")
+        assert "empty" in err["message"], err
+    # a route whose body is optional still takes none
+    assert HTTP.post(f"{local.url}/admin/flush-cache", content=b"", headers=ADMIN).status_code == 200
+
+
+@pytest.mark.parametrize("content,says", [
+    (b'{"model": "hyrax-demo", "prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}", "digits"),
+    (b'{"model": "hyrax-demo", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+    (b'{"model": "hyrax-demo", "prompt": "hi", "prompt": "again"}', "'prompt'"),
+    (b'{"model": "hyrax-demo", "prompt": "hi", "logit_bias": {"1": 1, "1": 2}}', "'1'"),
+    (json.dumps(COMPLETION).encode("utf-16"), "UTF-8"),
+    (json.dumps(COMPLETION).encode("utf-16-le"), "UTF-8"),
+    (json.dumps(COMPLETION).encode("utf-32"), "UTF-8"),
+], ids=["long-int", "deep", "dup-key", "dup-nested-key", "utf-16", "utf-16-le-no-bom", "utf-32"])
+def test_json_the_server_cannot_read_is_invalid_json_saying_why(local, no_generation, content, says):
+    err = assert_error(raw(local.url, "/v1/completions", content), 400, code="invalid_json")
+    assert says in err["message"], err
+    assert "error parsing the body" not in err["message"]
+
+
+def test_json_in_another_charset_than_utf8_is_415(local):
+    body = json.dumps(COMPLETION).encode()
+    for ctype in ("application/json; charset=latin-1", "application/json; charset=utf-16",
+                  'application/json;charset="iso-8859-1"'):
+        err = assert_error(raw(local.url, "/v1/completions", body, ctype), 415, code="unsupported_media_type")
+        assert "UTF-8" in err["message"], err
+    for ctype in ("application/json; charset=utf-8", "application/json; charset=UTF-8",
+                  "application/json;charset=utf8"):
+        assert raw(local.url, "/v1/completions", body, ctype).status_code == 200
+
+
+def test_a_lone_surrogate_in_an_unknown_key_is_an_unknown_field_named_escaped(local, no_generation):
+    for body, param in (({**COMPLETION, SURROGATE: 1}, "\\ud800"),
+                        ({**CHAT, "messages": [{"role": "user", "content": "hi", "a" + SURROGATE: 1}]},
+                         "messages.0.a\\ud800")):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        err = assert_error(post(local.url, path, body), 400, code="unknown_parameter", param=param)
+        assert param in err["message"], err
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": ["a", SURROGATE]}}}}, "response_format.json_schema.schema"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": {"properties": {SURROGATE: {}}}}},
+     "structured_outputs.json"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "description": "x" + SURROGATE}}}]},
+     "tools.0.function.parameters"),
+])
+def test_a_lone_surrogate_in_a_schema_is_the_usual_bad_text_400(local, no_generation, path, body, param):
+    err = assert_error(post(local.url, path, body), 400, code="invalid_value", param=param)
+    assert "lone surrogate" in err["message"] and "Check failed" not in err["message"], err
+
+
+def test_json_with_an_emoji_in_a_schema_is_fine(local):
+    """A surrogate pair (\\ud83d\\ude00, one character) is valid text."""
+    body = {**COMPLETION, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": ["\U0001F600"]}}}}
+    assert post(local.url, "/v1/completions", body).status_code == 200
+
+
+# ---- /v1/models/{model} and 401s -------------------------------------------------------------------
+def test_retrieve_model_answers_in_openais_shape(local, oai):
+    r = HTTP.get(f"{local.url}/v1/models/{MODEL}")
+    assert r.status_code == 200, r.text
+    card = r.json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "hyrax"
+    assert card == HTTP.get(f"{local.url}/v1/models").json()["data"][0]
+    assert oai.models.retrieve(MODEL).id == MODEL
+    for name in ("gpt-4", "org/other-model"):
+        err = assert_error(HTTP.get(f"{local.url}/v1/models/{name}"), 404, code="model_not_found", param="model")
+        assert name in err["message"]
+
+
+def test_401_says_how_to_authenticate(local, gateway_with):
+    url = gateway_with(api_keys=("k1",))
+    for r in (HTTP.get(f"{url}/v1/models"), HTTP.post(f"{url}/v1/completions", json=COMPLETION),
+              HTTP.get(f"{url}/v1/models/{MODEL}"), HTTP.get(f"{url}/admin/requests"),
+              HTTP.get(f"{url}/admin/requests", headers={"Authorization": "Bearer k1"})):
+        assert_error(r, 401)
+        assert r.headers.get("www-authenticate") == "Bearer", r.headers
