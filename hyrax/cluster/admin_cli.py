@@ -111,4 +111,5 @@ def run(a: argparse.Namespace) -> int:
     except ValueError:  # not the admin API answering
         raise HyraxInputError(f"{a.url} answered HTTP {r.status_code} without JSON: is it a hyrax server?") from None
     print(json.dumps(answer, indent=2))
-    return 0 if r.is_success else 1
+    unknown = isinstance(answer, dict) and answer.get("unknown")  # retract/resume ids no replica knows
+    return 0 if r.is_success and not unknown else 1

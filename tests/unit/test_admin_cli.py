@@ -87,3 +87,19 @@ def test_an_answer_that_is_not_json_is_a_one_line_error(tmp_path, capsys):
         srv.shutdown()
     assert capsys.readouterr().err.splitlines() == [
         f"hyrax: error: {url} answered HTTP 200 without JSON: is it a hyrax server?"]
+
+
+@pytest.mark.parametrize("status,answer,rc", [
+    (200, {"results": {"a": "host_pool"}, "retracted": ["a"], "unknown": []}, 0),
+    (200, {"results": {"a": "host_pool", "nope": "unknown_request"}, "retracted": ["a"], "unknown": ["nope"]}, 1),
+    (404, {"error": {"message": "unknown request: nope", "type": "not_found_error", "param": "request_ids",
+                     "code": "request_not_found"}}, 1),
+])
+def test_admin_exits_1_when_any_named_request_is_unknown(tmp_path, monkeypatch, capsys, status, answer, rc):
+    import httpx
+
+    monkeypatch.setattr(httpx, "request", lambda method, url, **kw: httpx.Response(status, json=answer))
+    f = tmp_path / "tok"
+    f.write_text("abc\n")
+    assert cli.main(["admin", "--token-file", str(f), "retract", "--id", "a", "--id", "nope"]) == rc
+    assert capsys.readouterr().out.strip().startswith("{")
