@@ -23,13 +23,16 @@ class Gateway:
     """An ASGI app served by uvicorn on 127.0.0.1:<free port> in a daemon thread; waits for
     /health to answer 200."""
 
-    def __init__(self, app, name: str = "gateway"):
+    def __init__(self, app, name: str = "gateway", make_server=None):
+        """`make_server(app, host=, port=, log_level=)`: the uvicorn.Server to run (default:
+        uvicorn's own, with a 2 s graceful shutdown)."""
         import uvicorn
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        opts = dict(host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = (make_server(app, **opts) if make_server is not None
+                       else uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=2, **opts)))
         self.thread = threading.Thread(target=self.server.run, name=f"{name}-{self.port}", daemon=True)
         self.thread.start()
 

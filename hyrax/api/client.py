@@ -266,6 +266,15 @@ class EngineClient:
         b = self.owner.get(request_id)
         return bool(b and await b.run(Abort(request_id)))
 
+    async def end_streams(self, timeout_s: float) -> int:
+        """Abort every request this gateway streams (its server is shutting down): each stream
+        ends with finish_reason "abort" and its request is freed where it runs. Waits up to
+        `timeout_s` for the replicas to answer. Returns how many requests were open."""
+        ids = list(self.owner)
+        if ids:
+            await asyncio.wait([asyncio.ensure_future(self.abort(rid)) for rid in ids], timeout=timeout_s)
+        return len(ids)
+
     async def _each(self, cmd: Command) -> list:
         return list(await asyncio.gather(*(b.run(cmd) for b in self.backends)))
 

@@ -85,7 +85,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "(default 4; -1 routes by load alone)")
     gw.add_argument("--max-body-mb", type=positive_float, default=4.0)
     gw.add_argument("--grace-period", type=non_negative_float, default=10.0,
-                    help="seconds to drain streams on shutdown")
+                    help="on shutdown, seconds open streams get to finish; then each still open ends "
+                         "with finish_reason \"abort\" and [DONE]")
     gw.add_argument("--rank-timeout", type=positive_float, default=60.0,
                     help="seconds before a silent rank counts as failed")
     gw.add_argument("--gateway-lease", type=positive_float, default=10.0,
@@ -328,10 +329,9 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
     from hyrax.cluster.ray_cluster import dashboard_url, init_ray, prepare_env
 
     prepare_env(a.address)  # before the imports below import ray
-    import uvicorn
-
     from hyrax.api.app import GatewaySettings, create_app
     from hyrax.cluster import controller
+    from hyrax.cluster.gateway_server import GatewayServer
     from hyrax.cluster.ray_client import GatewayLease, Membership, client_for
 
     num_cpus = None
@@ -366,8 +366,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
               f"  metrics         {base}/metrics\n"
               f"  Ray dashboard   {dashboard_url() or 'n/a'}\n"
               f"  admin token     {token.where}", file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                               timeout_graceful_shutdown=int(a.grace_period)))
+        server = GatewayServer(app, client, a.grace_period, log_level="warning")
         try:
             server.run(sockets=[sock])  # the socket bound at the start
         except SystemExit as e:  # uvicorn re-raises SIGTERM/SIGINT after draining; Ray maps it to exit
