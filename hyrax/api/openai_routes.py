@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request, Response
 
 from hyrax.api.auth import require_api_key
-from hyrax.api.errors import APIError
+from hyrax.api.errors import APIError, error_body
 from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
@@ -164,15 +164,27 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def _choice_error(c: Choice) -> APIError:
+    """The error a choice ended in (the replica's message; 503 for a replica that failed)."""
+    if c.error_status == 503:
+        return APIError(503, c.error, code="unavailable", headers={"Retry-After": "1"})
+    return APIError(c.error_status, c.error, code="invalid_value")
+
+
+def _stream_error(c: Choice) -> str:
+    """A stream's error event for a choice that ended in an error after its stream began: the
+    message after its finish_reason "error" chunk (OpenAI's client raises it)."""
+    e = _choice_error(c)
+    return _sse(error_body(e.status, e.message, e.code))
+
+
 async def _collect(request: Request, choices: list[Choice], reservation: Reservation) -> None:
     """Run every choice to its end; a client that disconnects meanwhile aborts them all."""
     async def run():
         async for c, _, finished in run_choices(request.app.state.client, choices, request.app.state.metrics,
                                                 reservation):
             if finished and c.error and not c.token_ids:
-                headers = {"Retry-After": "1"} if c.error_status == 503 else None
-                raise APIError(c.error_status, c.error, headers=headers,
-                               code="unavailable" if c.error_status == 503 else "invalid_value")
+                raise _choice_error(c)
 
     try:
         await until_disconnected(request, run())
@@ -234,6 +246,8 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                         n0, n1 = sent_lp[c.index], len(c.logprobs)
                         lp, sent_lp[c.index] = _completion_logprobs(c, info.tokenizer, n0, n1, 0), n1
                     yield _sse(chunk(c, delta, c.finish_reason if finished else None, lp))
+                if finished and c.error:
+                    yield _stream_error(c)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})
@@ -315,6 +329,8 @@ async def chat(body: ChatRequest, request: Request, response: Response):
                     yield _sse(chunk(c, {"tool_calls": parts}, None, logprobs_since_last(c)))
                 if finished:
                     yield _sse(chunk(c, {}, finish_reason(c)))
+                    if c.error:
+                        yield _stream_error(c)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": info.name,
                             "choices": [], "usage": _usage(choices, body.n)})

@@ -119,3 +119,28 @@ def test_idle_pool_check_waits_for_a_quiet_replica_and_never_delays_the_next_req
     assert len(later) == 1 and later[0] >= loop.idle_check_after_s - 0.06, later  # then checked once, quietly
     assert loop.invariant_error is None
     assert_idle_clean(engine)
+
+
+def test_a_stream_opened_on_a_loop_that_has_stopped_is_refused_at_once_with_503():
+    """A replica whose loop has stopped (shutdown, retirement) answered a stream queued while
+    it stopped with a 400-status error, and one opened after it stopped never at all: its
+    stream waited for a thread that was gone. Both are refused at once, as a 503 (retry
+    elsewhere), and nothing is admitted."""
+    engine = make_engine(tiny_model(HYBRID))
+    loop = EngineLoop(engine, "stopped")
+    loop.shutdown()
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    got: list[dict] = []
+    answered = threading.Event()
+
+    def deliver(batch):
+        got.extend(item for _, item in batch)
+        answered.set()
+    loop.submit("late", PROMPTS[0], {"max_tokens": 4}, Sink(deliver, aloop))
+    assert answered.wait(10), "a stream opened after the loop stopped was never answered"
+    assert got[0]["finish_reason"] == "error" and got[0]["status"] == 503, got
+    assert "shutting down" in got[0]["error"]
+    assert not engine.has_unfinished()
+    assert_idle_clean(engine)
+    aloop.call_soon_threadsafe(aloop.stop)

@@ -28,9 +28,13 @@ from hyrax.actors.model.errors import HyraxInputError
 log = logging.getLogger("hyrax.engine")
 
 
-def _error_item(message: str) -> dict:
-    """A stream's last item when it ends in an error."""
-    return {"error": message, "finished": True, "finish_reason": "error", "token_ids": []}
+SHUTTING_DOWN = "the replica is shutting down"
+
+
+def _error_item(message: str, status: int = 400) -> dict:
+    """A stream's last item when it ends in an error; `status`: the HTTP status the gateway
+    answers with when the stream had no tokens (400: the input; 503: retry elsewhere)."""
+    return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
 
 
 def _ack_in_process(source, request_id: str) -> None:
@@ -126,7 +130,7 @@ class EngineLoop:
                 self._deliver(self._step())
             self.lock.let_waiters_in()
         with self.lock:
-            self._open_streams(refuse="the replica is shutting down")
+            self._open_streams(refuse=SHUTTING_DOWN)
 
     def _step(self) -> list:
         """One engine step (under the lock); a failed one answers its requests instead."""
@@ -250,6 +254,9 @@ class EngineLoop:
         several requests arriving at once, each waited for a step of its own)."""
         self._opening.append((request_id, sink, admit))
         self.wake.set()
+        if self.stopping:  # the loop thread admits nothing more (it may be gone): refuse it here
+            with self.lock:
+                self._open_streams(refuse=SHUTTING_DOWN)
 
     def _open_streams(self, refuse: str | None = None) -> None:
         """Under the lock: register and admit the queued streams, in arrival order (`refuse`:
@@ -260,7 +267,7 @@ class EngineLoop:
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
             if refuse is not None:
-                first = _error_item(refuse)
+                first = _error_item(refuse, 503)
             elif not self.early_aborts.take(request_id):  # else its client left before it got here
                 try:
                     first = admit()
