@@ -324,3 +324,15 @@ def test_every_ray_pod_mounts_memory_backed_dev_shm(rendered, overlay):
         volume = next((v for v in pod.get("volumes") or [] if v["name"] == mounts["/dev/shm"]), None)
         assert volume is not None, f"{overlay} {name}: /dev/shm mounts a volume the pod does not declare"
         assert volume.get("emptyDir", {}).get("medium") == "Memory", f"{overlay} {name}: /dev/shm is not tmpfs"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pod_outlives_the_gateways_shutdown(rendered, parser, overlay):
+    """Kubernetes kills the gateway terminationGracePeriodSeconds after SIGTERM. The gateway
+    lets streams run --grace-period seconds, then aborts those still open and waits up to
+    END_WAIT_S for their last chunks: a pod killed before that cuts streams mid-body."""
+    from hyrax.cluster.gateway_server import END_WAIT_S
+
+    ns = parser.parse_args(gateway_argv(rendered[overlay]))
+    pod = gateway(rendered[overlay])["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= ns.grace_period + END_WAIT_S + 2, (pod, ns.grace_period)
