@@ -43,7 +43,10 @@ def group_alive(pgid: int) -> bool:
 
 
 def port_is_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:`port`. With SO_REUSEADDR, as a server binds: connections
+    the server closed linger in TIME_WAIT for a minute and are not a listener."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 HYRAX = Path(sys.executable).with_name("hyrax")
 TOKEN = "cli-e2e-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-STREAM_TOKENS = 150
+STREAM_TOKENS = 400  # ~2 s of decoding: time for the admin calls to find it running on a loaded machine
+GRACE_S = 1
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def served(tmp_path_factory):
     env["HYRAX_ADMIN_TOKEN"] = TOKEN
     out: dict = {"url": url, "port": port}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(port), "--prefill-tp", "2"], env=env,
+        proc = subprocess.Popen([str(HYRAX), "serve", "--port", str(port), "--prefill-tp", "2",
+                                 "--grace-period", str(GRACE_S)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out["pgid"] = proc.pid
     try:
@@ -87,6 +89,20 @@ def served(tmp_path_factory):
         time.sleep(0.5)
         out["requests_after"] = httpx.get(f"{url}/admin/requests", headers=ADMIN, timeout=10).json()["requests"]
 
+        # a stream still running at SIGTERM: aborted after the grace period, and it says so
+        last: dict = {}
+
+        def read_last():
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                    "model": MODEL, "prompt": "Until the end", "max_tokens": 1900, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                try:
+                    last["events"] = sse_data(r.iter_lines())
+                except httpx.HTTPError as e:  # a body cut short
+                    last["error"] = repr(e)
+        last_reader = threading.Thread(target=read_last, daemon=True)
+        last_reader.start()
+        wait_until(running, 60, interval=0.05, what="the last stream to run")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -94,6 +110,8 @@ def served(tmp_path_factory):
         except subprocess.TimeoutExpired:
             out["returncode"] = None
         out["stop_seconds"] = time.monotonic() - t0
+        last_reader.join(timeout=30)
+        out["last_stream"] = last
         out["log"] = log_path.read_text()
         yield out
     finally:
@@ -128,6 +146,11 @@ def test_cli_serves_completions_and_admin_then_stops_on_sigterm(served):
     assert served["returncode"] is not None, f"still running 60 s after SIGTERM:\n{served['log'][-3000:]}"
     assert served["stop_seconds"] < 60
     assert "Traceback" not in served["log"], served["log"][-3000:]
+    # the stream open at SIGTERM ended the ordinary way once the grace period was over
+    last = served["last_stream"]
+    assert "error" not in last and last["events"][-1] == "[DONE]", last
+    assert last["events"][-3]["choices"][0]["finish_reason"] == "abort", last["events"][-3:]
+    assert 0 < last["events"][-2]["usage"]["completion_tokens"] < 1900
     assert port_is_free(served["port"])
     wait_until(lambda: not group_alive(served["pgid"]), 30, interval=0.5,
                what="the server's Ray processes to exit")
