@@ -41,6 +41,15 @@ FALLBACK_HELP = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (`hyrax serve: error: argument --port: ...`,
+    pointing at --help) instead of the usage block and then the error; exit code 2 as before.
+    Subcommands' parsers are of the same class (argparse makes them with type(parent))."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to an option's help unless it already says what the default is."""
 
@@ -76,7 +85,7 @@ def _document(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from hyrax.cluster import admin_cli, bench_cli, doctor, eval_cli, generate, serve, train_demo_cli, undeploy_cli
 
-    p = argparse.ArgumentParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
+    p = _Parser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
@@ -103,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except HyraxInputError as e:
         print(f"hyrax: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # --help, --version (0) or a usage error, already printed on one line (2)
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -48,9 +48,11 @@ def test_hyrax_eval_scores_the_demo_model_and_forced_retraction_changes_no_answe
 
 def test_hyrax_eval_rejects_bad_options_with_one_line(capsys):
     assert main(["eval", "--base-url", "http://127.0.0.1:9", "--limit", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "hyrax: error: --limit must be >= 1"
+    assert capsys.readouterr().err.strip() == ("hyrax eval: error: argument --limit: must be an int >= 1, got '0' "
+                                               "(see hyrax eval --help)")
     assert main(["eval", "--base-url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "hyrax: error: --concurrency must be >= 1"
+    assert capsys.readouterr().err.strip() == ("hyrax eval: error: argument --concurrency: must be an int >= 1, "
+                                               "got '0' (see hyrax eval --help)")
     # nothing listening there: one line, no traceback
     assert main(["eval", "--base-url", f"http://127.0.0.1:{free_port()}", "--limit", "2"]) == 2
     err = capsys.readouterr().err.strip()

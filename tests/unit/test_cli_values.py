@@ -121,3 +121,13 @@ def test_an_api_key_with_a_space_inside_is_accepted():
     """The gateway strips the header's value, so only a space at either end could never match
     (tests/k8s renders a placeholder key with spaces inside)."""
     assert cli.build_parser().parse_args(["serve", "--api-key", "a b"]).api_key == ["a b"]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--rank-timeout", "0"], ["serve", "--no-such-flag"],
+                                  ["admin", "retract", "--count", "x"], ["nonsense"]])
+def test_a_usage_error_is_one_line_and_exit_code_2(argv, capsys):
+    """The project's CLI errors are one line: argparse printed its usage block first."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("hyrax") and "error:" in err and "--help" in err, err
