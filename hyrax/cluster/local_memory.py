@@ -7,8 +7,10 @@ local deployment is refused before anything starts when a lower bound of what it
 the memory the kernel reports available. The bound counts what every process certainly holds,
 measured on the demo model: a rank actor (Python, torch, Ray worker: ~0.6 GB resident) and a
 replica's coordinator (~0.33 GB), plus each replica's weights (its ranks' shards add up to the
-checkpoint). Pools and activations come on top, so a deployment that passes may still be too
-big; one that fails certainly is. A joined cluster (`--address`) is Ray's to place.
+checkpoint), plus each rank's state pools when they live in host memory (no CUDA here): the
+pools are zero-filled when a rank starts, so every byte of them is resident. Activations and
+the host backup pool come on top, so a deployment that passes may still be too big; one that
+fails certainly is. A joined cluster (`--address`) is Ray's to place.
 """
 from __future__ import annotations
 
@@ -39,22 +41,44 @@ def weight_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-def needed_bytes(roles: list[RoleSpec], weights: int) -> int:
-    """A lower bound of the memory a deployment of `roles` holds once started."""
+def rank_pool_bytes(cfg, config, tp: int) -> int:
+    """Bytes of one rank's state pools (each component's pool and, with the prefix cache, its
+    checkpoint pool) at `config`'s capacities, in a TP group of `tp` on the CPU."""
+    import torch
+
+    from hyrax.actors.engine.pools import checkpoint_pools, pool_sizes_for
+    from hyrax.actors.model.sharding import TP
+    from hyrax.actors.model.state import derive_components
+
+    dtype = torch.float32 if config.dtype == "auto" else getattr(torch, config.dtype)  # auto: float32 on the CPU
+    comps = derive_components(cfg, TP(0, tp), dtype)
+    sizes = pool_sizes_for(comps, config)
+    return (sum(sizes.rows(c) * c.row_bytes for c in comps)
+            + sum(sizes.checkpoints * c.row_bytes for c in checkpoint_pools(comps, sizes).values()))
+
+
+def needed_bytes(roles: list[RoleSpec], weights: int, pools: dict[str, int] | None = None) -> int:
+    """A lower bound of the memory a deployment of `roles` holds once started; `pools`: one
+    rank's pool bytes by role name, when the pools are in host memory."""
     ranks = sum(r.replicas * r.tp for r in roles)
     replicas = sum(r.replicas for r in roles)
-    return ranks * RANK_PROCESS_BYTES + replicas * (COORDINATOR_BYTES + weights)
+    pool_total = sum(r.replicas * r.tp * (pools or {}).get(r.name, 0) for r in roles)
+    return ranks * RANK_PROCESS_BYTES + replicas * (COORDINATOR_BYTES + weights) + pool_total
 
 
-def check_fits(roles: list[RoleSpec], weights: int, available: int | None) -> None:
+def check_fits(roles: list[RoleSpec], weights: int, available: int | None, pools: dict[str, int] | None = None) -> None:
     """Raise naming both numbers when the deployment cannot fit; `available` None: not known."""
     if available is None:
         return
-    need = needed_bytes(roles, weights)
+    need = needed_bytes(roles, weights, pools)
     if need > available:
         ranks = sum(r.replicas * r.tp for r in roles)
         replicas = sum(r.replicas for r in roles)
+        pool_total = need - needed_bytes(roles, weights)
+        held = (f", {pool_total / GIB:.2f} GiB of state pools at these capacities" if pool_total else "")
+        advice = "lower --kv-capacity-tokens / --mamba-slots / --mamba-checkpoint-slots, " if pool_total else ""
         raise HyraxInputError(
             f"the deployment needs at least {need / GIB:.1f} GiB ({ranks} rank processes, {replicas} coordinators, "
-            f"{replicas} copies of {weights / GIB:.2f} GiB of weights) but this machine has {available / GIB:.1f} GiB "
-            f"available; deploy fewer replicas or smaller TP, or join a larger cluster with --address")
+            f"{replicas} copies of {weights / GIB:.2f} GiB of weights{held}) but this machine has "
+            f"{available / GIB:.1f} GiB available; {advice}deploy fewer replicas or smaller TP, or join a larger "
+            f"cluster with --address")

@@ -21,7 +21,7 @@ from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.arg_types import (bearer_token, is_bearer_token, non_negative_float, positive_float,
                                       positive_int)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
-from hyrax.cluster.local_memory import available_bytes, check_fits, weight_bytes
+from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
 from hyrax.cluster.ray_cluster import gcs_alive, local_num_cpus
 from hyrax.env import admin_token as env_admin_token
@@ -301,10 +301,20 @@ def validate(a) -> tuple:
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
     if not a.address:
-        check_fits(roles, weight_bytes(path), available_bytes())  # more processes than this machine holds
+        check_fits(roles, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles))  # more than it holds
         local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment
     name = a.served_model_name or default_served_name(a.model)
     return config, path, cfg, roles, name
+
+
+def host_pools(cfg, config, roles: list[RoleSpec]) -> dict[str, int] | None:
+    """One rank's state-pool bytes by role when the ranks keep their pools in host memory (no
+    CUDA on this machine); None when they are on GPUs."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return {r.name: rank_pool_bytes(cfg, config, r.tp) for r in roles}
 
 
 def largest(roles: list[RoleSpec], policies: dict) -> list[RoleSpec]:

@@ -45,3 +45,42 @@ def test_cli_refuses_a_deployment_bigger_than_the_machine_before_starting_ray():
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("hyrax: error: the deployment needs at least"), r.stderr
     assert "starting Ray" not in r.stderr
+
+
+def test_pools_count_per_rank_and_name_the_flags():
+    roles = [RoleSpec("prefill", 1, 1), RoleSpec("decode", 2, 2)]
+    pools = {"prefill": GIB, "decode": 2 * GIB}
+    assert needed_bytes(roles, 0, pools) - needed_bytes(roles, 0) == 1 * GIB + 4 * 2 * GIB
+    with pytest.raises(HyraxInputError) as e:
+        check_fits(roles, 0, 8 * GIB, pools)
+    assert "9.00 GiB of state pools" in str(e.value) and "--mamba-slots" in str(e.value), str(e.value)
+
+
+def test_a_rank_pool_bytes_match_the_pools_a_rank_allocates():
+    """The check's pool bytes are the bytes an engine's pools hold, prefix-cache checkpoints too."""
+    from hyrax.actors.engine.config import EngineConfig
+    from hyrax.actors.engine.pools import allocate_device_pools, pool_sizes_for
+    from hyrax.actors.model.config import ModelConfig
+    from hyrax.actors.model.state import derive_components
+    from hyrax.cluster.local_memory import rank_pool_bytes
+    from hyrax.cluster.serve import resolve_model_path
+
+    cfg = ModelConfig.from_dir(resolve_model_path("demo"))
+    config = EngineConfig(kv_capacity_tokens=512, mamba_slots=5)
+    comps = derive_components(cfg)
+    pools = allocate_device_pools(comps, pool_sizes_for(comps, config))
+    assert rank_pool_bytes(cfg, config, 1) == sum(t.numel() * t.element_size() for t in pools.values())
+    assert any(".checkpoint" in name or "checkpoint" in name for name in pools)  # the cache's pools are in
+
+
+@pytest.mark.skipif(available_bytes() is None, reason="no /proc/meminfo")
+def test_cli_refuses_pools_bigger_than_the_machine_before_starting_ray():
+    """--mamba-slots 100000 on the demo model passed the check (pools were left out), and the
+    ranks zero-filling ~10 GB each ran the machine out of memory, killed and restarted in a loop."""
+    r = subprocess.run([sys.executable, "-m", "hyrax.cluster.cli", "serve", "--num-cpus", "1",
+                        "--mamba-slots", "100000"],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "GiB of state pools" in lines[0], r.stderr
+    assert "starting Ray" not in r.stderr
