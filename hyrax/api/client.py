@@ -39,6 +39,14 @@ class LocalBackend:
                 "stuck": self.loop.stuck_reason()}
 
 
+def _nowhere_to_go(handoff: dict, source) -> str:
+    """Why a request handed off by `source` ends: no replica that decodes can take it."""
+    others = "no other decode or colocated replica accepts requests (all draining or out of service)"
+    if handoff.get("manifest") is None:  # handed off without state: its replica was lost
+        return f"the replica serving this request ({source.role}/{source.index}) was lost, and {others}"
+    return "no decode replica accepts requests (all draining or out of service)"
+
+
 def _error_item(message: str, status: int) -> dict:
     return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
 
@@ -169,7 +177,7 @@ class EngineClient:
         token items. If the consumer goes away, the request is aborted wherever it is."""
         backend = await self._first_hop(prompt_ids)
         if backend is None:
-            yield _error_item("no replica accepts requests (all draining)", 503)
+            yield _error_item("no replica accepts requests (all draining or out of service)", 503)
             return
         self._own(request_id, backend)
         stream, offered_by, done = backend.generate(request_id, prompt_ids, params), None, False
@@ -195,7 +203,7 @@ class EngineClient:
                 offered_by = backend
                 target = self.migrate_to.pop(request_id, None) or self._pick(DECODING_ROLES, exclude=backend)
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
-                    yield _error_item("no decode replica accepts requests (all draining)", 503)
+                    yield _error_item(_nowhere_to_go(handoff, backend), 503)
                     return
                 backend = target
                 self._own(request_id, backend)

@@ -78,3 +78,34 @@ def test_a_migration_target_must_decode_and_be_in_service():
     client.owner["r1"] = d0  # a running request; the source is never asked to export it
     for target in (prefill, d1):
         assert asyncio.run(client.migrate("r1", target))[0].ok is False
+
+
+def test_a_stream_whose_replica_was_lost_says_so_when_no_other_replica_can_take_it():
+    """A lost colocated replica's streams ended with "no decode replica accepts requests (all
+    draining)": wrong on both counts (no decode role, nothing draining)."""
+    client, (only,) = _client(("colocated", 0))
+
+    def lost(request_id, prompt_ids, params):
+        async def gen():
+            yield {"token_ids": [5], "finished": False, "finish_reason": None}
+            client.out_of_service[id(only)] = "unhealthy"  # what the health check makes of a replica that is gone
+            yield {"token_ids": [], "finished": False, "finish_reason": None,
+                   "handoff": {"request": {"id": request_id}, "manifest": None, "payload": [], "source": None}}
+        return gen()
+    only.generate = lost
+    aborted = []
+
+    async def run(cmd):
+        aborted.append(cmd)
+        return True
+    only.run = run
+
+    async def run_stream():
+        items = [item async for item in client.generate("r1", [1, 2], {})]
+        await asyncio.sleep(0)  # the abort sent on the way out
+        return items
+    items = asyncio.run(run_stream())
+    last = items[-1]
+    assert last["finish_reason"] == "error" and last["status"] == 503
+    assert last["error"] == ("the replica serving this request (colocated/0) was lost, and no other decode or "
+                             "colocated replica accepts requests (all draining or out of service)"), last
