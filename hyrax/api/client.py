@@ -252,16 +252,19 @@ class EngineClient:
 
     async def drain(self, backend, wait_s: float = 30.0) -> dict:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
-        to `wait_s`) until it holds nothing; `remaining` is what it still holds then."""
+        to `wait_s`) until the replicas they move to took them; `remaining` is what it still
+        holds then. With nothing on its way (no other replica, nothing running) it answers at
+        once: what stays there finishes there."""
         self.draining.add(id(backend))
         reqs = await backend.run(ListRequests())
-        moved = {}
+        moved, moving = {}, False
         for r in reqs:
             if r["state"] == "running" and r["id"] in self.owner:
                 outcome, target = await self.migrate(r["id"])
                 moved[r["id"]] = f"{outcome.value} to {target.role}/{target.index}" if target else outcome.value
+                moving |= outcome == Outcome.MIGRATING
         remaining = await backend.run(Load())
-        deadline = asyncio.get_running_loop().time() + wait_s
+        deadline = asyncio.get_running_loop().time() + (wait_s if moving else 0.0)
         while remaining and asyncio.get_running_loop().time() < deadline:  # until the targets took them
             await asyncio.sleep(0.05)
             remaining = await backend.run(Load())

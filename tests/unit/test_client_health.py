@@ -109,3 +109,26 @@ def test_a_stream_whose_replica_was_lost_says_so_when_no_other_replica_can_take_
     assert last["finish_reason"] == "error" and last["status"] == 503
     assert last["error"] == ("the replica serving this request (colocated/0) was lost, and no other decode or "
                              "colocated replica accepts requests (all draining or out of service)"), last
+
+
+def test_draining_the_last_replica_answers_at_once():
+    """With nowhere to move its requests, a drain waited its whole 30 s for them to leave
+    (an operator's curl -m 20 timed out with no answer). It answers at once: they stay."""
+    import time
+
+    from hyrax.actors.engine.commands import ListRequests, Load
+
+    client, (only,) = _client(("colocated", 0))
+
+    async def run(cmd):
+        if isinstance(cmd, ListRequests):
+            return [{"id": "r1", "state": "running"}]
+        if isinstance(cmd, Load):
+            return 1
+        raise AssertionError(f"no other command expected, got {cmd}")
+    only.run = run
+    client.owner["r1"] = only
+    t0 = time.monotonic()
+    out = asyncio.run(client.drain(only, wait_s=5.0))
+    assert time.monotonic() - t0 < 1.0, "the drain waited for requests that could not move"
+    assert out == {"draining": "colocated/0", "migrations": {"r1": "no_other_replica"}, "remaining": 1}
