@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
-from hyrax.actors.engine.gateway_leases import GatewayLeases
+from hyrax.actors.engine.gateway_leases import LEASE_EXPIRED, GatewayLeases
 from hyrax.actors.engine.memory_budget import agree, with_capacities
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.loop import EngineLoop
@@ -182,7 +182,7 @@ class RoleCoordinator:
         """Abort the streams of gateways that stopped renewing (their process is gone)."""
         while not self.loop.stopping:
             for rid in self.gateways.expired():
-                self.loop.abort(rid)
+                self.loop.abort(rid, reason=LEASE_EXPIRED)
             time.sleep(0.25)
 
     def release(self, request_id: str) -> bool:

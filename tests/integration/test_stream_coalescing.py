@@ -65,6 +65,7 @@ async def _collect(client: EngineClient, rid: str, ids: list[int], params: dict)
         out["logprobs"] += item.get("logprobs") or []
         if item.get("finished"):
             out["finish_reason"] = item.get("finish_reason")
+            out["error"] = item.get("error")
     return out
 
 
@@ -107,6 +108,7 @@ def test_a_silent_gateways_requests_on_its_feed_are_aborted_and_another_gateways
     finally:
         alive.stop()
     assert orphan["finish_reason"] == "abort" and len(orphan["tokens"]) < 1500
+    assert "stopped renewing its lease" in orphan["error"], orphan["error"]  # it says why, should anyone read it
     assert kept["finish_reason"] == "length" and len(kept["tokens"]) == 300
     assert_clean(coord)
 

@@ -144,3 +144,41 @@ def test_a_stream_opened_on_a_loop_that_has_stopped_is_refused_at_once_with_503(
     assert not engine.has_unfinished()
     assert_idle_clean(engine)
     aloop.call_soon_threadsafe(aloop.stop)
+
+
+def test_an_abort_with_a_reason_ends_the_stream_saying_why():
+    """A replica aborting a request its gateway stopped renewing ended the stream with a bare
+    "abort"; a gateway that was only stalled (SIGSTOP) then told its client nothing. The reason
+    travels as the last item's error (503), the finish reason stays "abort"; a plain abort
+    (the client left, an operator) carries none."""
+    engine = make_engine(tiny_model(HYBRID))
+    loop = EngineLoop(engine, "reasons")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    last: dict[str, dict] = {}
+    running = threading.Event()
+
+    def deliver(batch):
+        for rid, item in batch:
+            if item.get("token_ids"):
+                running.set()
+            if is_last(item):
+                last[rid] = item
+    sink = Sink(deliver, aloop)
+    params = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+    try:
+        loop.submit("why", PROMPTS[0], params, sink)
+        loop.submit("plain", PROMPTS[1], params, sink)
+        assert running.wait(60)
+        assert loop.abort("why", reason="the gateway went quiet")
+        assert loop.abort("plain")
+        deadline = time.monotonic() + 10
+        while len(last) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    assert last["why"]["finish_reason"] == "abort"
+    assert (last["why"]["error"], last["why"]["status"]) == ("the gateway went quiet", 503)
+    assert last["plain"]["finish_reason"] == "abort" and "error" not in last["plain"]
+    assert_idle_clean(engine)

@@ -14,6 +14,11 @@ from __future__ import annotations
 import threading
 import time
 
+# what a stream aborted this way says, should its gateway come back to read it (a process that
+# was stopped, not killed)
+LEASE_EXPIRED = ("the gateway streaming this request stopped renewing its lease on the replica, which aborted "
+                 "the request")
+
 
 class GatewayLeases:
     def __init__(self, default_lease_s: float = 10.0):

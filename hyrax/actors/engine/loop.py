@@ -109,6 +109,7 @@ class EngineLoop:
         self._local: dict[asyncio.AbstractEventLoop, tuple[Sink, Fanout]] = {}  # in-process callers
         self.batches_posted = 0  # messages to consumers: one per consumer per step at most
         self.early_aborts = EarlyAborts()
+        self._abort_reasons: dict[str, str] = {}  # request id -> why it was aborted, for its last item
         self.stopping = False
         self.healthy = True
         self.last_error: str | None = None
@@ -214,6 +215,9 @@ class EngineLoop:
         if o.logprobs:
             item["logprobs"] = o.logprobs
         if o.finished:
+            reason = self._abort_reasons.pop(o.req_id, None)
+            if reason is not None:
+                item["error"], item["status"] = reason, 503
             req = self.engine.finished_requests.pop(o.req_id, None)
             if req is not None:
                 item["text"] = req.text
@@ -360,11 +364,16 @@ class EngineLoop:
         with self._turn():
             return self.engine.release_handoff(request_id)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        """End a request here. `reason`: why, when it was not its client's or an operator's
+        doing; its stream's last item carries it as an error (status 503), so the client is
+        told (the finish reason stays "abort")."""
         with self._turn():
             ok = self.engine.abort(request_id)
             if not ok and request_id not in self.streams:
                 self.early_aborts.remember(request_id)
+            if ok and reason is not None:
+                self._abort_reasons[request_id] = reason
             self._deliver(self.engine.step_outputs_flush())  # the stream ends now, even if nothing is left to step
         return ok
 
