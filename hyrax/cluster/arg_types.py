@@ -9,6 +9,15 @@ import math
 from typing import Callable
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (`hyrax serve: error: argument --port: ...`,
+    pointing at --help) instead of the usage block and then the error; exit code 2 as before.
+    Subcommands' parsers are of the same class (argparse makes them with type(parent))."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _ranged(kind: type, ok: Callable[[float], bool], says: str) -> Callable[[str], float]:
     def parse(text: str):
         try:

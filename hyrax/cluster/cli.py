@@ -6,6 +6,7 @@ import sys
 
 from hyrax import __version__
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
+from hyrax.cluster.arg_types import OneLineParser
 
 
 # Help for the options whose definition has none, by option string (or positional name), so
@@ -39,15 +40,6 @@ FALLBACK_HELP = {
     "id": "request id",
     "replica": "the replica, as ROLE/INDEX (e.g. decode/0)",
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a usage error on one line (`hyrax serve: error: argument --port: ...`,
-    pointing at --help) instead of the usage block and then the error; exit code 2 as before.
-    Subcommands' parsers are of the same class (argparse makes them with type(parent))."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -85,7 +77,7 @@ def _document(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from hyrax.cluster import admin_cli, bench_cli, doctor, eval_cli, generate, serve, train_demo_cli, undeploy_cli
 
-    p = _Parser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
+    p = OneLineParser(prog="hyrax", description="Serve hybrid (attention + Mamba2) language models on Ray.")
     p.add_argument("--version", action="version", version=f"hyrax {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)

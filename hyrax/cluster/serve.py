@@ -18,8 +18,8 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
-from hyrax.cluster.arg_types import (bearer_token, is_bearer_token, non_negative_float, positive_float,
-                                      positive_int)
+from hyrax.cluster.arg_types import (OneLineParser, bearer_token, is_bearer_token, non_negative_float,
+                                      positive_float, positive_int)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
@@ -99,7 +99,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Load --config (if any) as parser defaults, so explicit flags still override it."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = OneLineParser(prog=parser.prog, add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     if not known.config:

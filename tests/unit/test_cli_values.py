@@ -131,3 +131,10 @@ def test_a_usage_error_is_one_line_and_exit_code_2(argv, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("hyrax") and "error:" in err and "--help" in err, err
+
+
+def test_a_config_flag_without_its_file_is_one_line_naming_serve(capsys):
+    """`hyrax serve --config` (no file) printed `usage: hyrax [--config CONFIG]` and the error."""
+    assert cli.main(["serve", "--config"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "hyrax serve: error: argument --config: expected one argument (see hyrax serve --help)", err
