@@ -18,6 +18,7 @@ from hyrax.actors.engine.commands import (Abort, Command, FlushCache, ListReques
                                           Retract, SetForcedRetraction, Stats)
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
+from hyrax.actors.engine.step_feed import error_item
 from hyrax.api.cache_routing import RouteStats, pick_by_prefix
 
 
@@ -45,10 +46,6 @@ def _nowhere_to_go(handoff: dict, source) -> str:
     if handoff.get("manifest") is None:  # handed off without state: its replica was lost
         return f"the replica serving this request ({source.role}/{source.index}) was lost, and {others}"
     return "no decode replica accepts requests (all draining or out of service)"
-
-
-def _error_item(message: str, status: int) -> dict:
-    return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
 
 
 @dataclass
@@ -177,7 +174,7 @@ class EngineClient:
         token items. If the consumer goes away, the request is aborted wherever it is."""
         backend = await self._first_hop(prompt_ids)
         if backend is None:
-            yield _error_item("no replica accepts requests (all draining or out of service)", 503)
+            yield error_item("no replica accepts requests (all draining or out of service)", 503)
             return
         self._own(request_id, backend)
         stream, offered_by, done = backend.generate(request_id, prompt_ids, params), None, False
@@ -197,13 +194,13 @@ class EngineClient:
                     yield item
                 if handoff is None:
                     if not done:  # the replica's stream stopped short: an error, never a silently cut answer
-                        yield _error_item("the replica serving this request stopped before the request finished", 503)
+                        yield error_item("the replica serving this request stopped before the request finished", 503)
                         return  # (not done: it is aborted wherever it may still be)
                     return
                 offered_by = backend
                 target = self.migrate_to.pop(request_id, None) or self._pick(DECODING_ROLES, exclude=backend)
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
-                    yield _error_item(_nowhere_to_go(handoff, backend), 503)
+                    yield error_item(_nowhere_to_go(handoff, backend), 503)
                     return
                 backend = target
                 self._own(request_id, backend)

@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
+from hyrax.actors.engine.step_feed import error_item
 from hyrax.api.text import TextStream
 
 
@@ -44,8 +45,7 @@ async def run_choices(client, choices: list[Choice], metrics=None,
             async for item in client.generate(c.request_id, c.prompt_ids, c.params):
                 await q.put((c, item))
         except Exception as e:  # noqa: BLE001 - a replica failure ends this choice with an error
-            await q.put((c, {"error": f"replica failed: {type(e).__name__}", "finished": True,
-                             "finish_reason": "error", "token_ids": []}))
+            await q.put((c, error_item(f"replica failed: {type(e).__name__}")))
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     open_ = len(choices)

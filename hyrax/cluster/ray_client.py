@@ -12,7 +12,7 @@ import ray
 
 from hyrax.actors.engine.commands import Abort, Command
 from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.engine.step_feed import Fanout, is_last
+from hyrax.actors.engine.step_feed import Fanout, error_item, is_last
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.tokenizer import chat_template, load_tokenizer
 from hyrax.api.client import EngineClient, ModelInfo
@@ -140,14 +140,12 @@ class ReplicaFeed:
                 batch = await ref
                 self.messages += 1
                 self.fanout.dispatch(batch)
-            end: object = {"error": "the replica's feed ended", "finished": True, "finish_reason": "error",
-                           "token_ids": []}
+            end: object = error_item("the replica's feed ended")
         except REPLICA_LOST:
             end = LOST
         except Exception as e:  # noqa: BLE001 - every stream of this feed must end, whatever happened
             logging.getLogger("hyrax.gateway").exception("a replica's feed failed")
-            end = {"error": f"the replica's feed failed: {type(e).__name__}: {e}", "finished": True,
-                   "finish_reason": "error", "token_ids": []}
+            end = error_item(f"the replica's feed failed: {type(e).__name__}: {e}")
         self.ended = True
         self.fanout.broadcast(end)
 

@@ -22,19 +22,13 @@ from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams, State
 from hyrax.actors.engine.selection import pick_victims
-from hyrax.actors.engine.step_feed import Fanout, Sink, follow, is_last
+from hyrax.actors.engine.step_feed import Fanout, Sink, error_item, follow, is_last
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")
 
 
 SHUTTING_DOWN = "the replica is shutting down"
-
-
-def _error_item(message: str, status: int = 400) -> dict:
-    """A stream's last item when it ends in an error; `status`: the HTTP status the gateway
-    answers with when the stream had no tokens (400: the input; 503: retry elsewhere)."""
-    return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
 
 
 def _ack_in_process(source, request_id: str) -> None:
@@ -271,12 +265,12 @@ class EngineLoop:
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
             if refuse is not None:
-                first = _error_item(refuse, 503)
+                first = error_item(refuse, 503)
             elif not self.early_aborts.take(request_id):  # else its client left before it got here
                 try:
                     first = admit()
                 except HyraxInputError as e:
-                    first = _error_item(str(e))
+                    first = error_item(str(e))
             if first is not None:
                 self._deliver([], (request_id, first))
 

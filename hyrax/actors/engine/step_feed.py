@@ -22,6 +22,12 @@ def is_last(item: dict) -> bool:
     return bool(item.get("finished")) or "handoff" in item
 
 
+def error_item(message: str, status: int = 400) -> dict:
+    """A stream's last item when it ends in an error; `status`: the HTTP status the gateway
+    answers with when the stream had no tokens (400: the input; 503: retry elsewhere)."""
+    return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
+
+
 class Sink:
     """One consumer's entry, safe to call from any thread: `post(batch)` runs `deliver(batch)`
     on the consumer's event loop, batches in the order they were posted. `on_end(request_id)`
