@@ -44,17 +44,13 @@ def weight_bytes(model_dir: Path) -> int:
 def rank_pool_bytes(cfg, config, tp: int) -> int:
     """Bytes of one rank's state pools (each component's pool and, with the prefix cache, its
     checkpoint pool) at `config`'s capacities, in a TP group of `tp` on the CPU."""
-    import torch
-
-    from hyrax.actors.engine.pools import checkpoint_pools, pool_sizes_for
+    from hyrax.actors.engine.pools import pool_bytes, pool_sizes_for
+    from hyrax.actors.model.hybrid import resolve_dtype
     from hyrax.actors.model.sharding import TP
     from hyrax.actors.model.state import derive_components
 
-    dtype = torch.float32 if config.dtype == "auto" else getattr(torch, config.dtype)  # auto: float32 on the CPU
-    comps = derive_components(cfg, TP(0, tp), dtype)
-    sizes = pool_sizes_for(comps, config)
-    return (sum(sizes.rows(c) * c.row_bytes for c in comps)
-            + sum(sizes.checkpoints * c.row_bytes for c in checkpoint_pools(comps, sizes).values()))
+    comps = derive_components(cfg, TP(0, tp), resolve_dtype(config.dtype, "cpu"))
+    return pool_bytes(comps, pool_sizes_for(comps, config))
 
 
 def needed_bytes(roles: list[RoleSpec], weights: int, pools: dict[str, int] | None = None) -> int:

@@ -57,6 +57,13 @@ def checkpoint_pools(components: tuple[ComponentSpec, ...], sizes: PoolSizes) ->
     return {checkpoint_pool(c.name): c for c in components if c.kind == SLOT}
 
 
+def pool_bytes(components: tuple[ComponentSpec, ...], sizes: PoolSizes) -> int:
+    """Bytes of the pools `allocate_device_pools` makes: each component's and, with the prefix
+    cache, each checkpoint pool."""
+    return (sum(sizes.rows(c) * c.row_bytes for c in components)
+            + sum(sizes.checkpoints * c.row_bytes for c in checkpoint_pools(components, sizes).values()))
+
+
 def allocate_device_pools(components: tuple[ComponentSpec, ...], sizes: PoolSizes,
                           device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     pools = {
