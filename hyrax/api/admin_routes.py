@@ -135,10 +135,9 @@ async def migrate(body: MigrateBody, request: Request):
     outcome, to = await client.migrate(body.request_id, target)
     if outcome == Outcome.UNKNOWN:
         raise APIError(404, f"unknown request: {body.request_id}", param="request_id", code="request_not_found")
-    if outcome == Outcome.NO_TARGET and target is not None and client.migration_refusal(target) is None:
-        # an acceptable target refused: it is the replica the request is on
+    if outcome == Outcome.ALREADY_THERE:
         raise APIError(409, f"request {body.request_id} is already on {body.to.role}/{body.to.replica}",
-                       param="to", code="already_on_replica")
+                       param="to", code=outcome.value)
     if not outcome.ok:
         raise APIError(409, f"request {body.request_id}: {outcome.message}", param="request_id", code=outcome.value)
     return {"request_id": body.request_id, "result": f"{outcome.value} to {to.role}/{to.index}"}

@@ -237,8 +237,10 @@ class EngineClient:
             return Outcome.UNKNOWN, None
         if target is not None and self.migration_refusal(target) is not None:
             return Outcome.NO_TARGET, None
+        if target is src:
+            return Outcome.ALREADY_THERE, None
         target = target or self._pick(DECODING_ROLES, exclude=src)
-        if target is None or target is src:
+        if target is None:
             return Outcome.NO_TARGET, None
         self.migrate_to[request_id] = target
         ok = await src.run(MigrateOut(request_id))

@@ -42,6 +42,7 @@ class Outcome(str, enum.Enum):
     NOT_RUNNING = "not_running"
     NOT_RETRACTED = "not_retracted"
     NO_TARGET = "no_other_replica"
+    ALREADY_THERE = "already_on_replica"  # migrate: the target named is the request's own replica
 
     @property
     def ok(self) -> bool:
@@ -52,7 +53,8 @@ class Outcome(str, enum.Enum):
         return self.value.replace("_", " ")
 
 
-_REFUSALS = frozenset({Outcome.UNKNOWN, Outcome.NOT_RUNNING, Outcome.NOT_RETRACTED, Outcome.NO_TARGET})
+_REFUSALS = frozenset({Outcome.UNKNOWN, Outcome.NOT_RUNNING, Outcome.NOT_RETRACTED, Outcome.NO_TARGET,
+                       Outcome.ALREADY_THERE})
 
 
 class RequestTable:
