@@ -65,6 +65,7 @@ class RoleCoordinator:
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)
         self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover,
+                               probe=self._probe_ranks,
                                source=ray.get_runtime_context().current_actor, ack=_ack_remote)
         self.gateways = GatewayLeases()
         self.feeds: dict[str, tuple[Sink, asyncio.Queue]] = {}  # feed id -> its sink and batch queue
@@ -120,6 +121,11 @@ class RoleCoordinator:
         ids = self.engine.fail_all("error")
         self.loop.healthy = True  # nothing left to run; new requests get a clear error from the ranks check
         self.last_error = f"replica down after {self.restarts} restarts; failed {len(ids)} requests"
+
+    def _probe_ranks(self) -> None:
+        """The idle loop's liveness check (raises RankFailure); none once the replica gave up."""
+        if self.healthy:
+            self.executor.probe()
 
     # ---- client API: delegated to the engine loop --------------------------------------
     def _feed(self, feed_id: str, gateway: str | None) -> tuple[Sink, asyncio.Queue]:

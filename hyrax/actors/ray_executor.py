@@ -38,6 +38,10 @@ class RayExecutor(RankCalls):
     def _each(self, method: str, *args) -> list:
         return self._wait(method, [getattr(r, method).remote(*args) for r in self.ranks])
 
+    def probe(self) -> None:
+        """Every rank answers a ping within the rank timeout, or RankFailure (dead or hung)."""
+        self._each("ping")
+
     def save(self, req_id: str, rows: Rows, location: Location) -> tuple[Sums, list | None]:
         """To the object store: checksums come back now, the shards stay there, as refs."""
         if location.place != Place.OBJECT_STORE:

@@ -87,3 +87,28 @@ def test_a_step_that_raises_on_live_ranks_fails_its_request_and_keeps_the_ranks(
     again = run_all(coord, [p], 12, prefix="after-step-error-")[0]
     assert again.finish_reason == "length" and again.tokens == reference(DEMO_MODEL, CONFIG, [p], 12)[0]
     assert_clean(coord)
+
+
+def test_a_rank_killed_while_the_replica_is_idle_is_replaced_before_any_request_needs_it(kill_tp2):
+    """No step touches an idle replica's ranks: the loop pings them while idle, so a dead one is
+    found (health says so and counts the restart) and replaced before the next request."""
+    coord = kill_tp2
+    before = call(coord.health)["restarts"]
+    old = call(coord.rank_handles)
+    ray.kill(old[0], no_restart=True)
+    t0 = time.monotonic()
+    while call(coord.health)["restarts"] == before:
+        assert time.monotonic() - t0 < 15, f"an idle replica's dead rank went unnoticed for 15 s: {call(coord.health)}"
+        time.sleep(0.1)
+    while not call(coord.health)["healthy"]:
+        assert time.monotonic() - t0 < 120, f"the ranks were not replaced: {call(coord.health)}"
+        time.sleep(0.2)
+    health = call(coord.health)
+    assert health["restarts"] == before + 1 and "ping" in health["last_error"], health
+    new = call(coord.rank_handles)
+    assert all(a != b for a, b in zip(new, old)) and ray.get([h.ping.remote() for h in new], timeout=30) == [0, 1]
+    assert_clean(coord)
+    p = prompt(15, seed=1301)
+    after = run_all(coord, [p], 12, prefix="after-idle-kill-")[0]
+    assert after.finish_reason == "length" and after.tokens == reference(DEMO_MODEL, CONFIG, [p], 12)[0]
+    assert call(coord.health)["restarts"] == before + 1  # the request found working ranks

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, TypeVar
 
 from hyrax.actors.engine.commands import (Abort, CachedPrefix, Command, FlushCache, ListRequests, Load, MigrateOut,
                                           Pools, Resume, Retract, SetForcedRetraction, Stats)
@@ -26,6 +26,7 @@ from hyrax.actors.engine.step_feed import Fanout, Sink, error_item, follow, is_l
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")
+T = TypeVar("T")
 
 
 SHUTTING_DOWN = "the replica is shutting down"
@@ -76,17 +77,31 @@ class TurnLock:
 # instead of ~14).
 IDLE_CHECK_AFTER_S = 0.2
 
+# An idle replica runs no steps, so nothing else would find a rank that died (or hangs) while it
+# waits for requests: the loop asks its ranks whether they are alive this often while idle (a
+# plain call each, ~1 ms), and a rank that fails to answer is recovered like a failed step, before
+# a request needs it and while /health can still say so.
+PROBE_IDLE_EVERY_S = 2.0
+
 
 class EngineLoop:
     """`source`: what a hand-off names as its origin, for the importer's acknowledgement
     (this loop in-process; the coordinator's actor handle over Ray); `ack(source, id)`
     delivers one. `stuck_after_s`: a replica with work queued, nothing running and no
-    progress for this long reports itself stuck."""
+    progress for this long reports itself stuck. `probe`: raises RankFailure when a rank is
+    dead or hung; called every PROBE_IDLE_EVERY_S while the replica is idle (needs
+    `on_rank_failure`)."""
 
     def __init__(self, engine: Engine, name: str = "engine", on_rank_failure: Callable[[Exception], None] | None = None,
-                 source=None, ack: Callable[[object, str], None] = _ack_in_process, stuck_after_s: float = 30.0):
+                 source=None, ack: Callable[[object, str], None] = _ack_in_process, stuck_after_s: float = 30.0,
+                 probe: Callable[[], None] | None = None):
+        if probe is not None and on_rank_failure is None:
+            raise ValueError("a loop that probes its ranks needs on_rank_failure")
         self.engine = engine
         self.on_rank_failure = on_rank_failure
+        self.probe = probe
+        self.probe_every_s = PROBE_IDLE_EVERY_S
+        self._probed_at = time.monotonic()
         self.source = self if source is None else source
         self.ack = ack
         self.stuck_after_s = stuck_after_s
@@ -115,8 +130,8 @@ class EngineLoop:
     def _run(self) -> None:
         while not self.stopping:
             with self._turn():
-                self.engine.reclaim_expired_offers()
-                self._watch()
+                if self._guarded(self._housekeeping) is None:
+                    self._deliver(self.engine.step_outputs_flush())
             if not self.healthy or not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -127,27 +142,40 @@ class EngineLoop:
         with self.lock:
             self._open_streams(refuse=SHUTTING_DOWN)
 
+    def _housekeeping(self) -> bool:
+        self.engine.reclaim_expired_offers()
+        self._watch()
+        return True
+
     def _step(self) -> list:
         """One engine step (under the lock); a failed one answers its requests instead."""
         t0 = time.perf_counter()
+        outs = self._guarded(self.engine.step)
+        if outs is None:
+            return self.engine.step_outputs_flush()
+        self.step_seconds.append(time.perf_counter() - t0)
+        del self.step_seconds[:-1000]
+        return outs
+
+    def _guarded(self, work: Callable[[], T]) -> T | None:
+        """`work()` (a step, or the checks between steps, which call the ranks too), or None when
+        it failed: a rank that failed is recovered (`on_rank_failure`: ranks replaced, requests
+        rebuilt); any other error is logged and treated alike (an engine bug must neither wedge
+        every stream nor end this thread)."""
         try:
-            outs = self.engine.step()
+            return work()
         except RankFailure as e:
             if self.on_rank_failure is None:
                 raise
             self.on_rank_failure(e)
-            return self.engine.step_outputs_flush()
-        except Exception as e:  # noqa: BLE001 - an engine bug must not wedge every stream
-            log.exception("engine step failed; failing the replica's requests")
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine loop work failed; failing the replica's requests")
             self.last_error = f"{type(e).__name__}: {e}"
             if self.on_rank_failure is not None:
                 self.on_rank_failure(e)  # replace the ranks: their state is suspect
             else:
                 self.engine.fail_all("error")
-            return self.engine.step_outputs_flush()
-        self.step_seconds.append(time.perf_counter() - t0)
-        del self.step_seconds[:-1000]
-        return outs
+        return None
 
     def _watch(self) -> None:
         """Cheap checks between steps: stuck (work queued, nothing running, no progress) and,
@@ -162,6 +190,9 @@ class EngineLoop:
             return
         if self._idle_since is None:
             self._idle_since = now
+        if self.probe is not None and now - max(self._probed_at, self._idle_since) >= self.probe_every_s:
+            self._probed_at = now
+            self.probe()  # RankFailure: recovered by the caller (_guarded)
         if not self._checked_idle and now - self._idle_since >= self.idle_check_after_s:
             try:
                 e.check_invariants()

@@ -1,0 +1,105 @@
+"""Between steps the loop also calls the ranks (the idle pool check counts their backups; the
+liveness probe pings them). A rank failure there used to escape the loop thread: the thread
+ended, the replica still said healthy, and every later request waited forever. It is recovered
+like a failed step now, and an idle replica finds a dead rank by itself."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from engine_helpers import HYBRID, assert_idle_clean, make_engine, tiny_model
+from hyrax.actors.engine.executor import RankFailure
+from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.step_feed import Sink, is_last
+
+
+def _serve_one(loop: EngineLoop, rid: str) -> dict:
+    """Run one request through `loop`; its last item (or a timeout)."""
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    done: dict[str, dict] = {}
+
+    def deliver(batch):
+        for r, item in batch:
+            if is_last(item):
+                done[r] = item
+    loop.submit(rid, [1, 2, 3, 4, 5], {"max_tokens": 3, "ignore_eos": True, "temperature": 0.0}, Sink(deliver, aloop))
+    deadline = time.monotonic() + 30
+    while rid not in done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    aloop.call_soon_threadsafe(aloop.stop)
+    assert rid in done, f"{rid} never finished: the loop thread is {'alive' if loop.thread.is_alive() else 'dead'}"
+    return done[rid]
+
+
+def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_rank_failure_in_the_idle_pool_check_is_recovered_and_the_loop_lives_on():
+    engine = make_engine(tiny_model(HYBRID))
+    inner, raised = engine.check_invariants, []
+
+    def check():
+        if not raised:
+            raised.append(RankFailure("num_backups failed on a rank: ActorDiedError"))
+            raise raised[0]
+        inner()
+    engine.check_invariants = check
+    recovered: list[Exception] = []
+    loop = EngineLoop(engine, "idle-rank-failure", on_rank_failure=recovered.append)
+    try:
+        _wait_for(lambda: recovered, "the idle check's rank failure was never recovered")
+        assert recovered == raised and loop.thread.is_alive()
+        assert _serve_one(loop, "after")["finish_reason"] == "length"
+    finally:
+        loop.shutdown()
+    assert_idle_clean(engine)
+
+
+def test_an_error_between_steps_without_a_recovery_hook_is_logged_and_the_loop_lives_on():
+    engine = make_engine(tiny_model(HYBRID))
+    inner, raised = engine.reclaim_expired_offers, []
+
+    def reclaim():
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("a bug in the offers' bookkeeping")
+        inner()
+    engine.reclaim_expired_offers = reclaim
+    loop = EngineLoop(engine, "housekeeping-error")
+    try:
+        _wait_for(lambda: raised and loop.last_error, "the error was never seen")
+        assert "a bug in the offers' bookkeeping" in loop.last_error and loop.thread.is_alive()
+        assert _serve_one(loop, "after")["finish_reason"] == "length"
+    finally:
+        loop.shutdown()
+    assert_idle_clean(engine)
+
+
+def test_an_idle_loop_probes_its_ranks_and_recovers_when_one_fails():
+    engine = make_engine(tiny_model(HYBRID))
+    probes: list[float] = []
+    failure = RankFailure("ping failed on a rank: ActorDiedError")
+
+    def probe():
+        probes.append(time.monotonic())
+        if len(probes) == 2:
+            raise failure
+    recovered: list[Exception] = []
+    loop = EngineLoop(engine, "probe", on_rank_failure=recovered.append, probe=probe)
+    loop.probe_every_s = 0.05
+    try:
+        _wait_for(lambda: recovered, "the failed probe was never recovered")
+        assert recovered == [failure] and loop.thread.is_alive()
+        _wait_for(lambda: len(probes) >= 4, "probing stopped after a recovery")
+        assert _serve_one(loop, "after")["finish_reason"] == "length"
+    finally:
+        loop.shutdown()
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert min(gaps) >= 0.05 - 0.005, gaps  # at most one ping per interval
+    assert_idle_clean(engine)
