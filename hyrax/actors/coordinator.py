@@ -34,6 +34,12 @@ from hyrax.actors.model.state import derive_components
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.actors.rank import RankWorker
 from hyrax.actors.ray_executor import RayExecutor
+from hyrax.actors.restart_budget import RestartBudget
+
+# A replica gives up (down: the deployment controller replaces it) when its ranks needed more than
+# `max_rank_restarts` restarts within this window; restarts longer ago (a rank lost last week)
+# no longer count against it.
+RESTART_WINDOW_S = 600.0
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)  # one coroutine per open stream
@@ -52,7 +58,9 @@ class RoleCoordinator:
         self.tokenizer = load_tokenizer(model_dir, self.cfg.vocab_size)
         self.ranks: list = []
         self.healthy = False
-        self.restarts = 0
+        self.restarts = 0  # over the replica's life
+        self.restart_budget = RestartBudget(max_rank_restarts, RESTART_WINDOW_S)
+        self.down = False  # its ranks failed again after every restart: it serves nothing any more
         self.last_error: str | None = None
         self.memory: list[str] = []  # what each rank measured (--gpu-memory-fraction), for health
         self._start_ranks()
@@ -108,7 +116,7 @@ class RoleCoordinator:
         """A rank failed: replace the ranks, rebuild every request by recompute."""
         self.healthy = self.loop.healthy = False
         self.last_error = str(err)
-        while self.restarts < self.max_rank_restarts and not self.loop.stopping:
+        while not self.loop.stopping and self.restart_budget.take(time.monotonic()):
             self.restarts += 1
             try:
                 self._start_ranks()
@@ -120,7 +128,9 @@ class RoleCoordinator:
                 time.sleep(1.0)
         ids = self.engine.fail_all("error")
         self.loop.healthy = True  # nothing left to run; new requests get a clear error from the ranks check
-        self.last_error = f"replica down after {self.restarts} restarts; failed {len(ids)} requests"
+        self.down = not self.loop.stopping  # the deployment controller replaces it
+        self.last_error = (f"replica down after {self.restart_budget.used()} rank restarts within "
+                           f"{RESTART_WINDOW_S:g} s; failed {len(ids)} requests")
 
     def _probe_ranks(self) -> None:
         """The idle loop's liveness check (raises RankFailure); none once the replica gave up."""
@@ -243,7 +253,7 @@ class RoleCoordinator:
         return self.loop.load()
 
     def health(self) -> dict:
-        return {"role": self.role, "replica": self.replica, "healthy": self.healthy,
+        return {"role": self.role, "replica": self.replica, "healthy": self.healthy, "down": self.down,
                 "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
                 "gateway_leases": self.gateways.summary(),

@@ -23,9 +23,9 @@ import ray
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.cluster.autoscale import Autoscaler, ReplicaLoad, ScalePolicy
-from hyrax.cluster.deployment import Deployment, Replica
+from hyrax.cluster.deployment import Deployment, NotPlaced, Replica
 from hyrax.cluster.placement import RoleSpec, namespace
-from hyrax.cluster.supervision import Check, HealthTracker, Supervision, Verdict
+from hyrax.cluster.supervision import Check, HealthTracker, ReplaceBackoff, Supervision, Verdict
 
 DEFAULT_NAME = "hyrax"
 HEAD_NODE = "node:__internal_head__"  # the resource Ray gives the head node (ray._common.constants)
@@ -66,6 +66,7 @@ class DeploymentController:
         self.scaling = dict(scaling or {})  # role -> its autoscaling policy
         self.supervision = supervision
         self.health = HealthTracker(supervision)
+        self.backoff = ReplaceBackoff(supervision)
         self._lock = threading.Lock()
         self._started = False
         self.retiring: dict[int, float] = {}  # id(replica) -> when it was retired (monotonic)
@@ -134,20 +135,35 @@ class DeploymentController:
                 return
             for r, check in zip(reps, checks):
                 verdict = self.health.judge((r.role, r.index), check, now)
-                if verdict in (Verdict.DEAD, Verdict.HUNG) and any(x is r for x in self.deployment.replicas):
+                if verdict in (Verdict.DEAD, Verdict.HUNG, Verdict.DOWN) and any(x is r for x in self.deployment.replicas):
                     self.deployment.remove_replica(r, graceful=False)
                     self.retiring.pop(id(r), None)
                     self.missing.append(r.role)
-                    self._event(f"lost {r.role}/{r.index}" if verdict is Verdict.DEAD else
-                                f"hung {r.role}/{r.index}: no health answer for "
-                                f"{self.supervision.hung_after_s:g} s; killed")
-            for role in list(self.missing):
-                try:
-                    new = self.deployment.add_replica(role, timeout_s=60)
-                except Exception:  # noqa: BLE001 - no room yet: the next round tries again
-                    break
-                self.missing.remove(role)
-                self._event(f"replaced a lost {role} replica with {role}/{new.index}")
+                    self._event({Verdict.DEAD: f"lost {r.role}/{r.index}",
+                                 Verdict.HUNG: f"hung {r.role}/{r.index}: no health answer for "
+                                               f"{self.supervision.hung_after_s:g} s; killed",
+                                 Verdict.DOWN: f"down {r.role}/{r.index}: its ranks could not be restarted; "
+                                               f"stopped"}[verdict])
+            self._replace_missing()
+
+    def _replace_missing(self) -> None:
+        """Place a replica for each one lost, where its role's backoff allows: a group that found
+        no room in time was a wait, not a failure (the next round waits again, for the first
+        role short, and Ray's autoscaler sees the demand); a replica that failed to start delays its role's next try."""
+        for role in list(self.missing):
+            if not self.backoff.due(role, time.monotonic()):
+                continue
+            try:
+                new = self.deployment.add_replica(role, timeout_s=60)
+            except NotPlaced:
+                break
+            except Exception as e:  # noqa: BLE001 - ranks that cannot start, a node lost meanwhile
+                wait = self.backoff.failed(role, time.monotonic())
+                self._event(f"could not replace a lost {role} replica ({_one_line(e)}); next try in {wait:g} s")
+                continue
+            self.backoff.succeeded(role)
+            self.missing.remove(role)
+            self._event(f"replaced a lost {role} replica with {role}/{new.index}")
 
     def _listed(self) -> list[Replica]:
         gone = {id(r) for r, _ in self.leaving}
@@ -224,12 +240,17 @@ class DeploymentController:
 def _answer(ref) -> Check:
     """What a health call that returned in time says about its replica."""
     try:
-        ray.get(ref)
+        health = ray.get(ref)
     except ray.exceptions.RayActorError:
         return Check.DIED
     except ray.exceptions.RayError:  # it answered, with an error of its own: alive
-        pass
-    return Check.ANSWERED
+        return Check.ANSWERED
+    return Check.DOWN if health.get("down") else Check.ANSWERED
+
+
+def _one_line(e: Exception) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
 
 
 def _measure(r: Replica) -> ReplicaLoad:

@@ -43,6 +43,10 @@ def request_room(bundles: list[dict[str, float]]) -> None:
         pass
 
 
+class NotPlaced(StartupFailure):
+    """A replica's placement group found no room in time: nothing started, nothing failed."""
+
+
 @dataclass
 class Replica:
     role: str
@@ -103,7 +107,7 @@ class Deployment:
         self.namespace = namespace  # Ray namespace of its actor names (one per deployment name)
         self.lifetime = "detached" if detached else None
         self.replicas: list[Replica] = []
-        self._highest: dict[str, int] = {}  # the highest replica index add_replica gave out, per role
+        self._highest: dict[str, int] = {}  # the highest replica index given out, per role
 
     def placement_groups(self, gpu: bool, pinned: frozenset[str] = frozenset()) -> list[tuple[RoleSpec, int, list[dict[str, float]]]]:
         """(role, replica index, bundles) of every placement group, in placement order;
@@ -140,14 +144,15 @@ class Deployment:
     def _place(self, spec: RoleSpec, i: int, bundles: list[dict[str, float]], node, timeout_s: float) -> Replica:
         """One replica: its placement group on `node` (a soft target: where check_fits found room
         and the fewest replicas), then its coordinator in the group's first bundle."""
+        self._highest[spec.name] = max(self._highest.get(spec.name, -1), i)
         pg = placement_group(bundles, strategy="STRICT_PACK", name=self.group_name(spec.name, i),
                              lifetime=self.lifetime, _soft_target_node_id=node or None)
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)  # something else took the room after the check
-            raise StartupFailure(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
-                                 f"(the cluster's free resources were taken meanwhile)") from None
+            raise NotPlaced(f"{spec.name}/{i} was not placed within {timeout_s:g} s "
+                            f"(the cluster's free resources were taken meanwhile)") from None
         # a decode replica gets its requests' state handed over: it prefills no prompt, so keeps no prefix cache
         role_config = replace(self.config, role=spec.name if spec.name in ("prefill", "decode") else "colocated")
         coord = RoleCoordinator.options(
@@ -161,7 +166,6 @@ class Deployment:
         spec = next(r for r in self.roles if r.name == role)
         # indices are never reused: a lost replica's actor names may not be released yet
         i = max([r.index for r in self.replicas if r.role == role] + [self._highest.get(role, -1)]) + 1
-        self._highest[role] = i
         total = ray.cluster_resources()
         pinned = frozenset(k for k in total if k.startswith("hyrax_"))
         bundles = [rank_bundle(total.get("GPU", 0) > 0, role_resource(role) if role_resource(role) in pinned else None)

@@ -9,7 +9,7 @@ from hyrax.actors.model.errors import HyraxInputError
 from hyrax.cluster.cli import build_parser
 from hyrax.cluster.deployment import parse_group_name
 from hyrax.cluster.serve import scale_policies, supervision_from_args, validate
-from hyrax.cluster.supervision import Check, HealthTracker, Supervision, Verdict
+from hyrax.cluster.supervision import Check, HealthTracker, ReplaceBackoff, Supervision, Verdict
 
 
 def test_a_replica_is_hung_only_after_staying_silent_for_the_whole_timeout():
@@ -32,6 +32,24 @@ def test_a_replica_silent_from_its_first_check_counts_that_check_and_death_is_at
     assert t.judge("p/1", Check.ANSWERED, 50.0) is Verdict.ALIVE
     assert t.judge("p/1", Check.DIED, 51.0) is Verdict.DEAD
     assert "p/1" not in t.last_answer and "p/0" not in t.last_answer  # a replaced replica is forgotten
+
+
+def test_a_replica_that_answers_it_is_down_is_judged_down_at_once():
+    t = HealthTracker(Supervision())
+    assert t.judge("d/0", Check.ANSWERED, 10.0) is Verdict.ALIVE
+    assert t.judge("d/0", Check.DOWN, 12.0) is Verdict.DOWN
+    assert "d/0" not in t.last_answer
+
+
+def test_failed_replacements_of_a_role_wait_twice_as_long_each_time_up_to_the_cap():
+    b = ReplaceBackoff(Supervision(interval_s=2.0, retry_max_s=10.0))
+    assert b.due("decode", 0.0) and b.due("prefill", 0.0)
+    waits = [b.failed("decode", t) for t in (0.0, 2.0, 6.0, 14.0, 24.0)]
+    assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
+    assert not b.due("decode", 33.9) and b.due("decode", 34.0)
+    assert b.due("prefill", 1.0)  # each role its own
+    b.succeeded("decode")
+    assert b.due("decode", 0.0) and b.failed("decode", 40.0) == 2.0
 
 
 def test_placement_group_names_are_found_again_only_in_their_own_deployment():
