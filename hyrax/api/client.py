@@ -377,10 +377,18 @@ class EngineClient:
                 continue
             self._missed.pop(key, None)
             if not r.get("healthy") or r.get("stuck"):
-                self.out_of_service[key] = r.get("stuck") or "unhealthy"
+                self.out_of_service[key] = r.get("stuck") or _unhealthy(r)
             else:
                 self.out_of_service.pop(key, None)
         reasons = [f"{b.role}/{b.index}: {self.out_of_service[id(b)]}" for b in self.backends
                    if id(b) in self.out_of_service]
         cannot = self.unavailable()
         return {"ready": cannot is None, "replicas": reps, "reasons": reasons + ([cannot] if cannot else [])}
+
+
+def _unhealthy(health: dict) -> str:
+    """Why a replica that answered unhealthy is out of service: its state and the first line of
+    its last error (restarting its ranks after a rank failure, or down for good)."""
+    state = "down" if health.get("down") else "unhealthy"
+    first = (health.get("last_error") or "").strip().splitlines()
+    return f"{state} ({first[0]})" if first else state

@@ -65,6 +65,16 @@ def test_without_any_decode_replica_in_service_a_pd_gateway_is_not_ready():
         "decode/0: unhealthy", "no decode replica accepts requests (all draining or out of service)"]
 
 
+def test_an_unhealthy_replica_is_out_of_service_with_why_its_health_says():
+    client, (only,) = _client(("colocated", 0))
+    only.answer = {"healthy": False, "stuck": None,
+                   "last_error": "ping failed on a rank: ActorDiedError: The actor died unexpectedly\n\tpid: 12"}
+    assert _health(client)["reasons"][0] == "colocated/0: unhealthy (ping failed on a rank: ActorDiedError: The actor died unexpectedly)"
+    only.answer = {"healthy": False, "down": True, "stuck": None,
+                   "last_error": "replica down after 3 rank restarts within 600 s; failed 2 requests"}
+    assert _health(client)["reasons"][0] == "colocated/0: down (replica down after 3 rank restarts within 600 s; failed 2 requests)"
+
+
 def test_a_migration_target_must_decode_and_be_in_service():
     """An explicit migration target was never checked: a request moved to a prefill replica
     stalled there holding its state, one moved to a draining replica landed on a replica
