@@ -129,9 +129,8 @@ class EngineLoop:
     # ---- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self.stopping:
-            with self._turn():
-                if self._guarded(self._housekeeping) is None:
-                    self._deliver(self.engine.step_outputs_flush())
+            with self._turn():  # a failure's outputs (requests failed or rebuilt) go out with the turn
+                self._guarded(self._housekeeping)
             if not self.healthy or not self.engine.has_work():
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -142,10 +141,9 @@ class EngineLoop:
         with self.lock:
             self._open_streams(refuse=SHUTTING_DOWN)
 
-    def _housekeeping(self) -> bool:
+    def _housekeeping(self) -> None:
         self.engine.reclaim_expired_offers()
         self._watch()
-        return True
 
     def _step(self) -> list:
         """One engine step (under the lock); a failed one answers its requests instead."""
@@ -308,10 +306,17 @@ class EngineLoop:
     @contextlib.contextmanager
     def _turn(self):
         """The lock, the streams queued so far opened first: a command (an abort, a retraction,
-        a listing) sees every request submitted before it, as when submitting took the lock."""
+        a listing) sees every request submitted before it, as when submitting took the lock.
+        What the turn committed goes out before the lock is let go: a retraction or a resume
+        commits the step in flight first (Engine.sync), and when that step was a request's
+        last, nothing else would ever send its last tokens and its end (with nothing left to
+        run there is no next step)."""
         with self.lock:
             self._open_streams()
-            yield
+            try:
+                yield
+            finally:
+                self._deliver(self.engine.step_outputs_flush())
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
         """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
@@ -398,8 +403,7 @@ class EngineLoop:
             if not ok and request_id not in self.streams:
                 self.early_aborts.remember(request_id)
             if ok and reason is not None:
-                self._abort_reasons[request_id] = reason
-            self._deliver(self.engine.step_outputs_flush())  # the stream ends now, even if nothing is left to step
+                self._abort_reasons[request_id] = reason  # the stream ends with the turn (_turn)
         return ok
 
     def retract(self, cmd: Retract) -> dict[str, Outcome]:
