@@ -251,22 +251,24 @@ class EngineClient:
 
     async def drain(self, backend, wait_s: float = 30.0) -> dict:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
-        to `wait_s`) until the replicas they move to took them; `remaining` is what it still
-        holds then. With nothing on its way (no other replica, nothing running) it answers at
-        once: what stays there finishes there."""
+        to `wait_s`) until the ones on their way have left it (the replicas they move to took
+        them); `remaining` is what it still holds then. What does not move (nowhere to go, not
+        running: a request retracted and held stays until resumed) is not waited for: with
+        nothing on its way the drain answers at once."""
         self.draining.add(id(backend))
         reqs = await backend.run(ListRequests())
-        moved, moving = {}, False
+        moved, moving = {}, set()
         for r in reqs:
             if r["state"] == "running" and r["id"] in self.owner:
                 outcome, target = await self.migrate(r["id"])
                 moved[r["id"]] = f"{outcome.value} to {target.role}/{target.index}" if target else outcome.value
-                moving |= outcome == Outcome.MIGRATING
-        remaining = await backend.run(Load())
-        deadline = asyncio.get_running_loop().time() + (wait_s if moving else 0.0)
-        while remaining and asyncio.get_running_loop().time() < deadline:  # until the targets took them
+                if outcome == Outcome.MIGRATING:
+                    moving.add(r["id"])
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while moving and asyncio.get_running_loop().time() < deadline:  # until the targets took them
             await asyncio.sleep(0.05)
-            remaining = await backend.run(Load())
+            moving &= {r["id"] for r in await backend.run(ListRequests())}
+        remaining = await backend.run(Load())
         return {"draining": f"{backend.role}/{backend.index}", "migrations": moved, "remaining": remaining}
 
     async def undrain(self, backend) -> None:

@@ -142,3 +142,35 @@ def test_draining_the_last_replica_answers_at_once():
     out = asyncio.run(client.drain(only, wait_s=5.0))
     assert time.monotonic() - t0 < 1.0, "the drain waited for requests that could not move"
     assert out == {"draining": "colocated/0", "migrations": {"r1": "no_other_replica"}, "remaining": 1}
+
+
+def test_a_drain_waits_for_what_it_moved_not_for_a_held_request_that_stays():
+    """A request retracted and held on the drained replica stays there until resumed; a drain
+    that also moved a running request waited its whole 30 s (Load never reached 0) although the
+    moved one had left at once."""
+    import time
+
+    from hyrax.actors.engine.commands import ListRequests, Load, MigrateOut
+
+    client, (src, dst) = _client(("decode", 0), ("decode", 1))
+    listed = {"r1": "running", "r2": "retracted"}
+    polls = []
+
+    async def run(cmd):
+        if isinstance(cmd, MigrateOut):
+            listed["r1"] = "offered"  # the importer takes it a few polls later
+            return True
+        if isinstance(cmd, ListRequests):
+            polls.append(1)
+            if listed.get("r1") == "offered" and len(polls) > 3:
+                del listed["r1"]
+            return [{"id": k, "state": v} for k, v in listed.items()]
+        if isinstance(cmd, Load):
+            return len(listed)
+        raise AssertionError(f"no other command expected, got {cmd}")
+    src.run = run
+    client.owner.update(r1=src, r2=src)
+    t0 = time.monotonic()
+    out = asyncio.run(client.drain(src, wait_s=5.0))
+    assert time.monotonic() - t0 < 2.0, "the drain waited for the held request, which does not move"
+    assert out == {"draining": "decode/0", "migrations": {"r1": "migrating to decode/1"}, "remaining": 1}
