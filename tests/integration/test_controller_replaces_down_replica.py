@@ -27,17 +27,26 @@ def _until(cond, what: str, timeout_s: float):
     return got
 
 
+def _health_or_gone(coord) -> dict | None:
+    """The replica's health; None once the controller has stopped it (it may do so between two
+    polls: down, then killed within its half-second check interval)."""
+    try:
+        return call(coord.health)
+    except ray.exceptions.RayActorError:
+        return None
+
+
 def test_a_replica_whose_ranks_cannot_be_kept_alive_is_replaced_by_the_controller(ray_session):
     ctl = controller.create("downrep", DEMO_MODEL, "demo", [RoleSpec("colocated", 1, 1)], CONFIG,
                             rank_timeout_s=30, attach=False, supervision=Supervision(interval_s=0.5))
     try:
         [first] = controller.ensure(ctl).replicas
         coord = first.coordinator
-        while not call(coord.health)["down"]:  # its ranks lost again after each of its own restarts
-            before = call(coord.health)["restarts"]
+        while (h := _health_or_gone(coord)) is not None and not h["down"]:  # its ranks lost after each restart
+            before = h["restarts"]
             [rank] = call(coord.rank_handles)
             ray.kill(rank, no_restart=True)
-            _until(lambda: (h := call(coord.health))["down"] or (h["restarts"] > before and h["healthy"]),
+            _until(lambda: (g := _health_or_gone(coord)) is None or g["down"] or (g["restarts"] > before and g["healthy"]),
                    "the idle replica never noticed its lost rank", 60)
         [second] = _until(lambda: [r for r in ray.get(ctl.replicas.remote()) if r.index != first.index],
                           f"the down replica was not replaced: {ray.get(ctl.events.remote())}", 120)
