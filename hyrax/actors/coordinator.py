@@ -52,7 +52,6 @@ class RoleCoordinator:
         self.model_dir, self.tp_size, self.config = model_dir, tp_size, config
         self.pg = placement_group
         self.rank_timeout_s = rank_timeout_s
-        self.max_rank_restarts = max_rank_restarts
         self.cfg = ModelConfig.from_dir(model_dir)
         check_tp(self.cfg, tp_size)
         self.tokenizer = load_tokenizer(model_dir, self.cfg.vocab_size)

@@ -149,7 +149,8 @@ class DeploymentController:
     def _replace_missing(self) -> None:
         """Place a replica for each one lost, where its role's backoff allows: a group that found
         no room in time was a wait, not a failure (the next round waits again, for the first
-        role short, and Ray's autoscaler sees the demand); a replica that failed to start delays its role's next try."""
+        role short, and Ray's autoscaler sees the demand); a replica that failed to start
+        delays its role's next try."""
         for role in list(self.missing):
             if not self.backoff.due(role, time.monotonic()):
                 continue
