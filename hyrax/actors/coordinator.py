@@ -72,7 +72,7 @@ class RoleCoordinator:
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)
         self.loop = EngineLoop(self.engine, f"{role}-{replica}", on_rank_failure=self._recover,
-                               probe=self._probe_ranks,
+                               probe=self._probe_ranks, rest=self._rest_ranks,
                                source=ray.get_runtime_context().current_actor, ack=_ack_remote)
         self.gateways = GatewayLeases()
         self.feeds: dict[str, tuple[Sink, asyncio.Queue]] = {}  # feed id -> its sink and batch queue
@@ -135,6 +135,11 @@ class RoleCoordinator:
         """The idle loop's liveness check (raises RankFailure); none once the replica gave up."""
         if self.healthy:
             self.executor.probe()
+
+    def _rest_ranks(self) -> None:
+        """The idle loop lets the ranks of a compiled graph sleep (step_bell.py)."""
+        if self.healthy:
+            self.executor.rest()
 
     # ---- client API: delegated to the engine loop --------------------------------------
     def _feed(self, feed_id: str, gateway: str | None) -> tuple[Sink, asyncio.Queue]:

@@ -60,10 +60,24 @@ class RayExecutor(RankCalls):
         if graph is None:
             return [r.execute.remote(plan) for r in self.ranks]
         try:
+            graph.unpark(time.monotonic() + self.timeout_s)
             return _GraphStep(graph, *graph.submit(plan))
         except Exception as e:  # a rank died (its channel is closed) or stopped reading plans
             self.close()
             raise RankFailure(f"execute could not be sent: {type(e).__name__}: {e}") from e
+
+    def rest(self) -> None:
+        """The replica has nothing to run: park the ranks of its compiled graph (building it
+        first, so the first request does not wait for it), so that no idle rank polls its
+        channel; the next `submit` wakes them. Plain actor calls need nothing."""
+        graph = self._graph_over_ranks()
+        if graph is None:
+            return
+        try:
+            graph.park()
+        except Exception as e:  # a rank died (its channel is closed)
+            self.close()
+            raise RankFailure(f"parking the ranks failed: {type(e).__name__}: {e}") from e
 
     def _graph_over_ranks(self) -> CompiledSteps | None:
         """The compiled graph over the current ranks: built at the first step and again after

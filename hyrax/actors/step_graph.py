@@ -29,8 +29,14 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 from hyrax.actors.step_bell import StepBell
+
+# the plan of a step that parks every rank until the bell wakes it (step_bell.py): not a pickle,
+# so no plan a step sends can be mistaken for it
+PARK = b"park"
+PARKED = b""  # what a park step answers
 
 BELL_CONNECT_S = 30.0  # how long the ranks get to connect to a new graph's bell
 
@@ -70,6 +76,7 @@ class CompiledSteps:
             raise
         self.over = _actor_ids(ranks)
         self.sent = 0  # steps submitted: the rings a step's collect waits for
+        self.parked: tuple[int, list] | None = None  # the park step in flight: (its number, its refs)
 
     def serves(self, ranks: list) -> bool:
         """Whether the graph was built over these very actors (not replaced ones)."""
@@ -78,9 +85,30 @@ class CompiledSteps:
     def submit(self, plan) -> tuple[int, list]:
         """Start a step on every rank: (its number in this graph, one ref per rank for `ray.get`;
         each answers its result `to_wire`)."""
-        refs = self.graph.execute(to_wire(plan))
+        return self._send(to_wire(plan))
+
+    def _send(self, wire: bytes) -> tuple[int, list]:
+        refs = self.graph.execute(wire)
         self.sent += 1
         return self.sent, refs
+
+    def park(self) -> None:
+        """Park every rank until `unpark` (the replica is idle): no rank polls for a plan."""
+        if self.parked is None:
+            self.parked = self._send(PARK)
+
+    def unpark(self, deadline: float) -> None:
+        """Wake the parked ranks and collect the park step; raises what reading a step raises
+        (a rank that died while parked). Does nothing when the ranks are not parked."""
+        import ray
+
+        if self.parked is None:
+            return
+        (step, refs), self.parked = self.parked, None
+        self.bell.wake()
+        self.bell.wait(step, deadline)
+        for ref in refs:
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
 
     def wait(self, step: int, deadline: float) -> None:
         """Sleep until every rank rang for this graph's `step`-th step (its result is then in

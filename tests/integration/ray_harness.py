@@ -22,10 +22,12 @@ from hyrax.actors.engine.request import SamplingParams
 DEMO_MODEL = str(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo")
 
 # The shared demo deployment: one TP=1 and one TP=2 replica, deterministic float32.
-DEMO_CONFIG = EngineConfig(deterministic=True, overlap=True)  # overlap: the default of `hyrax serve`
+# overlap and the compiled graph: the defaults of `hyrax serve`
+DEMO_CONFIG = EngineConfig(deterministic=True, overlap=True, compiled_graph=True)
 # The tiny SWA+Mamba2 deployment: small pages and chunks, so prompts cross pages, the
 # window (8 tokens) and prefill-chunk boundaries.
-SWA_CONFIG = EngineConfig(deterministic=True, page_size=4, prefill_chunk=16, kv_capacity_tokens=2048, overlap=True)
+SWA_CONFIG = EngineConfig(deterministic=True, page_size=4, prefill_chunk=16, kv_capacity_tokens=2048, overlap=True,
+                          compiled_graph=True)
 
 # Every test request ignores EOS, so output lengths (and the number of steps in which
 # retraction can strike) are fixed by max_tokens alone.

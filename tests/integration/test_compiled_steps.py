@@ -6,6 +6,7 @@ from the test process (the coordinator actor does the same in its engine loop).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -130,6 +131,46 @@ def test_waiting_for_a_graph_step_sleeps_instead_of_polling(tp2_ranks):
         executor.close(wait=True)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process on this machine (/proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_ranks_park_answer_calls_and_wake_for_the_next_step(tp2_ranks):
+    """Ray's side of the graph waits for the next plan by polling: an idle rank kept a whole
+    core busy. Parked (`RayExecutor.rest`, step_bell.py) it sleeps on the step bell, answers
+    plain calls, wakes for the next step, and lets the graph be torn down at once."""
+    want = reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
+    pids = ray.get([r.__ray_call__.remote(lambda self: os.getpid()) for r in tp2_ranks])
+    executor = RayExecutor(tp2_ranks, 60.0, compiled=True)
+    try:
+        engine = _engine(executor)
+        assert _run(engine) == want
+        executor.rest()
+        executor.rest()  # already parked: nothing more is sent
+        time.sleep(0.2)
+        before = [_cpu_seconds(p) for p in pids]
+        time.sleep(1.0)
+        used = [_cpu_seconds(p) - b for p, b in zip(pids, before)]
+        assert max(used) < 0.3, used  # polling: ~1 s of CPU each
+        executor.probe()  # plain calls, on the ranks' main threads, answer meanwhile
+        assert _run(engine) == want  # the next step woke them
+        assert executor.step_path == "compiled graph"
+        executor.rest()
+        t0 = time.monotonic()
+        executor.close(wait=True)  # a rank still parked would hold Ray's teardown for 30 s
+        assert time.monotonic() - t0 < 10
+        again = RayExecutor(tp2_ranks, 60.0, compiled=True)  # the ranks are free for a new graph
+        try:
+            assert _run(_engine(again)) == want and again.step_path == "compiled graph"
+        finally:
+            again.close(wait=True)
+    finally:
+        executor.close(wait=True)
+
+
 def test_without_the_graph_steps_are_actor_calls(tp2_ranks):
     """The default path (no `--compiled-graph`), and the fallback where no graph can be built."""
     want = reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
@@ -153,6 +194,25 @@ def test_a_rank_killed_under_the_graph_is_a_rank_failure(rank_pair):
         with pytest.raises(RankFailure):
             for _ in range(5):
                 engine.step()
+    finally:
+        rank_pair.discard()
+        executor.close(wait=True)
+
+
+def test_a_rank_killed_while_parked_is_a_rank_failure(rank_pair):
+    ranks = rank_pair.live()
+    executor = RayExecutor(ranks, 30.0, compiled=True)
+    engine = _engine(executor)
+    try:
+        _run(engine)
+        executor.rest()
+        ray.kill(ranks[1], no_restart=True)
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure):
+            for _ in range(5):
+                engine.step()
+        assert time.monotonic() - t0 < 25  # found by the wake, not after a hang
     finally:
         rank_pair.discard()
         executor.close(wait=True)

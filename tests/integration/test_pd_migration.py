@@ -28,7 +28,7 @@ from ray_harness import DEMO_CONFIG, DEMO_MODEL, prompt, reference, replica, uid
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG = EngineConfig(deterministic=True, overlap=True)  # the `hyrax serve` default
+CONFIG = EngineConfig(deterministic=True, overlap=True, compiled_graph=True)  # the `hyrax serve` defaults
 WINDOW = ModelConfig.from_dir(DEMO_MODEL).sliding_window
 
 

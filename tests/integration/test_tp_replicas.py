@@ -33,7 +33,7 @@ def test_swa_mamba_replica_greedy_output_equals_single_process_engine(swa_deploy
     assert [s.finish_reason for s in streams] == ["length"] * len(prompts)
     assert [s.tokens for s in streams] == want
     assert_clean(coord)
-    assert call(coord.health)["step_path"].startswith("actor calls")  # the default (no --compiled-graph)
+    assert call(coord.health)["step_path"] == "compiled graph"  # the default of `hyrax serve`
 
 
 @pytest.mark.parametrize("tp", [1, 2])

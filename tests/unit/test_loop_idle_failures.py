@@ -103,3 +103,29 @@ def test_an_idle_loop_probes_its_ranks_and_recovers_when_one_fails():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert min(gaps) >= 0.05 - 0.005, gaps  # at most one ping per interval
     assert_idle_clean(engine)
+
+
+def test_the_loop_rests_its_ranks_only_while_it_has_nothing_to_run():
+    """`rest` (the Ray executor parks the ranks of its compiled graph) is called between steps
+    whenever the engine has no work, never while a request runs; a rank failure it raises is
+    recovered like any other."""
+    engine = make_engine(tiny_model(HYBRID))
+    rests: list[bool] = []  # per call: whether the engine had work then
+    failure = RankFailure("parking the ranks failed: ActorDiedError")
+
+    def rest():
+        rests.append(engine.has_work())
+        if len(rests) == 2:
+            raise failure
+    recovered: list[Exception] = []
+    loop = EngineLoop(engine, "rest", on_rank_failure=recovered.append, rest=rest)
+    try:
+        _wait_for(lambda: recovered, "the failed rest was never recovered")
+        assert recovered == [failure] and loop.thread.is_alive()
+        before = len(rests)
+        assert _serve_one(loop, "after")["finish_reason"] == "length"
+        _wait_for(lambda: len(rests) > before + 1, "the loop stopped resting after a request")
+    finally:
+        loop.shutdown()
+    assert rests and not any(rests), "rest was called while the engine had work"
+    assert_idle_clean(engine)

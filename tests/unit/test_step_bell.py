@@ -144,3 +144,68 @@ def test_accept_gives_up_at_its_deadline_when_only_strangers_came():
     finally:
         bell.close()
         stranger.close()
+
+
+def _parked(ringer: StepRinger) -> tuple[threading.Thread, dict]:
+    """`ringer.wait_for_wake()` on a thread of its own (as a rank's graph thread runs a park
+    step); the dict gets the thread's CPU time and when it returned."""
+    got: dict = {}
+
+    def park():
+        c = time.thread_time()
+        ringer.wait_for_wake()
+        got["cpu"], got["at"] = time.thread_time() - c, time.monotonic()
+
+    t = threading.Thread(target=park)
+    t.start()
+    return t, got
+
+
+def test_a_parked_rank_sleeps_until_the_bell_wakes_it():
+    bell, (r0, r1) = _bell(2)
+    try:
+        (t0, got0), (t1, got1) = _parked(r0), _parked(r1)
+        time.sleep(0.3)
+        assert t0.is_alive() and t1.is_alive()  # parked: nothing woke them
+        woke = time.monotonic()
+        bell.wake()
+        t0.join(5), t1.join(5)
+        assert not t0.is_alive() and not t1.is_alive()
+        assert got0["at"] - woke < 1 and got1["at"] - woke < 1
+        assert got0["cpu"] < 0.1 and got1["cpu"] < 0.1, (got0, got1)  # asleep in select, not polling
+        # a wake sent before the rank parks is kept for it; each park takes one wake
+        bell.wake()
+        t0, _ = _parked(r0)
+        t0.join(5)
+        assert not t0.is_alive()
+        t1, _ = _parked(r1)
+        t1.join(5)
+        assert not t1.is_alive()
+        t0, _ = _parked(r0)
+        time.sleep(0.2)
+        assert t0.is_alive()  # no wake left over for a second park
+        bell.wake()
+        t0.join(5)
+        # the rings that follow the parks still reach the bell
+        r0.ring(), r1.ring()
+        bell.wait(1, time.monotonic() + 5)
+        assert bell.rung == [1, 1]
+    finally:
+        bell.close()
+        r0.close(), r1.close()
+
+
+def test_closing_the_bell_releases_a_parked_rank():
+    """Teardown: the coordinator closes the bell; a parked rank returns (and its next ring finds
+    no bell), so the graph's task ends instead of holding the teardown for Ray's 30 s."""
+    bell, (r0,) = _bell(1)
+    t, got = _parked(r0)
+    time.sleep(0.1)
+    assert t.is_alive()
+    closed = time.monotonic()
+    bell.close()
+    t.join(5)
+    assert not t.is_alive() and got["at"] - closed < 1
+    r0.ring()  # never raises
+    r0.wait_for_wake()  # no bell: nobody to wait for
+    assert StepRinger.unconnected().wait_for_wake() is None

@@ -103,8 +103,8 @@ class EngineConfig:
     allow_unsafe: bool = False
     role: str = "colocated"  # "prefill": hand requests off after their first token
     overlap: bool = False  # plan step N+1 while the ranks run step N
-    # Ray replicas: steps through a compiled graph over the ranks (step_graph.py); off by default:
-    # an idle rank in a graph polls its channel (measured 7-43 % of a core each, loaded 2-core machine)
+    # Ray replicas: steps through a compiled graph over the ranks (step_graph.py); on in `hyrax
+    # serve` (--no-compiled-graph: plain actor calls), off here as overlap is, for library users
     compiled_graph: bool = False
     attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
     # decode-only steps through a captured forward (model/captured_decode.py, docs/captured-steps.md):

@@ -90,16 +90,18 @@ class EngineLoop:
     delivers one. `stuck_after_s`: a replica with work queued, nothing running and no
     progress for this long reports itself stuck. `probe`: raises RankFailure when a rank is
     dead or hung; called every PROBE_IDLE_EVERY_S while the replica is idle (needs
-    `on_rank_failure`)."""
+    `on_rank_failure`). `rest`: called between steps whenever the engine has nothing to run
+    (the Ray executor parks its ranks, step_bell.py); may raise RankFailure too."""
 
     def __init__(self, engine: Engine, name: str = "engine", on_rank_failure: Callable[[Exception], None] | None = None,
                  source=None, ack: Callable[[object, str], None] = _ack_in_process, stuck_after_s: float = 30.0,
-                 probe: Callable[[], None] | None = None):
-        if probe is not None and on_rank_failure is None:
-            raise ValueError("a loop that probes its ranks needs on_rank_failure")
+                 probe: Callable[[], None] | None = None, rest: Callable[[], None] | None = None):
+        if (probe is not None or rest is not None) and on_rank_failure is None:
+            raise ValueError("a loop that probes or rests its ranks needs on_rank_failure")
         self.engine = engine
         self.on_rank_failure = on_rank_failure
         self.probe = probe
+        self.rest = rest
         self.probe_every_s = PROBE_IDLE_EVERY_S
         self._probed_at = time.monotonic()
         self.source = self if source is None else source
@@ -182,6 +184,8 @@ class EngineLoop:
         blocked = bool(e.waiting or any(not r.hold for r in e.retracted)) and not e.running and not e.has_inflight()
         now = time.monotonic()
         self._blocked_since = (self._blocked_since or now) if blocked else None
+        if self.rest is not None and not e.has_work():
+            self.rest()  # RankFailure: recovered by the caller (_guarded)
         idle = not e.has_unfinished() and not e.has_inflight()
         if not idle:
             self._idle_since, self._checked_idle = None, False
