@@ -122,10 +122,10 @@ class RayExecutor(RankCalls):
         after the ranks rang the graph's bell (until then this thread sleeps)."""
         deadline = time.monotonic() + self.timeout_s
         step.graph.wait(step.step, deadline)
-        results, raised = [], None
-        for ref in step.refs:
+        results, raised = [None] * len(step.refs), None
+        for k in step.graph.bell.read_order():  # a rank whose bell ended (died) first
             try:
-                results.append(from_wire(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))))
+                results[k] = from_wire(ray.get(step.refs[k], timeout=max(deadline - time.monotonic(), 0.01)))
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e, ray.exceptions.RayActorError):
                     self.close()

@@ -93,10 +93,12 @@ class StepBell:
         self._server.close()
 
     def wait(self, step: int, deadline: float) -> None:
-        """Block until every rank rang for its `step`-th step (counting from 1) or a later one, or
-        its bell ended, or until `deadline` (time.monotonic()); the caller then reads the
-        results from the graph."""
-        while min(self.rung) < step:
+        """Block until every rank rang for its `step`-th step (counting from 1) or a later one,
+        or until any rank's bell ended, or until `deadline` (time.monotonic()); the caller then
+        reads the results from the graph, the ranks whose bell ended first (`read_order`). A
+        rank whose bell ended has most likely died, and a rank that died in a TP step leaves the
+        others waiting in a collective: waiting for their rings would only reach the deadline."""
+        while min(self.rung) < step and STOPPED not in self.rung:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -121,6 +123,11 @@ class StepBell:
             self._pending[rank] = data[whole:]
         if whole:
             self.rung[rank] = max(self.rung[rank], _STEP.unpack_from(data, whole - _STEP.size)[0])
+
+    def read_order(self) -> list[int]:
+        """Rank indices, those whose bell ended first: their results (most likely a dead
+        actor's error) are read before any rank that may be stuck waiting for them."""
+        return sorted(range(self.ranks), key=lambda k: self.rung[k] != STOPPED)
 
     def wake(self) -> None:
         """Wake every rank parked on this bell (one byte each). A connection that cannot take it

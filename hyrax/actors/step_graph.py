@@ -107,8 +107,8 @@ class CompiledSteps:
         (step, refs), self.parked = self.parked, None
         self.bell.wake()
         self.bell.wait(step, deadline)
-        for ref in refs:
-            ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
+        for k in self.bell.read_order():
+            ray.get(refs[k], timeout=max(deadline - time.monotonic(), 0.01))
 
     def wait(self, step: int, deadline: float) -> None:
         """Sleep until every rank rang for this graph's `step`-th step (its result is then in

@@ -60,6 +60,23 @@ def test_a_rank_whose_end_closed_is_not_waited_for():
         r0.close()
 
 
+def test_a_rank_whose_end_closed_ends_the_wait_for_the_others_too():
+    """A rank that died in a TP step leaves the others stuck in a collective, never ringing:
+    the wait returns when the dead rank's end closes, and the dead rank's result is read first."""
+    bell, (r0, r1) = _bell(2)
+    try:
+        t = _later(0.1, r1.close)  # rank 1 died; rank 0 never rings
+        t0 = time.monotonic()
+        bell.wait(1, time.monotonic() + 30)
+        t.join()
+        assert time.monotonic() - t0 < 5
+        assert bell.rung == [0, STOPPED]
+        assert bell.read_order() == [1, 0]
+    finally:
+        bell.close()
+        r0.close()
+
+
 def test_wait_returns_at_its_deadline_and_after_close():
     bell, (r0,) = _bell(1)
     try:
