@@ -41,11 +41,11 @@ class LocalBackend:
 
 
 def _nowhere_to_go(handoff: dict, source) -> str:
-    """Why a request handed off by `source` ends: no replica that decodes can take it."""
-    others = "no other decode or colocated replica accepts requests (all draining or out of service)"
+    """Why a request handed off by `source` ends: no replica that decodes is in service."""
     if handoff.get("manifest") is None:  # handed off without state: its replica was lost
-        return f"the replica serving this request ({source.role}/{source.index}) was lost, and {others}"
-    return "no decode replica accepts requests (all draining or out of service)"
+        return (f"the replica serving this request ({source.role}/{source.index}) was lost, and no other decode "
+                f"or colocated replica is in service to continue it")
+    return "no decode replica is in service to continue this request"
 
 
 @dataclass
@@ -139,6 +139,15 @@ class EngineClient:
         cands = self._candidates(roles, exclude)
         return self.router(cands, self.inflight) if cands else None
 
+    def _continuation(self, exclude: object):
+        """Where a request already streaming goes on after a hand-off with no target chosen: a
+        replica that decodes and accepts requests, else one that is draining but in service.
+        Draining keeps new requests out; failing one the server already started would be worse
+        than letting it finish there (or be moved on by the drain)."""
+        cands = self._candidates(DECODING_ROLES, exclude) or [
+            b for b in self.backends if b.role in DECODING_ROLES and b is not exclude and id(b) not in self.out_of_service]
+        return self.router(cands, self.inflight) if cands else None
+
     async def _first_hop(self, prompt_ids: list[int]):
         """Where a new request runs its prompt: a prefill replica if there is one, else a
         colocated (or decode) one; among several, the one with the longest cached prefix unless it
@@ -198,7 +207,7 @@ class EngineClient:
                         return  # (not done: it is aborted wherever it may still be)
                     return
                 offered_by = backend
-                target = self.migrate_to.pop(request_id, None) or self._pick(DECODING_ROLES, exclude=backend)
+                target = self.migrate_to.pop(request_id, None) or self._continuation(exclude=backend)
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
                     yield error_item(_nowhere_to_go(handoff, backend), 503)
                     return
@@ -242,6 +251,8 @@ class EngineClient:
         target = target or self._pick(DECODING_ROLES, exclude=src)
         if target is None:
             return Outcome.NO_TARGET, None
+        if request_id in self.migrate_to:  # already on its way: leave the target it goes to
+            return Outcome.NOT_RUNNING, None
         self.migrate_to[request_id] = target
         ok = await src.run(MigrateOut(request_id))
         if not ok:

@@ -118,7 +118,7 @@ def test_a_stream_whose_replica_was_lost_says_so_when_no_other_replica_can_take_
     last = items[-1]
     assert last["finish_reason"] == "error" and last["status"] == 503
     assert last["error"] == ("the replica serving this request (colocated/0) was lost, and no other decode or "
-                             "colocated replica accepts requests (all draining or out of service)"), last
+                             "colocated replica is in service to continue it"), last
 
 
 def test_draining_the_last_replica_answers_at_once():
@@ -174,3 +174,69 @@ def test_a_drain_waits_for_what_it_moved_not_for_a_held_request_that_stays():
     out = asyncio.run(client.drain(src, wait_s=5.0))
     assert time.monotonic() - t0 < 2.0, "the drain waited for the held request, which does not move"
     assert out == {"draining": "decode/0", "migrations": {"r1": "migrating to decode/1"}, "remaining": 1}
+
+
+def test_a_second_migration_of_a_request_on_its_way_leaves_the_first_ones_target():
+    """A chaos run (drains and migrations from three operator threads) ended a stream with
+    "no decode replica accepts requests": a drain had sent the request on its way to decode/0;
+    a second migrate of it, refused by the replica (not running: already offered), then
+    dropped the target the first one had chosen, so the hand-off looked for a replica anew
+    and found both draining. The refused migration now leaves the first one's target alone."""
+    from hyrax.actors.engine.commands import MigrateOut
+    from hyrax.actors.engine.lifecycle import Outcome
+
+    client, (d0, d1, d2) = _client(("decode", 0), ("decode", 1), ("decode", 2))
+    exported = []
+
+    async def run(cmd):
+        assert isinstance(cmd, MigrateOut)
+        exported.append(cmd.request_id)
+        return len(exported) == 1  # the second export finds it offered, not running
+    d1.run = run
+    client.owner["r1"] = d1
+    assert asyncio.run(client.migrate("r1", d0)) == (Outcome.MIGRATING, d0)
+    assert asyncio.run(client.migrate("r1", d2))[0] == Outcome.NOT_RUNNING
+    assert client.migrate_to["r1"] is d0
+
+
+def _handing_off(client, source, target_roles: str):
+    """`source.generate` streams one token, then hands the request off (with state)."""
+    def gen(request_id, prompt_ids, params):
+        async def items():
+            yield {"token_ids": [5], "finished": False, "finish_reason": None}
+            yield {"token_ids": [], "finished": False, "finish_reason": None,
+                   "handoff": {"request": {"id": request_id}, "manifest": {"m": 1}, "payload": [], "source": None}}
+        return items()
+    source.generate = gen
+
+
+def test_a_hand_off_with_every_decode_replica_draining_goes_to_a_draining_one_rather_than_fail():
+    """Draining stops new requests from being admitted; a request already streaming that must
+    move (its prompt done on a prefill replica) went nowhere and ended with an error when every
+    decode replica was draining. It continues on a draining replica in service instead; only
+    when none is in service does it end, saying so."""
+    client, (prefill, d0, d1) = _client(("prefill", 0), ("decode", 0), ("decode", 1))
+    _handing_off(client, prefill, "decode")
+    imported = []
+
+    def take(handoff):
+        async def items():
+            imported.append(handoff["request"]["id"])
+            yield {"token_ids": [6], "finished": True, "finish_reason": "length"}
+        return items()
+    d1.generate_imported = take
+    client.draining.update({id(d0), id(d1)})
+    client.out_of_service[id(d0)] = "unhealthy"
+
+    async def run_stream():
+        return [item async for item in client.generate("r1", [1, 2], {})]
+    items = asyncio.run(run_stream())
+    assert imported == ["r1"] and items[-1]["finish_reason"] == "length", items
+    client.out_of_service[id(d1)] = "unhealthy"
+
+    async def aborts(cmd):
+        return True
+    prefill.run = aborts
+    last = asyncio.run(run_stream())[-1]
+    assert last["finish_reason"] == "error" and last["status"] == 503
+    assert last["error"] == "no decode replica is in service to continue this request", last
