@@ -14,9 +14,9 @@ all of them; it includes the row-parallel all-reduces); overhead = step - forwar
 the plan fan-out and result gather over Ray plus the coordinator's own work.
 
 Ray rows run three ways: plain steps (`Engine.step`: plan, run, commit) sent through the
-compiled graph over the ranks (hyrax/actors/step_graph.py, what `--compiled-graph` replicas
-use), the same with plain actor calls ("actor calls", a replica's default and the fallback
-where no graph can be built), and with overlap scheduling through the graph (`Engine.step`
+compiled graph over the ranks (hyrax/actors/step_graph.py, what `hyrax serve` replicas use
+by default), the same with plain actor calls ("actor calls": `--no-compiled-graph`, and the
+fallback where no graph can be built), and with overlap scheduling through the graph (`Engine.step`
 with `overlap` on, `hyrax serve`'s default: step N+1 is planned and sent before step N is
 committed; the per-step pairing of wall time and forward time is then approximate, which is
 fine in the steady decode state timed here).
