@@ -131,9 +131,10 @@ class EngineClient:
             return "no decode replica accepts requests (all draining or out of service)"
         return None
 
-    def _candidates(self, roles: tuple[str, ...], exclude: object = None) -> list:
-        return [b for b in self.backends if b.role in roles and b is not exclude and id(b) not in self.draining
-                and id(b) not in self.out_of_service]
+    def _candidates(self, roles: tuple[str, ...], exclude: object = None, draining: bool = False) -> list:
+        """Replicas of `roles` in service, other than `exclude`; `draining`: those draining too."""
+        return [b for b in self.backends if b.role in roles and b is not exclude
+                and (draining or id(b) not in self.draining) and id(b) not in self.out_of_service]
 
     def _pick(self, roles: tuple[str, ...], exclude: object = None):
         cands = self._candidates(roles, exclude)
@@ -144,8 +145,7 @@ class EngineClient:
         replica that decodes and accepts requests, else one that is draining but in service.
         Draining keeps new requests out; failing one the server already started would be worse
         than letting it finish there (or be moved on by the drain)."""
-        cands = self._candidates(DECODING_ROLES, exclude) or [
-            b for b in self.backends if b.role in DECODING_ROLES and b is not exclude and id(b) not in self.out_of_service]
+        cands = self._candidates(DECODING_ROLES, exclude) or self._candidates(DECODING_ROLES, exclude, draining=True)
         return self.router(cands, self.inflight) if cands else None
 
     async def _first_hop(self, prompt_ids: list[int]):

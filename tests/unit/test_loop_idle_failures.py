@@ -81,15 +81,21 @@ def test_an_error_between_steps_without_a_recovery_hook_is_logged_and_the_loop_l
     assert_idle_clean(engine)
 
 
+def _hook_failing_once(note, calls: list, failure: Exception):
+    """A loop hook (probe, rest) that appends `note()` to `calls` each time and raises `failure`
+    at its second call."""
+    def hook():
+        calls.append(note())
+        if len(calls) == 2:
+            raise failure
+    return hook
+
+
 def test_an_idle_loop_probes_its_ranks_and_recovers_when_one_fails():
     engine = make_engine(tiny_model(HYBRID))
     probes: list[float] = []
     failure = RankFailure("ping failed on a rank: ActorDiedError")
-
-    def probe():
-        probes.append(time.monotonic())
-        if len(probes) == 2:
-            raise failure
+    probe = _hook_failing_once(time.monotonic, probes, failure)
     recovered: list[Exception] = []
     loop = EngineLoop(engine, "probe", on_rank_failure=recovered.append, probe=probe)
     loop.probe_every_s = 0.05
@@ -112,11 +118,7 @@ def test_the_loop_rests_its_ranks_only_while_it_has_nothing_to_run():
     engine = make_engine(tiny_model(HYBRID))
     rests: list[bool] = []  # per call: whether the engine had work then
     failure = RankFailure("parking the ranks failed: ActorDiedError")
-
-    def rest():
-        rests.append(engine.has_work())
-        if len(rests) == 2:
-            raise failure
+    rest = _hook_failing_once(engine.has_work, rests, failure)
     recovered: list[Exception] = []
     loop = EngineLoop(engine, "rest", on_rank_failure=recovered.append, rest=rest)
     try:
