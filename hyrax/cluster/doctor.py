@@ -1,7 +1,7 @@
 """`hyrax doctor [--json]`: check what this installation can run, one line per check.
 
-Checks: torch and CUDA versions; the attention backend each dtype would get; the
-vllm_flash_attn kernel against SDPA (demo model, greedy tokens); NCCL broadcast and
+Checks: torch and CUDA versions; the attention backend each dtype would get; the CPU decode
+kernel (built here) against SDPA (demo model, greedy tokens); the vllm_flash_attn kernel against SDPA (demo model, greedy tokens); NCCL broadcast and
 all-reduce across two GPUs; a backup/restore round trip through pinned host buffers with
 checksums; the demo model's greedy tokens on CUDA against the CPU. A check that needs what
 this machine lacks says so and is skipped; the exit status is 1 only when a check fails.
@@ -70,7 +70,7 @@ def demo_greedy(device: str, **config) -> list[list[int]]:
     from hyrax.actors.engine.request import SamplingParams
     from hyrax.actors.model.demo import DEMO_DIR
 
-    e = load_engine(str(DEMO_DIR), EngineConfig(deterministic=True, **config), device=device)
+    e = load_engine(str(DEMO_DIR), EngineConfig(**{"deterministic": True, **config}), device=device)
     prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate(DEMO_LENGTHS)]
     ids = [e.add_request(p, SamplingParams(max_tokens=DEMO_TOKENS, ignore_eos=True)) for p in prompts]
     run_to_completion(e)
@@ -80,6 +80,20 @@ def demo_greedy(device: str, **config) -> list[list[int]]:
 def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
     pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
     return sum(x == y for x, y in pairs), len(pairs)
+
+
+def check_cpu_kernel(m: Machine) -> Check:
+    """The CPU decode kernel (cpu_paged) builds here and decodes the demo model as SDPA does."""
+    from hyrax.actors.model.paged_decode import available
+
+    why = available()
+    if why is not None:
+        return Check("cpu decode kernel", WARN, f"not built, decode attention uses SDPA: {why}")
+    kernel = demo_greedy("cpu", dtype="float32", attention_backend="cpu_paged", deterministic=False)
+    sdpa = demo_greedy("cpu", dtype="float32", attention_backend="sdpa", deterministic=False)
+    same, total = _agreement(kernel, sdpa)
+    return Check("cpu decode kernel", OK if same == total else WARN,
+                 f"demo model, float32, greedy, batched: {same}/{total} tokens equal to sdpa")
 
 
 def check_flash_vs_sdpa(m: Machine) -> Check:
@@ -168,8 +182,8 @@ def check_demo_cuda_vs_cpu(m: Machine) -> Check:
 
 
 CHECKS: tuple[Callable[[Machine], Check], ...] = (
-    check_versions, check_attention_backends, check_flash_vs_sdpa, check_nccl, check_backup_round_trip,
-    check_demo_cuda_vs_cpu,
+    check_versions, check_attention_backends, check_cpu_kernel, check_flash_vs_sdpa, check_nccl,
+    check_backup_round_trip, check_demo_cuda_vs_cpu,
 )
 
 
@@ -187,7 +201,8 @@ def run_checks(machine: Machine, checks: tuple[Callable[[Machine], Check], ...])
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check this installation (torch, CUDA, kernels, NCCL, backups)",
                        description="Check what this installation can run, one line per check: torch and CUDA "
-                                   "versions, the attention backend each dtype gets, the flash-attention kernel "
+                                   "versions, the attention backend each dtype gets, the CPU decode kernel and the "
+                                   "flash-attention kernel "
                                    "against SDPA, NCCL across two GPUs, a backup/restore round trip through host "
                                    "buffers, and the demo model on CUDA against the CPU. A check this machine "
                                    "cannot run is skipped; the exit status is 1 only when a check fails.")

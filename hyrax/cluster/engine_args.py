@@ -56,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default on)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto = vllm_flash_attn on CUDA with float16/bfloat16 when the "
-                        "gpu extra imports, else torch SDPA (default auto)")
+                        "gpu extra imports; cpu_paged (a C decode kernel built on first use with the "
+                        "machine's C compiler) for float32 on the CPU; else torch SDPA (default auto)")
     g.add_argument("--captured-decode", choices=CAPTURE_MODES, default="off",
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size; the first decode step compiles it, a minute or more on a "

@@ -14,6 +14,7 @@ from hyrax.actors.engine.local import run_to_completion
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.attn_backends import FlashPaged, SdpaPaged, select_backend
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.paged_decode import available as cpu_paged_unavailable
 from hyrax.actors.model.hybrid import HybridModel
 from tiny_models import tiny_config
 
@@ -35,11 +36,13 @@ def no_gpu_query(device):
     raise AssertionError(f"asked the compute capability of {device}")
 
 
-@pytest.mark.parametrize("requested", ["auto", "sdpa"])
-def test_cpu_layers_use_sdpa(requested):
-    model = HybridModel(tiny_config("full_swa_mamba"), attn_backend=requested)
-    assert [b.name for b in model.attention_backends] == ["sdpa", "sdpa"]
-    assert model.attention_backend_name == "sdpa"
+@pytest.mark.parametrize("requested,dtype,expected", [
+    ("auto", torch.float32, "cpu_paged" if cpu_paged_unavailable() is None else "sdpa"),
+    ("auto", torch.float64, "sdpa"), ("sdpa", torch.float32, "sdpa")])
+def test_cpu_layers_use_the_cpu_kernel_for_float32_else_sdpa(requested, dtype, expected):
+    model = HybridModel(tiny_config("full_swa_mamba"), dtype=dtype, attn_backend=requested)
+    assert [b.name for b in model.attention_backends] == [expected, expected]
+    assert model.attention_backend_name == expected
     assert HybridModel(tiny_config("mamba")).attention_backend_name is None
 
 

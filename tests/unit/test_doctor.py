@@ -9,6 +9,7 @@ import torch
 
 from hyrax.cluster import doctor
 from hyrax.cluster.cli import main as cli_main
+from hyrax.actors.model.paged_decode import available as cpu_paged_unavailable
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
@@ -16,10 +17,14 @@ def test_without_cuda_it_runs_what_it_can_skips_the_rest_and_exits_0(capsys):
     assert cli_main(["doctor", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     checks = {c["name"]: c for c in map(json.loads, lines)}
-    assert list(checks) == ["versions", "attention backend", "flash vs sdpa", "nccl", "backup round trip",
-                            "demo cuda vs cpu"]
+    assert list(checks) == ["versions", "attention backend", "cpu decode kernel", "flash vs sdpa", "nccl",
+                            "backup round trip", "demo cuda vs cpu"]
     assert checks["versions"]["detail"].startswith("torch ")
-    assert checks["attention backend"]["detail"] == "on cpu: bfloat16=sdpa, float16=sdpa, float32=sdpa"
+    cpu_f32 = "cpu_paged" if cpu_paged_unavailable() is None else "sdpa"
+    assert checks["attention backend"]["detail"].startswith(f"on cpu: bfloat16=sdpa, float16=sdpa, float32={cpu_f32}")
+    if cpu_paged_unavailable() is None:
+        assert checks["cpu decode kernel"]["status"] == "ok", checks["cpu decode kernel"]
+        assert checks["cpu decode kernel"]["detail"].endswith("48/48 tokens equal to sdpa")
     assert checks["backup round trip"]["status"] == "ok" and "checksums match" in checks["backup round trip"]["detail"]
     skipped = {n: c["detail"] for n, c in checks.items() if c["status"] == "skip"}
     assert skipped == {"flash vs sdpa": "no CUDA device", "nccl": "needs 2 GPUs, found 0",
@@ -31,7 +36,7 @@ def test_text_output_is_one_line_per_check(capsys):
     assert doctor.main(argparse.Namespace(json=False), machine) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == len(doctor.CHECKS)
-    assert lines[3] == "skip  nccl: needs 2 GPUs, found 0"
+    assert lines[4] == "skip  nccl: needs 2 GPUs, found 0"
 
 
 def test_a_check_that_raises_fails_alone_and_the_exit_status_says_so(monkeypatch, capsys):

@@ -21,7 +21,7 @@ from flash_reference import varlen_paged_reference
 import hyrax.actors.engine.sampler as sampler_module
 import hyrax.actors.model.batch as batch_module
 from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.model.attn_backends import FlashPaged
+from hyrax.actors.model.attn_backends import FlashPaged, SdpaPaged
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.testing.sync_counter import Counts, Kind, SyncCounter, rank_counter
 
@@ -55,10 +55,10 @@ def decode_step_counts(model: HybridModel, batch: int, sampling: SamplingParams,
     engine = make_engine(model, deterministic=False, **({"page_size": 16} if flash else {}))
     rank = engine.executor.rank
     counter = rank_counter(rank)
-    if flash:  # the CPU reference kernel stands in for the device kernel: its own ops are not counted
-        for layer in rank.model.model.layers:
-            if hasattr(layer, "self_attn"):
-                layer.self_attn.backend = FlashPaged(counter.opaque(varlen_paged_reference))
+    for layer in rank.model.model.layers:  # the backends a device has (the CPU's C kernel is not one)
+        if hasattr(layer, "self_attn"):
+            # flash: the CPU reference kernel stands in for the device kernel, its own ops not counted
+            layer.self_attn.backend = FlashPaged(counter.opaque(varlen_paged_reference)) if flash else SdpaPaged()
     plain, counted = rank.execute, counter.wrap(rank.execute)
 
     def execute(plan):  # only the steps in which every request decodes are counted (counting is slow)

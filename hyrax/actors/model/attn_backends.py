@@ -6,11 +6,18 @@ migration never depends on which backend wrote them.
 
 - `sdpa`: gathers each request's visible rows and calls torch SDPA with an explicit mask.
   The CPU path, the CUDA fallback, and the oracle the GPU tests compare against.
+- `cpu_paged`: on the CPU, decode steps (one query token per sequence) through a C kernel
+  that reads each key and value row where it lies in the pool (paged_decode.py), with no
+  gathered copy, no padding to the longest sequence and no per-head matmul; every other step
+  (prefill, mixed chunks) and autograd or traced code as `sdpa`. float32 only.
 - `vllm_flash_attn`: FlashAttention-2's varlen kernel with a paged cache (vllm-flash-attn
   2.6.x, the `gpu` extra). K and V are strided views of the pool,
   (pages, page_size, kv_heads, head_dim) each; the kernel finds a request's pages through
   its block table and applies the causal mask and the sliding window itself. Its 2.6.x build
   has kernels for sm8x and sm90 GPUs only; `auto` uses SDPA on any other (with a note).
+
+`auto` picks `vllm_flash_attn` on a suitable GPU, `cpu_paged` for a float32 CPU model where
+the machine can build it (a C compiler; native.py), and `sdpa` otherwise.
 
 `select_backend` runs once per layer at construction (STYLE: decide dispatch at
 construction, never per step).
@@ -25,9 +32,11 @@ from torch import nn
 
 from hyrax.actors.model.batch import AttnIndex, ForwardBatch
 from hyrax.actors.model.errors import HyraxInputError
-from hyrax.actors.model.row_copy import index_copy_rows_, index_select_rows
+from hyrax.actors.model.paged_decode import available as cpu_paged_unavailable
+from hyrax.actors.model.paged_decode import paged_decode
+from hyrax.actors.model.row_copy import index_copy_rows_, index_select_rows, traced_or_recorded
 
-BACKENDS = ("auto", "sdpa", "vllm_flash_attn")
+BACKENDS = ("auto", "sdpa", "vllm_flash_attn", "cpu_paged")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_PAGE_MULTIPLE = 16  # vllm-flash-attn: "Paged KV cache block size must be divisible by 16"
 FLASH_MAX_HEAD_DIM = 256
@@ -110,6 +119,29 @@ class SdpaPaged:
         return None
 
 
+class CpuPaged:
+    """Decode steps through the C kernel over the pool as it lies (paged_decode.py); anything
+    else through `SdpaPaged`. The kernel computes each sequence on its own, so a request's
+    decode attention does not depend on which others share the step."""
+
+    name = "cpu_paged"
+
+    def __init__(self):
+        self.sdpa = SdpaPaged()
+
+    def __call__(self, q, pool, idx, batch, window, scale):
+        B, T, H, D = q.shape
+        lay = idx.keys
+        if T != 1 or lay is None or traced_or_recorded(q) or traced_or_recorded(pool):
+            return self.sdpa(q, pool, idx, batch, window, scale)
+        out = paged_decode(q.view(B, H, D), pool, idx.page_table, lay.first, lay.n_keys, batch.positions[:, 0],
+                           lay.page_size, window, scale)
+        return out.view(B, 1, H, D)
+
+    def check_page_size(self, page_size: int) -> None:
+        return None
+
+
 VarlenKernel = Callable[..., torch.Tensor]
 
 
@@ -168,6 +200,15 @@ def flash_unsuitable(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 Capability = Callable[[torch.device], tuple[int, int]]
 
 
+def cpu_paged_unsuitable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the CPU decode kernel cannot run this layer, or None when it can (its build aside)."""
+    if device.type != "cpu":
+        return f"it runs on the CPU (device is {device.type})"
+    if dtype != torch.float32:
+        return f"it computes in float32 (model dtype is {str(dtype).removeprefix('torch.')})"
+    return None
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA device: (9, 0) for sm90."""
     return torch.cuda.get_device_capability(device)
@@ -195,15 +236,27 @@ def note_once(message: str) -> None:
 def select_backend(requested: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                    importer: Callable[[], VarlenKernel | None] = _import_flash,
                    capability: Capability = cuda_capability,
-                   note: Callable[[str], None] = note_once) -> PagedAttentionBackend:
-    """`auto`: vllm_flash_attn when it imports and suits the layer and the GPU, else SDPA (with a
-    `note` when only the GPU model is in the way). `vllm_flash_attn`: that kernel or a clear
-    error. `sdpa`: always SDPA. `capability` answers the device's compute capability."""
+                   note: Callable[[str], None] = note_once,
+                   native: Callable[[], str | None] = cpu_paged_unavailable) -> PagedAttentionBackend:
+    """`auto`: vllm_flash_attn when it imports and suits the layer and the GPU; on the CPU,
+    cpu_paged for float32 when its kernel builds here (`native` answers why not, then a `note`);
+    else SDPA (with a `note` when only the GPU model is in the way). `vllm_flash_attn`,
+    `cpu_paged`: that kernel or a clear error. `sdpa`: always SDPA. `capability` answers the
+    device's compute capability."""
     if requested not in BACKENDS:
         raise HyraxInputError(f"attention backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
     if requested == "sdpa":
         return SdpaPaged()
     device = torch.device(device)
+    if requested == "cpu_paged" or (requested == "auto" and device.type == "cpu"):
+        why = cpu_paged_unsuitable(device, dtype) or native()
+        if why is None:
+            return CpuPaged()
+        if requested == "cpu_paged":
+            raise HyraxInputError(f"the cpu_paged attention backend cannot be used: {why}")
+        if dtype == torch.float32:  # the kernel would suit this model: say why it is not used
+            note(f"note: decode attention uses SDPA: {why}")
+        return SdpaPaged()
     why = flash_unsuitable(device, dtype, head_dim)
     kernel = importer() if why is None else None
     gpu = flash_gpu_unsupported(capability(device)) if kernel is not None else None
