@@ -18,6 +18,7 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.families import weight_namer
 from hyrax.actors.model.gemm_rows import plan_rows
+from hyrax.actors.model.ssd_readout import plan_readouts
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.no_init import weights_left_uninitialised
 from hyrax.actors.model.norm import AllReduce, identity_allreduce
@@ -41,7 +42,8 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     """The model in `path` for TP rank `tp`, on `device`; `captured_decode` (CAPTURE_MODES):
     how its decode-only steps run (captured_decode.py; "off": eager like every other step).
     `row_plans`: a CPU model's linear layers run products of few rows by their measured row
-    plans (gemm_rows.py); off, every product is plain - a pure function of its inputs on any
+    plans (gemm_rows.py), its SSD decode readouts in their measured form (ssd_readout.py); off,
+    every product is plain - a pure function of its inputs on any
     process, which deterministic mode asks for (plans are measured per process)."""
     p = Path(path)
     cfg = ModelConfig.from_dir(p)
@@ -93,6 +95,7 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     model = model.to(device)
     if row_plans and torch.device(device).type == "cpu":  # products of few rows run the BLAS's fastest way
         plan_rows(model)
+        plan_readouts(model)  # and the SSD decode readout the form this CPU runs faster
     capture_decode(model, captured_decode, device)
     return model
 

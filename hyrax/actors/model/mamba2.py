@@ -94,6 +94,7 @@ class Mamba2Mixer(nn.Module):
         self.allreduce = allreduce
         row_bytes = nh * cfg.mamba_d_head * cfg.mamba_d_state * torch.empty((), dtype=ssm_dtype(dtype)).element_size()
         self.rows_in_place = row_bytes >= ROWS_IN_PLACE_MIN_BYTES  # see ROWS_IN_PLACE_MIN_BYTES
+        self.readout_transposed = False  # the decode readout's form: ssd_readout.plan_readouts measures it
         # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
         scales = _section_scales(cfg)
         self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
@@ -142,7 +143,7 @@ class Mamba2Mixer(nn.Module):
             if self.rows_in_place and rows_on_host(ssm_pool, xs, dt):
                 y = ssd_step_rows_(ssm_pool, ssm_slots.tolist(), *step)[:, None]
             else:
-                y, new_state = ssd_step(ssm_pool.index_select(0, ssm_slots), *step)
+                y, new_state = ssd_step(ssm_pool.index_select(0, ssm_slots), *step, self.readout_transposed)
                 index_copy_rows_(ssm_pool, ssm_slots, new_state)
                 y = y[:, None]
         else:

@@ -35,7 +35,7 @@ def _heads_from_groups(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def ssd_step(
     state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-    Bm: torch.Tensor, Cm: torch.Tensor, D: torch.Tensor,
+    Bm: torch.Tensor, Cm: torch.Tensor, D: torch.Tensor, transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence. Updates `state` IN PLACE (pass a copy to keep the old
     one: the model passes the rows it gathered from its pool) and returns it.
@@ -55,10 +55,13 @@ def ssd_step(
     s = state.view(Bsz, G, R, P, N)
     s.mul_(decay_exp(dt * A).view(Bsz, G, R, 1, 1))
     s.addcmul_((dt[:, :, None] * x).view(Bsz, G, R, P, 1), Bm.to(f).view(Bsz, G, 1, 1, N))
-    # y = S . C per group as one batched matrix-vector product (B*G, R*P, N) @ (B*G, N, 1).
-    # Measured (torch 2.13, MKL 2024.2, one thread): 16 x (256, 32) 62 us, 2 x (768, 64) 46 us;
-    # the transposed form (C^T @ S^T)^T, which ran faster on an earlier build, takes 345 and 134
-    y = torch.bmm(state.view(Bsz * G, R * P, N), Cm.to(f).reshape(Bsz * G, N, 1)).view(Bsz, H, P)
+    # y = S . C per group as one batched matrix-vector product (B*G, R*P, N) @ (B*G, N, 1), or
+    # `transposed`, (C^T @ S^T)^T: which is faster depends on the CPU (ssd_readout.py measures it)
+    S = state.view(Bsz * G, R * P, N)
+    if transposed and Bsz * G > 1:
+        y = torch.bmm(Cm.to(f).reshape(Bsz * G, 1, N), S.transpose(1, 2)).view(Bsz, H, P)
+    else:
+        y = torch.bmm(S, Cm.to(f).reshape(Bsz * G, N, 1)).view(Bsz, H, P)
     return y + D[None, :, None] * x, state
 
 
