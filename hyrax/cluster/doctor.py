@@ -1,7 +1,7 @@
 """`hyrax doctor [--json]`: check what this installation can run, one line per check.
 
-Checks: torch and CUDA versions; the attention backend each dtype would get; the CPU decode
-kernel (built here) against SDPA (demo model, greedy tokens); the vllm_flash_attn kernel against SDPA (demo model, greedy tokens); NCCL broadcast and
+Checks: torch and CUDA versions; the attention backend each dtype would get; the CPU's C
+kernels (built here; decode attention against SDPA, demo model, greedy tokens); the vllm_flash_attn kernel against SDPA (demo model, greedy tokens); NCCL broadcast and
 all-reduce across two GPUs; a backup/restore round trip through pinned host buffers with
 checksums; the demo model's greedy tokens on CUDA against the CPU. A check that needs what
 this machine lacks says so and is skipped; the exit status is 1 only when a check fails.
@@ -82,18 +82,21 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
     return sum(x == y for x, y in pairs), len(pairs)
 
 
-def check_cpu_kernel(m: Machine) -> Check:
-    """The CPU decode kernel (cpu_paged) builds here and decodes the demo model as SDPA does."""
-    from hyrax.actors.model.paged_decode import available
+def check_cpu_kernels(m: Machine) -> Check:
+    """The CPU's C kernels build here (native.py), and the decode attention kernel (cpu_paged)
+    decodes the demo model as SDPA does."""
+    from hyrax.actors.model.paged_decode import available as attention_why
+    from hyrax.actors.model.ssd_scan import available as scan_why
 
-    why = available()
-    if why is not None:
-        return Check("cpu decode kernel", WARN, f"not built, decode attention uses SDPA: {why}")
+    missing = {name: why() for name, why in (("paged_decode", attention_why), ("ssd_scan", scan_why)) if why()}
+    if missing:
+        return Check("cpu kernels", WARN, "not built, torch runs instead: "
+                     + "; ".join(f"{name}: {why}" for name, why in missing.items()))
     kernel = demo_greedy("cpu", dtype="float32", attention_backend="cpu_paged", deterministic=False)
     sdpa = demo_greedy("cpu", dtype="float32", attention_backend="sdpa", deterministic=False)
     same, total = _agreement(kernel, sdpa)
-    return Check("cpu decode kernel", OK if same == total else WARN,
-                 f"demo model, float32, greedy, batched: {same}/{total} tokens equal to sdpa")
+    return Check("cpu kernels", OK if same == total else WARN, "paged_decode and ssd_scan built; demo model, "
+                 f"float32, greedy, batched: {same}/{total} tokens through cpu_paged equal to sdpa")
 
 
 def check_flash_vs_sdpa(m: Machine) -> Check:
@@ -182,7 +185,7 @@ def check_demo_cuda_vs_cpu(m: Machine) -> Check:
 
 
 CHECKS: tuple[Callable[[Machine], Check], ...] = (
-    check_versions, check_attention_backends, check_cpu_kernel, check_flash_vs_sdpa, check_nccl,
+    check_versions, check_attention_backends, check_cpu_kernels, check_flash_vs_sdpa, check_nccl,
     check_backup_round_trip, check_demo_cuda_vs_cpu,
 )
 
@@ -201,7 +204,7 @@ def run_checks(machine: Machine, checks: tuple[Callable[[Machine], Check], ...])
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="check this installation (torch, CUDA, kernels, NCCL, backups)",
                        description="Check what this installation can run, one line per check: torch and CUDA "
-                                   "versions, the attention backend each dtype gets, the CPU decode kernel and the "
+                                   "versions, the attention backend each dtype gets, the CPU's C kernels and the "
                                    "flash-attention kernel "
                                    "against SDPA, NCCL across two GPUs, a backup/restore round trip through host "
                                    "buffers, and the demo model on CUDA against the CPU. A check this machine "

@@ -17,14 +17,14 @@ def test_without_cuda_it_runs_what_it_can_skips_the_rest_and_exits_0(capsys):
     assert cli_main(["doctor", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     checks = {c["name"]: c for c in map(json.loads, lines)}
-    assert list(checks) == ["versions", "attention backend", "cpu decode kernel", "flash vs sdpa", "nccl",
+    assert list(checks) == ["versions", "attention backend", "cpu kernels", "flash vs sdpa", "nccl",
                             "backup round trip", "demo cuda vs cpu"]
     assert checks["versions"]["detail"].startswith("torch ")
     cpu_f32 = "cpu_paged" if cpu_paged_unavailable() is None else "sdpa"
     assert checks["attention backend"]["detail"].startswith(f"on cpu: bfloat16=sdpa, float16=sdpa, float32={cpu_f32}")
     if cpu_paged_unavailable() is None:
-        assert checks["cpu decode kernel"]["status"] == "ok", checks["cpu decode kernel"]
-        assert checks["cpu decode kernel"]["detail"].endswith("48/48 tokens equal to sdpa")
+        assert checks["cpu kernels"]["status"] == "ok", checks["cpu kernels"]
+        assert checks["cpu kernels"]["detail"].endswith("48/48 tokens through cpu_paged equal to sdpa")
     assert checks["backup round trip"]["status"] == "ok" and "checksums match" in checks["backup round trip"]["detail"]
     skipped = {n: c["detail"] for n, c in checks.items() if c["status"] == "skip"}
     assert skipped == {"flash vs sdpa": "no CUDA device", "nccl": "needs 2 GPUs, found 0",

@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
         for mixer in self.mixers:
             if mixer == "mamba2":
-                self.mamba = Mamba2Mixer(cfg, tp, local_index(mamba2.CONV), dtype, allreduce)
+                self.mamba = Mamba2Mixer(cfg, tp, local_index(mamba2.CONV), dtype, allreduce, device)
             elif mixer == "gated_deltanet":
                 self.linear_attn = GatedDeltaNet(cfg, tp, local_index(gated_deltanet.CONV), dtype, allreduce)
             else:

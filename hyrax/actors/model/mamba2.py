@@ -23,6 +23,8 @@ from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.ssd import ssd_chunked, ssd_states_at, ssd_step, ssd_step_rows_
+from hyrax.actors.model.ssd_scan import available as scan_unavailable
+from hyrax.actors.model.ssd_scan import ssd_scan_rows_
 
 
 CONV, SSM = "mamba_conv", "mamba_ssm"  # the state components a Mamba2 layer keeps
@@ -62,7 +64,8 @@ def _section_scales(cfg: ModelConfig) -> torch.Tensor | None:
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TP, local_layer: int, dtype: torch.dtype, allreduce: AllReduce):
+    def __init__(self, cfg: ModelConfig, tp: TP, local_layer: int, dtype: torch.dtype, allreduce: AllReduce,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         self.cfg = cfg
         self.local_layer = local_layer
@@ -95,6 +98,8 @@ class Mamba2Mixer(nn.Module):
         row_bytes = nh * cfg.mamba_d_head * cfg.mamba_d_state * torch.empty((), dtype=ssm_dtype(dtype)).element_size()
         self.rows_in_place = row_bytes >= ROWS_IN_PLACE_MIN_BYTES  # see ROWS_IN_PLACE_MIN_BYTES
         self.readout_transposed = False  # the decode readout's form: ssd_readout.plan_readouts measures it
+        # prefill steps' recurrence through the C scan (ssd_scan.py) on the CPU, where it builds
+        self.native_scan = torch.device(device).type == "cpu" and scan_unavailable() is None
         # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
         scales = _section_scales(cfg)
         self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
@@ -146,6 +151,12 @@ class Mamba2Mixer(nn.Module):
                 y, new_state = ssd_step(ssm_pool.index_select(0, ssm_slots), *step, self.readout_transposed)
                 index_copy_rows_(ssm_pool, ssm_slots, new_state)
                 y = y[:, None]
+        elif self.native_scan and ssm_pool.dtype == torch.float32 and rows_on_host(ssm_pool, xs, dt):
+            dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
+            y, at = ssd_scan_rows_(ssm_pool, ssm_slots, xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
+                                   Cm.view(B, T, G, N), self.D, None if cap is None else (cap.rows, cap.lens))
+            if cap is not None:  # the state at each capture point, recorded as the scan passed it
+                pools[cap.into[SSM]][self.local_layer].index_copy_(0, cap.slots[SSM], at)
         else:
             state = ssm_pool.index_select(0, ssm_slots)
             dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged

@@ -108,6 +108,24 @@ def load(name: str) -> ctypes.CDLL:
         raise NativeUnavailable(f"{lib.name} does not load: {e}") from e
 
 
+def function(name: str, symbol: str, argtypes: list, restype=ctypes.c_int):
+    """`symbol` of the library built from kernels/`name`.c, with its C signature declared;
+    raises NativeUnavailable."""
+    fn = getattr(load(name), symbol)
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def unavailable(name: str) -> str | None:
+    """None when kernels/`name`.c builds and loads here, else why not."""
+    try:
+        load(name)
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
 def _fallback_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"hyrax-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 

@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from hyrax.actors.model.native import NativeUnavailable, load
+from hyrax.actors.model.native import function, unavailable
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ERRORS = {-1: "a visible key lies on a page the request does not hold",
@@ -19,20 +19,13 @@ _ERRORS = {-1: "a visible key lies on a page the request does not hold",
 
 def kernel():
     """The C function (built on first use); raises NativeUnavailable."""
-    fn = load("paged_decode").hyrax_paged_decode_f32
-    if fn.argtypes is None:
-        fn.argtypes = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32]
-        fn.restype = ctypes.c_int
-    return fn
+    return function("paged_decode", "hyrax_paged_decode_f32",
+                    [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32])
 
 
 def available() -> str | None:
     """None when the kernel builds and loads here, else why not."""
-    try:
-        kernel()
-    except NativeUnavailable as e:
-        return str(e)
-    return None
+    return unavailable("paged_decode")
 
 
 def paged_decode(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first: torch.Tensor | None,
