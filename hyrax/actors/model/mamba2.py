@@ -18,6 +18,8 @@ from hyrax.actors.model import sharding
 from hyrax.actors.model.batch import ForwardBatch
 from hyrax.actors.model.components import ComponentSpec, recurrent_pair, ssm_dtype
 from hyrax.actors.model.config import ModelConfig
+from hyrax.actors.model.causal_conv_rows import available as conv_unavailable
+from hyrax.actors.model.causal_conv_rows import causal_conv_rows_
 from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
@@ -98,8 +100,9 @@ class Mamba2Mixer(nn.Module):
         row_bytes = nh * cfg.mamba_d_head * cfg.mamba_d_state * torch.empty((), dtype=ssm_dtype(dtype)).element_size()
         self.rows_in_place = row_bytes >= ROWS_IN_PLACE_MIN_BYTES  # see ROWS_IN_PLACE_MIN_BYTES
         self.readout_transposed = False  # the decode readout's form: ssd_readout.plan_readouts measures it
-        # prefill steps' recurrence through the C scan (ssd_scan.py) on the CPU, where it builds
-        self.native_scan = torch.device(device).type == "cpu" and scan_unavailable() is None
+        # on the CPU, where they build: the prefill steps' recurrence through the C scan (ssd_scan.py)
+        # and every step's convolution through the C one (causal_conv_rows.py)
+        self.native_scan = torch.device(device).type == "cpu" and (scan_unavailable() or conv_unavailable()) is None
         # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
         scales = _section_scales(cfg)
         self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
@@ -139,7 +142,10 @@ class Mamba2Mixer(nn.Module):
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
         if cap is not None:  # the conv inputs up to each capture point, before the slots move on
             capture_conv_states(pools[cap.into[CONV]][self.local_layer], CONV, conv_pool, conv_slots, xbc, cap)
-        xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
+        if self.native_scan and xbc.dtype == conv_pool.dtype == torch.float32 and rows_on_host(conv_pool, xbc):
+            xbc = causal_conv_rows_(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
+        else:
+            xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xbc.split([self.inner, G * N, G * N], dim=-1)
 
         dt, A = self.discretize(dt, ssm_pool.dtype)

@@ -1,0 +1,62 @@
+/* The depthwise causal convolution of a Mamba2 layer over a step, on the pool's conv state
+   rows in place (float32, CPU).
+
+   Sequence b's window is its state row pool[rows[b]] ((C, K-1): the K-1 inputs before the
+   step) followed by its T inputs x[b, t, :]. out[b, t, c] = sum_k taps[k][c] w_c(t + k) +
+   bias[c], the taps added in order k = 0 .. K-1, then the bias (the order torch's path adds
+   them in). The row is left holding the K-1 inputs that end at token q_lens[b] - 1 (the
+   padding after it is not part of the window). x: token t of sequence b at
+   x + b * x_seq + t * x_tok, its C channels contiguous.
+
+   Returns 0, or -1 when a row lies outside the pool (nothing is written then), -3 when the
+   scratch cannot be allocated. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int hyrax_causal_conv_f32(float *pool, int64_t pool_rows, const int64_t *rows, const float *x, int64_t x_seq,
+                          int64_t x_tok, const int64_t *q_lens, const float *taps, const float *bias, float *out,
+                          int64_t B, int64_t T, int64_t C, int64_t K) {
+    for (int64_t b = 0; b < B; b++)
+        if (rows[b] < 0 || rows[b] >= pool_rows)
+            return -1;
+    const int64_t keep = K - 1;
+    /* the window's first K-1 inputs, transposed to (K-1, C) so that channels are contiguous */
+    float *head = malloc(sizeof(float) * (size_t)((keep > 0 ? keep : 1) * C));
+    if (!head)
+        return -3;
+    for (int64_t b = 0; b < B; b++) {
+        float *S = pool + rows[b] * C * keep;
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t j = 0; j < keep; j++)
+                head[j * C + c] = S[c * keep + j];
+        const float *xb = x + b * x_seq;
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + (b * T + t) * C;
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t at = t + k; /* position in the window */
+                const float *w = at < keep ? head + at * C : xb + (at - keep) * x_tok;
+                const float *tap = taps + k * C;
+                if (k == 0)
+                    for (int64_t c = 0; c < C; c++)
+                        o[c] = w[c] * tap[c];
+                else
+                    for (int64_t c = 0; c < C; c++)
+                        o[c] += w[c] * tap[c];
+            }
+            if (bias)
+                for (int64_t c = 0; c < C; c++)
+                    o[c] += bias[c];
+        }
+        /* the new state: window positions q_len .. q_len + K - 2 */
+        const int64_t q = q_lens[b];
+        for (int64_t j = 0; j < keep; j++) {
+            const int64_t at = q + j;
+            const float *w = at < keep ? head + at * C : xb + (at - keep) * x_tok;
+            for (int64_t c = 0; c < C; c++)
+                S[c * keep + j] = w[c];
+        }
+    }
+    free(head);
+    return 0;
+}
