@@ -77,7 +77,7 @@ def test_a_model_through_the_c_scan_decodes_what_the_torch_scan_decodes(layout, 
         model = copy.deepcopy(tiny_model(layout))
         mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
         for m in mixers:
-            m.native_scan = native
+            m.native_kernels = native
         engine = make_engine(model, deterministic=False, forced_retraction_interval=4)
         prompts = [[(3 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((4, 19, 11, 30, 26))]
         outs.append(run_requests(engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True)))

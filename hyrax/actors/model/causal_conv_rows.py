@@ -11,7 +11,7 @@ import ctypes
 import torch
 from torch import nn
 
-from hyrax.actors.model.native import function, unavailable
+from hyrax.actors.model.native import ROW_KERNEL_ERRORS, distinct_rows, function, raise_for, unavailable
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -42,14 +42,12 @@ def causal_conv_rows_(x: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, q
                          f"got {pool.dtype} {tuple(pool.shape)}")
     if rows.shape != (B,) or rows.dtype != torch.int64 or q_lens.shape != (B,) or weight.shape != (C, 1, K):
         raise ValueError("causal_conv: inputs of mismatched shapes")
-    if torch.unique(rows).numel() != B:
-        raise ValueError("causal_conv: two sequences of a step share a state row")
+    distinct_rows(rows, "causal_conv")
     taps = weight[:, 0].t().to(torch.float32).contiguous()  # (K, C)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     rows, q_lens = rows.contiguous(), q_lens.to(torch.int64).contiguous()
     out = torch.empty(B, T, C, dtype=torch.float32)
     rc = kernel()(pool.data_ptr(), pool.shape[0], rows.data_ptr(), x.data_ptr(), x.stride(0), x.stride(1),
                   q_lens.data_ptr(), taps.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), B, T, C, K)
-    if rc:
-        raise RuntimeError("causal_conv: a state row lies outside the pool" if rc == -1 else "causal_conv: no memory")
+    raise_for(rc, "causal_conv", ROW_KERNEL_ERRORS)
     return nn.functional.silu(out, inplace=True)

@@ -102,7 +102,7 @@ class Mamba2Mixer(nn.Module):
         self.readout_transposed = False  # the decode readout's form: ssd_readout.plan_readouts measures it
         # on the CPU, where they build: the prefill steps' recurrence through the C scan (ssd_scan.py)
         # and every step's convolution through the C one (causal_conv_rows.py)
-        self.native_scan = torch.device(device).type == "cpu" and (scan_unavailable() or conv_unavailable()) is None
+        self.native_kernels = torch.device(device).type == "cpu" and (scan_unavailable() or conv_unavailable()) is None
         # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
         scales = _section_scales(cfg)
         self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
@@ -142,7 +142,7 @@ class Mamba2Mixer(nn.Module):
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
         if cap is not None:  # the conv inputs up to each capture point, before the slots move on
             capture_conv_states(pools[cap.into[CONV]][self.local_layer], CONV, conv_pool, conv_slots, xbc, cap)
-        if self.native_scan and xbc.dtype == conv_pool.dtype == torch.float32 and rows_on_host(conv_pool, xbc):
+        if self.native_kernels and xbc.dtype == conv_pool.dtype == torch.float32 and rows_on_host(conv_pool, xbc):
             xbc = causal_conv_rows_(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
         else:
             xbc = causal_conv_step(xbc, conv_pool, conv_slots, batch.q_lens, self.conv1d.weight, self.conv1d.bias)
@@ -157,7 +157,7 @@ class Mamba2Mixer(nn.Module):
                 y, new_state = ssd_step(ssm_pool.index_select(0, ssm_slots), *step, self.readout_transposed)
                 index_copy_rows_(ssm_pool, ssm_slots, new_state)
                 y = y[:, None]
-        elif self.native_scan and ssm_pool.dtype == torch.float32 and rows_on_host(ssm_pool, xs, dt):
+        elif self.native_kernels and ssm_pool.dtype == torch.float32 and rows_on_host(ssm_pool, xs, dt):
             dt = dt * batch.q_valid[..., None]  # padding: dt = 0 leaves the state unchanged
             y, at = ssd_scan_rows_(ssm_pool, ssm_slots, xs.view(B, T, self.nh, P), dt, A, Bm.view(B, T, G, N),
                                    Cm.view(B, T, G, N), self.D, None if cap is None else (cap.rows, cap.lens))

@@ -30,6 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 SOURCES = Path(__file__).parent / "kernels"
 FLAGS = ("-O3", "-march=native", "-std=gnu99", "-fPIC", "-shared")
 BUILD_TIMEOUT_S = 120.0
@@ -124,6 +126,22 @@ def unavailable(name: str) -> str | None:
     except NativeUnavailable as e:
         return str(e)
     return None
+
+
+# the return codes of the kernels that update pool rows in place (ssd_scan.c, causal_conv.c)
+ROW_KERNEL_ERRORS = {-1: "a state row lies outside the pool", -3: "no memory for the kernel's scratch"}
+
+
+def distinct_rows(rows: torch.Tensor, what: str) -> None:
+    """A kernel that updates pool rows in place needs each sequence's row to be its own."""
+    if torch.unique(rows).numel() != rows.numel():
+        raise ValueError(f"{what}: two sequences of a step share a state row")
+
+
+def raise_for(rc: int, what: str, errors: dict[int, str]) -> None:
+    """A kernel's nonzero return code as the error it stands for (`errors`: code -> message)."""
+    if rc:
+        raise RuntimeError(f"{what}: {errors.get(rc, f'error {rc}')}")
 
 
 def _fallback_dir() -> Path:

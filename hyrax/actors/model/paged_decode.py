@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from hyrax.actors.model.native import function, unavailable
+from hyrax.actors.model.native import function, raise_for, unavailable
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ERRORS = {-1: "a visible key lies on a page the request does not hold",
@@ -57,6 +57,5 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first
     out = torch.empty(B, H, D, dtype=torch.float32)
     rc = kernel()(q.data_ptr(), pool.data_ptr(), rows, table.data_ptr(), table.shape[1], first.data_ptr(),
                   n_keys.data_ptr(), qpos.data_ptr(), out.data_ptr(), B, H, G, D, page_size, window or 0, scale)
-    if rc:
-        raise RuntimeError(f"paged_decode: {_ERRORS.get(rc, f'error {rc}')}")
+    raise_for(rc, "paged_decode", _ERRORS)
     return out

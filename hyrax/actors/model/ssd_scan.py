@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from hyrax.actors.model.native import function, unavailable
+from hyrax.actors.model.native import ROW_KERNEL_ERRORS, distinct_rows, function, raise_for, unavailable
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -48,8 +48,7 @@ def ssd_scan_rows_(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, dt: 
     if H % G or dt.shape != (Bsz, T, H) or Bm.shape != Cm.shape or Bm.shape[:2] != (Bsz, T) or A.shape != (H,) \
             or D.shape != (H,) or rows.shape != (Bsz,) or rows.dtype != torch.int64:
         raise ValueError("ssd_scan: inputs of mismatched shapes")
-    if torch.unique(rows).numel() != Bsz:
-        raise ValueError("ssd_scan: two sequences of a step share a state row")
+    distinct_rows(rows, "ssd_scan")
     tensors = (pool, rows, x, dt, A, Bm, Cm, D) + (captures or ())
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("ssd_scan: every tensor must be on the CPU")
@@ -67,6 +66,5 @@ def ssd_scan_rows_(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, dt: 
                   f32[5].data_ptr(), y.data_ptr(), Bsz, T, H, G, P, N, n_cap,
                   None if seqs is None else seqs.data_ptr(), None if lens is None else lens.data_ptr(),
                   None if out is None else out.data_ptr())
-    if rc:
-        raise RuntimeError("ssd_scan: a state row lies outside the pool")
+    raise_for(rc, "ssd_scan", ROW_KERNEL_ERRORS)
     return y, out
