@@ -85,17 +85,18 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
 def check_cpu_kernels(m: Machine) -> Check:
     """The CPU's C kernels build here (native.py), and the decode attention kernel (cpu_paged)
     decodes the demo model as SDPA does."""
-    from hyrax.actors.model.paged_decode import available as attention_why
-    from hyrax.actors.model.ssd_scan import available as scan_why
+    from hyrax.actors.model import causal_conv_rows, mamba2_decode, paged_decode, ssd_scan
 
-    missing = {name: why() for name, why in (("paged_decode", attention_why), ("ssd_scan", scan_why)) if why()}
+    kernels = {"paged_decode": paged_decode, "ssd_scan": ssd_scan, "causal_conv": causal_conv_rows,
+               "mamba2_decode": mamba2_decode}
+    missing = {name: module.available() for name, module in kernels.items() if module.available()}
     if missing:
         return Check("cpu kernels", WARN, "not built, torch runs instead: "
                      + "; ".join(f"{name}: {why}" for name, why in missing.items()))
     kernel = demo_greedy("cpu", dtype="float32", attention_backend="cpu_paged", deterministic=False)
     sdpa = demo_greedy("cpu", dtype="float32", attention_backend="sdpa", deterministic=False)
     same, total = _agreement(kernel, sdpa)
-    return Check("cpu kernels", OK if same == total else WARN, "paged_decode and ssd_scan built; demo model, "
+    return Check("cpu kernels", OK if same == total else WARN, f"{', '.join(kernels)} built; demo model, "
                  f"float32, greedy, batched: {same}/{total} tokens through cpu_paged equal to sdpa")
 
 

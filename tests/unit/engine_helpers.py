@@ -126,6 +126,25 @@ def run_requests(engine: Engine, prompts: list[list[int]], params: SamplingParam
 
 
 @functools.lru_cache(maxsize=None)
+def mixer_switch_outputs(layout: str, switch: str) -> list:
+    """Greedy outputs of the tiny model, with every Mamba2 mixer's boolean attribute `switch`
+    (which chooses a CPU kernel or the torch path) off, then on: chunked prefill, mixed and
+    decode steps, forced retraction. Returns [outputs off, outputs on]."""
+    from hyrax.actors.model.mamba2 import Mamba2Mixer
+
+    outs = []
+    for on in (False, True):
+        model = copy.deepcopy(tiny_model(layout))
+        for m in model.modules():
+            if isinstance(m, Mamba2Mixer):
+                assert getattr(m, switch), f"{switch} is off here: the test would compare the torch path with itself"
+                setattr(m, switch, on)
+        engine = make_engine(model, deterministic=False, forced_retraction_interval=4)
+        prompts = [[(3 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((4, 19, 11, 30, 26))]
+        outs.append(run_requests(engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True)))
+    return outs
+
+
 def _reference(layout: str, dtype: torch.dtype, prompts: tuple[tuple[int, ...], ...], max_tokens: int,
                deterministic: bool) -> tuple[tuple[int, ...], ...]:
     e = make_engine(tiny_model(layout, dtype), deterministic=deterministic)

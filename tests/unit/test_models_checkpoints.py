@@ -92,7 +92,7 @@ def checkpoint(request, tmp_path_factory):
     return path, hf, ps, [hff.hf_generate(hf, p) for p in ps]
 
 
-@pytest.mark.parametrize("chunks", [[21], [8, 5, 8]], ids=["one_chunk", "chunked"])
+@pytest.mark.parametrize("chunks", [[21], [8, 5, 8], [16, 1, 1, 1, 1, 1]], ids=["one_chunk", "chunked", "decode_steps"])
 def test_teacher_forced_logits_match_transformers(checkpoint, chunks):
     path, hf, _, _ = checkpoint
     ids = hff.prompts((21,))[0]

@@ -51,6 +51,7 @@ def test_logits_match_transformers_chunked_and_at_tp2(variant):
     _, path, hf = variant
     ids = hff.prompts((21,))[0]
     assert hff.teacher_forced_max_diff(path, hf, ids, [8, 5, 8]) < 1e-4
+    assert hff.teacher_forced_max_diff(path, hf, ids, [16, 1, 1, 1, 1, 1]) < 1e-4  # decode steps
     ref = hff.hf_logits(hf, ids)
     for logits in hff.rank_logits(path, 2, ids, [8, 13]):
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)

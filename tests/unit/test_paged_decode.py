@@ -154,19 +154,31 @@ def test_a_failing_build_says_what_the_compiler_said(monkeypatch, tmp_path):
 
 
 @needs_kernel
-def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv("HYRAX_KERNEL_CACHE", str(tmp_path))
+def test_a_build_is_kept_and_reused_until_a_header_it_includes_changes(monkeypatch, tmp_path):
+    """Another process on the same machine loads the library built before; the cache key
+    covers the headers a source includes, not only the source itself."""
+    import shutil
+
+    sources, cache = tmp_path / "kernels", tmp_path / "cache"
+    shutil.copytree(native.SOURCES, sources)
+    monkeypatch.setattr(native, "SOURCES", sources)
+    monkeypatch.setenv("HYRAX_KERNEL_CACHE", str(cache))
     builds = []
     real = native._build
     monkeypatch.setattr(native, "_build", lambda *a: (builds.append(a), real(*a)))
     native.load.cache_clear()
     try:
-        native.load("paged_decode")
+        native.load("ssd_scan")
         native.load.cache_clear()  # another process: same machine, same cache
-        native.load("paged_decode")
+        native.load("ssd_scan")
+        assert len(builds) == 1 and len(list(cache.glob("ssd_scan-*.so"))) == 1
+        with open(sources / "rows.h", "a") as f:
+            f.write("/* changed */\n")
+        native.load.cache_clear()
+        native.load("ssd_scan")
     finally:
         native.load.cache_clear()
-    assert len(builds) == 1 and len(list(tmp_path.glob("paged_decode-*.so"))) == 1
+    assert len(builds) == 2 and len(list(cache.glob("ssd_scan-*.so"))) == 2
 
 
 def test_auto_picks_the_cpu_kernel_for_float32_on_the_cpu_and_says_why_not_otherwise():

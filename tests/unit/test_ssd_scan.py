@@ -2,14 +2,10 @@
 pool rows, with captures part-way; its refusals; and a model through it equals the torch scan."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from engine_helpers import make_engine, run_requests, tiny_model
-from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.model.mamba2 import Mamba2Mixer
+from engine_helpers import mixer_switch_outputs
 from hyrax.actors.model.ssd import ssd_sequential
 from hyrax.actors.model.ssd_scan import available, ssd_scan_rows_
 from test_ssd import inputs
@@ -72,14 +68,6 @@ def test_a_model_through_the_c_scan_decodes_what_the_torch_scan_decodes(layout, 
     calls = []
     real = mamba2.ssd_scan_rows_
     monkeypatch.setattr(mamba2, "ssd_scan_rows_", lambda *a: (calls.append(a[2].shape[1]), real(*a))[1])
-    outs = []
-    for native in (False, True):
-        model = copy.deepcopy(tiny_model(layout))
-        mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
-        for m in mixers:
-            m.native_kernels = native
-        engine = make_engine(model, deterministic=False, forced_retraction_interval=4)
-        prompts = [[(3 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((4, 19, 11, 30, 26))]
-        outs.append(run_requests(engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True)))
+    outs = mixer_switch_outputs(layout, "native_kernels")
     assert calls and max(calls) > 1
     assert outs[0] == outs[1]

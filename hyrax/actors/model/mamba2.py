@@ -21,6 +21,8 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.causal_conv_rows import available as conv_unavailable
 from hyrax.actors.model.causal_conv_rows import causal_conv_rows_
 from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
+from hyrax.actors.model.mamba2_decode import available as decode_unavailable
+from hyrax.actors.model.mamba2_decode import DecodeWeights, decode_weights, mamba2_decode_rows_
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
@@ -103,6 +105,11 @@ class Mamba2Mixer(nn.Module):
         # on the CPU, where they build: the prefill steps' recurrence through the C scan (ssd_scan.py)
         # and every step's convolution through the C one (causal_conv_rows.py)
         self.native_kernels = torch.device(device).type == "cpu" and (scan_unavailable() or conv_unavailable()) is None
+        # and its decode steps through the C one from in_proj's output to out_proj's input
+        # (mamba2_decode.py), where its norm is one the kernel has
+        self.native_decode = torch.device(device).type == "cpu" and self._decode_norm() is not None \
+            and decode_unavailable() is None
+        self._decode_weights: tuple[tuple, DecodeWeights] | None = None  # (parameter versions, weights)
         # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
         scales = _section_scales(cfg)
         self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
@@ -114,6 +121,28 @@ class Mamba2Mixer(nn.Module):
             "dt_bias": (0, self.heads), "A_log": (0, self.heads), "D": (0, self.heads),
             "norm.weight": (0, self.inner_ch), "out_proj.weight": (1, self.inner_ch),
         }
+
+    def _decode_norm(self) -> tuple[str, int] | None:
+        """The decode kernel's norm mode and group size for this layer's norm, None where it has
+        none (a group split across TP ranks needs an all-reduce inside the norm)."""
+        if isinstance(self.norm, SiluGate):
+            return "gate_only", self.inner
+        n = self.norm
+        if n.split or self.inner % n.group_size or n.first % n.group_size:
+            return None
+        return ("norm_then_gate" if n.norm_first else "gate_then_norm"), n.group_size
+
+    def decode_weights(self) -> DecodeWeights:
+        """The parameters as the decode kernel reads them, remade when one of them changed."""
+        params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                  getattr(self.norm, "weight", None))
+        key = tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
+        if self._decode_weights is None or self._decode_weights[0] != key:
+            mode, group = self._decode_norm()
+            w = decode_weights(*params[:5], self.cfg.time_step_limit, params[5], getattr(self.norm, "eps", 0.0),
+                               group, mode)
+            self._decode_weights = (key, w)
+        return self._decode_weights[1]
 
     def discretize(self, dt: torch.Tensor, state_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """dt: (..., H) in_proj's dt section, in the model dtype -> (dt, A): the step sizes
@@ -137,6 +166,10 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(x)
         if self.in_scale is not None:
             zxbcdt = zxbcdt * self.in_scale
+        if T == 1 and self.native_decode and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
+                and rows_on_host(conv_pool, zxbcdt) and rows_on_host(ssm_pool, zxbcdt):
+            y = mamba2_decode_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, self.decode_weights())
+            return self.allreduce(self.out_proj(y))
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.nh], dim=-1)
 
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice

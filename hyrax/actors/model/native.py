@@ -10,7 +10,7 @@ the kernel reads each key and value row once where it lies.
 How: the source is compiled once per machine with `-O3 -march=native` into a cache directory
 (`HYRAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/hyrax/kernels`, else `~/.cache/hyrax/kernels`;
 a directory under the system's temporary directory where that one is not writable),
-named by a hash of the source, the flags, the compiler's version and the CPU's model and
+named by a hash of the source (and the headers beside it), the flags, the compiler's version and the CPU's model and
 feature flags, so a machine with another CPU (a VM moved to another host) builds its own.
 A build writes a temporary file and renames it, so processes building at once never load a
 half-written library. No torch headers are involved: a build takes well under a second.
@@ -87,7 +87,8 @@ def load(name: str) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler (cc, gcc or $CC) is on PATH")
-    key = hashlib.sha256(b"\0".join([code, " ".join(FLAGS).encode(), _version(cc).encode(),
+    headers = [h.read_bytes() for h in sorted(SOURCES.glob("*.h"))]  # what a source may include
+    key = hashlib.sha256(b"\0".join([code, *headers, " ".join(FLAGS).encode(), _version(cc).encode(),
                                      _cpu_identity().encode()])).hexdigest()[:20]
     places = [d / f"{name}-{key}.so" for d in (cache_dir(), _fallback_dir())]
     lib = next((p for p in places if p.exists() and _ours(p.parent)), None)
@@ -128,20 +129,18 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-# the return codes of the kernels that update pool rows in place (ssd_scan.c, causal_conv.c)
-ROW_KERNEL_ERRORS = {-1: "a state row lies outside the pool", -3: "no memory for the kernel's scratch"}
-
-
-def distinct_rows(rows: torch.Tensor, what: str) -> None:
-    """A kernel that updates pool rows in place needs each sequence's row to be its own."""
-    if torch.unique(rows).numel() != rows.numel():
-        raise ValueError(f"{what}: two sequences of a step share a state row")
+# the return codes of the kernels that update pool rows in place (ssd_scan.c, causal_conv.c,
+# mamba2_decode.c); each checks its rows before it writes anything
+SHARED_ROW = -4
+ROW_KERNEL_ERRORS = {-1: "a state row lies outside the pool", -3: "no memory for the kernel's scratch",
+                     SHARED_ROW: "two sequences of a step share a state row"}
 
 
 def raise_for(rc: int, what: str, errors: dict[int, str]) -> None:
-    """A kernel's nonzero return code as the error it stands for (`errors`: code -> message)."""
+    """A kernel's nonzero return code as the error it stands for (`errors`: code -> message): a
+    ValueError for rows the caller gave twice, else a RuntimeError."""
     if rc:
-        raise RuntimeError(f"{what}: {errors.get(rc, f'error {rc}')}")
+        raise (ValueError if rc == SHARED_ROW else RuntimeError)(f"{what}: {errors.get(rc, f'error {rc}')}")
 
 
 def _fallback_dir() -> Path:

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from hyrax.actors.model.native import ROW_KERNEL_ERRORS, distinct_rows, function, raise_for, unavailable
+from hyrax.actors.model.native import ROW_KERNEL_ERRORS, function, raise_for, unavailable
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -48,7 +48,6 @@ def ssd_scan_rows_(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, dt: 
     if H % G or dt.shape != (Bsz, T, H) or Bm.shape != Cm.shape or Bm.shape[:2] != (Bsz, T) or A.shape != (H,) \
             or D.shape != (H,) or rows.shape != (Bsz,) or rows.dtype != torch.int64:
         raise ValueError("ssd_scan: inputs of mismatched shapes")
-    distinct_rows(rows, "ssd_scan")
     tensors = (pool, rows, x, dt, A, Bm, Cm, D) + (captures or ())
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("ssd_scan: every tensor must be on the CPU")

@@ -9,10 +9,12 @@
    x + b * x_seq + t * x_tok, its C channels contiguous.
 
    Returns 0, or -1 when a row lies outside the pool (nothing is written then), -3 when the
-   scratch cannot be allocated. */
+   scratch cannot be allocated, -4 when two sequences share a row (nothing written). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "rows.h"
 
 int hyrax_causal_conv_f32(float *pool, int64_t pool_rows, const int64_t *rows, const float *x, int64_t x_seq,
                           int64_t x_tok, const int64_t *q_lens, const float *taps, const float *bias, float *out,
@@ -20,6 +22,8 @@ int hyrax_causal_conv_f32(float *pool, int64_t pool_rows, const int64_t *rows, c
     for (int64_t b = 0; b < B; b++)
         if (rows[b] < 0 || rows[b] >= pool_rows)
             return -1;
+    if (!distinct(rows, B))
+        return -4;
     const int64_t keep = K - 1;
     /* the window's first K-1 inputs, transposed to (K-1, C) so that channels are contiguous */
     float *head = malloc(sizeof(float) * (size_t)((keep > 0 ? keep : 1) * C));

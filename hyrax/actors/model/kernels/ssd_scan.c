@@ -14,11 +14,13 @@
    time (a fixed order, the same whatever else shares the step) with no horizontal sums.
 
    Returns 0, or -1 when a pool row lies outside the pool (nothing is written then), -3 when
-   the scratch cannot be allocated. */
+   the scratch cannot be allocated, -4 when two sequences share a row (nothing written). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "rows.h"
 
 static void to_np(float *restrict st, const float *restrict s, int64_t P, int64_t N) {
     for (int64_t p = 0; p < P; p++)
@@ -60,6 +62,8 @@ int hyrax_ssd_scan_f32(float *pool, int64_t pool_rows, const int64_t *rows, cons
     for (int64_t b = 0; b < B; b++)
         if (rows[b] < 0 || rows[b] >= pool_rows)
             return -1;
+    if (!distinct(rows, B))
+        return -4;
     float *st = malloc(sizeof(float) * (size_t)(N * P + 2 * P));
     if (!st)
         return -3;

@@ -1,0 +1,218 @@
+/* One decode token per sequence through a Mamba2 layer, from in_proj's output to the input of
+   out_proj, on the pool's state rows in place (float32, CPU).
+
+   Per sequence b, from its in_proj row zxbcdt[b] = [z (H*P) | xBC (C) | dt (H)], C = H*P + 2*G*N:
+     1. causal conv: w = [conv state row (C, K-1) | xBC]; u[c] = silu(sum_k taps[k][c] w[c][k]
+        + bias[c]) (taps added in order k = 0 .. K-1, then the bias); the row keeps w[c][1 ..].
+        u = [x (H*P) | B (G*N) | C (G*N)].
+     2. per head h (group g = h / (H/G)): dt = softplus(dt_raw + dt_bias[h]) (torch's: the input
+        itself above 20), clamped to [dt_lo, dt_hi]; decay = exp(dt * A[h]) (the torch path
+        floors the exponent at -80, ssd.LOG_DECAY_FLOOR, because torch's exp is slow below -87:
+        a difference under 2e-35 in the decay; here it is one libm call per head);
+        S = decay * S + (dt * x_h) (outer) B_g on the SSM state row (H, P, N);
+        y_h = S . C_g + D[h] * x_h.
+     3. the gated norm, per group of `group` channels of y:
+        mode 0: h = y * silu(z), out = h / sqrt(mean(h^2) + eps) * weight;
+        mode 1: out = y / sqrt(mean(y^2) + eps) * weight * silu(z);
+        mode 2: out = y * silu(z) (no norm, no weight).
+   out: (B, H*P). Each sequence is computed alone, in a fixed order: its result does not depend
+   on what else shares the step.
+
+   The readout sums over N in LANES partial sums, added up in a fixed order at the end, so the
+   state update and the readout run in one vectorised pass over the state row.
+
+   Returns 0; before anything is written: -1 when a state row lies outside its pool, -2 for an
+   unknown norm mode or a group that does not divide H*P, -3 when the scratch cannot be
+   allocated, -4 when two sequences share a state row. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rows.h"
+
+
+/* exp(x) to about one unit in the last place (x = k ln2 + r, |r| <= ln2/2, a degree-6
+   polynomial for exp(r), then 2^k put in the exponent): branch-free, so that the loops over
+   channels that call it run in vectors (libm's expf is a call per element, and the silu of each
+   conv channel and gate was most of the kernel's time). Inputs are clamped to where the result
+   is a normal float (below: the smallest normal instead of a subnormal); NaN stays NaN. */
+static inline float exp_vec(float x) {
+    x = x < -87.33654f ? -87.33654f : x;
+    x = x > 88.72283f ? 88.72283f : x;
+    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float q = 1.9875691500e-4f;
+    q = q * r + 1.3981999507e-3f;
+    q = q * r + 8.3334519073e-3f;
+    q = q * r + 4.1665795894e-2f;
+    q = q * r + 1.6666665459e-1f;
+    q = q * r + 5.0000001201e-1f;
+    q = q * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)k + 127) << 23};
+    return q * scale.f;
+}
+
+static inline float silu(float v) { return v / (1.0f + exp_vec(-v)); }
+
+/* silu of n floats (what the kernel applies, exported for its accuracy test) */
+void hyrax_silu_f32(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = silu(x[i]);
+}
+
+static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+
+/* LANES floats as one value (GCC's vector extension), as wide as the CPU's vectors: 16 with
+   512-bit vectors, else 8 (a 16-wide value on a CPU without them compiled to slow code, 8x
+   slower here under -mavx2); loaded with memcpy, unaligned */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vec __attribute__((vector_size(4 * LANES)));
+typedef float vec4 __attribute__((vector_size(16)));
+
+static inline vec load_vec(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* the sum of a vector's lanes in a fixed order: its 4-lane quarters added first to last, then
+   the four lanes pairwise */
+static inline float sum_vec(vec v) {
+    vec4 c = {0.0f};
+    for (int i = 0; i < LANES; i += 4) {
+        vec4 q;
+        memcpy(&q, (const char *)&v + 4 * i, sizeof q);
+        c = i ? c + q : q;
+    }
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* the state rows of one head advanced by one token; y (P) written */
+static inline __attribute__((always_inline)) void head_step(float *restrict S, const float *restrict x,
+                                                            const float *restrict bn, const float *restrict cn,
+                                                            float *restrict y, float step, float decay, float dh,
+                                                            int64_t P, int64_t N) {
+    for (int64_t p = 0; p < P; p++) {
+        float *restrict row = S + p * N;
+        const float u = step * x[p];
+        vec acc = {0.0f};
+        int64_t n = 0;
+        for (; n + LANES <= N; n += LANES) {
+            const vec s = load_vec(row + n) * decay + u * load_vec(bn + n);
+            memcpy(row + n, &s, sizeof s);
+            acc += s * load_vec(cn + n);
+        }
+        float total = sum_vec(acc);
+        for (; n < N; n++) {
+            const float s = row[n] * decay + u * bn[n];
+            row[n] = s;
+            total += s * cn[n];
+        }
+        y[p] = total + dh * x[p];
+    }
+}
+
+int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_pool, int64_t conv_slots,
+                            const int64_t *conv_rows, const float *taps, const float *conv_bias, int64_t K,
+                            float *ssm_pool, int64_t ssm_slots, const int64_t *ssm_rows, const float *dt_bias,
+                            const float *A_log, const float *D, float dt_lo, float dt_hi, const float *norm_w,
+                            float eps, int64_t group, int64_t mode, float *out, int64_t B, int64_t H, int64_t G,
+                            int64_t P, int64_t N) {
+    const int64_t inner = H * P, C = inner + 2 * G * N, keep = K - 1, R = H / G;
+    if (mode < 0 || mode > 2 || group <= 0 || inner % group)
+        return -2;
+    for (int64_t b = 0; b < B; b++)
+        if (conv_rows[b] < 0 || conv_rows[b] >= conv_slots || ssm_rows[b] < 0 || ssm_rows[b] >= ssm_slots)
+            return -1;
+    if (!distinct(conv_rows, B) || !distinct(ssm_rows, B))
+        return -4;
+    float *u = malloc(sizeof(float) * (size_t)(C + inner)), *gate = u ? u + C : NULL;
+    if (!u)
+        return -3;
+    for (int64_t b = 0; b < B; b++) {
+        const float *zb = zxbcdt + b * in_stride, *xbc = zb + inner, *dtb = xbc + C;
+        float *W = conv_pool + conv_rows[b] * C * keep;
+        /* tap by tap across the channels (vectors; the row's (C, K-1) layout read with a stride) */
+        for (int64_t c = 0; c < C; c++)
+            u[c] = taps[c] * (keep > 0 ? W[c * keep] : xbc[c]);
+        for (int64_t k = 1; k < K; k++) {
+            const float *tap = taps + k * C;
+            if (k < keep)
+                for (int64_t c = 0; c < C; c++)
+                    u[c] += tap[c] * W[c * keep + k];
+            else
+                for (int64_t c = 0; c < C; c++)
+                    u[c] += tap[c] * xbc[c];
+        }
+        if (conv_bias)
+            for (int64_t c = 0; c < C; c++)
+                u[c] += conv_bias[c];
+        if (keep > 0) { /* the row moves on by one input: each channel's window shifts left */
+            memmove(W, W + 1, sizeof(float) * (size_t)(C * keep - 1));
+            for (int64_t c = 0; c < C; c++)
+                W[c * keep + keep - 1] = xbc[c];
+        }
+        for (int64_t c = 0; c < C; c++) /* apart from the loop above, so that it runs in vectors */
+            u[c] = silu(u[c]);
+        const float *x = u, *Bm = u + inner, *Cm = Bm + G * N;
+        float *y = out + b * inner;
+        float *S0 = ssm_pool + ssm_rows[b] * H * P * N;
+        for (int64_t h = 0; h < H; h++) {
+            float step = softplus(dtb[h] + dt_bias[h]);
+            if (step < dt_lo)
+                step = dt_lo;
+            if (step > dt_hi)
+                step = dt_hi;
+            const float decay = expf(step * -expf(A_log[h]));
+            const int64_t g = h / R;
+            float *S = S0 + h * P * N;
+            const float *xh = x + h * P, *bn = Bm + g * N, *cn = Cm + g * N;
+            if (P == 64 && N == 64) /* the same arithmetic, with trip counts the compiler can see */
+                head_step(S, xh, bn, cn, y + h * P, step, decay, D[h], 64, 64);
+            else if (P == 32 && N == 32)
+                head_step(S, xh, bn, cn, y + h * P, step, decay, D[h], 32, 32);
+            else if (N == 128)
+                head_step(S, xh, bn, cn, y + h * P, step, decay, D[h], P, 128);
+            else
+                head_step(S, xh, bn, cn, y + h * P, step, decay, D[h], P, N);
+        }
+        for (int64_t i = 0; i < inner; i++)
+            gate[i] = silu(zb[i]);
+        if (mode != 1)
+            for (int64_t i = 0; i < inner; i++)
+                y[i] *= gate[i];
+        if (mode == 2)
+            continue;
+        for (int64_t g0 = 0; g0 < inner; g0 += group) {
+            float *yg = y + g0;
+            const float *wg = norm_w + g0, *sg = gate + g0;
+            vec sq = {0.0f};
+            int64_t i = 0;
+            for (; i + LANES <= group; i += LANES) {
+                const vec v = load_vec(yg + i);
+                sq += v * v;
+            }
+            float ss = sum_vec(sq);
+            for (; i < group; i++)
+                ss += yg[i] * yg[i];
+            const float r = 1.0f / sqrtf(ss / (float)group + eps);
+            if (mode == 0)
+                for (i = 0; i < group; i++)
+                    yg[i] = yg[i] * r * wg[i];
+            else
+                for (i = 0; i < group; i++)
+                    yg[i] = yg[i] * r * wg[i] * sg[i];
+        }
+    }
+    free(u);
+    return 0;
+}
