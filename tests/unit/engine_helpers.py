@@ -126,10 +126,11 @@ def run_requests(engine: Engine, prompts: list[list[int]], params: SamplingParam
 
 
 @functools.lru_cache(maxsize=None)
-def mixer_switch_outputs(layout: str, switch: str) -> list:
+def mixer_switch_outputs(layout: str, switch: str, **fixed: bool) -> list:
     """Greedy outputs of the tiny model, with every Mamba2 mixer's boolean attribute `switch`
-    (which chooses a CPU kernel or the torch path) off, then on: chunked prefill, mixed and
-    decode steps, forced retraction. Returns [outputs off, outputs on]."""
+    (which chooses a CPU kernel or the torch path) off, then on, and the attributes `fixed` set
+    as given in both runs: chunked prefill, mixed and decode steps, forced retraction. Returns
+    [outputs off, outputs on]."""
     from hyrax.actors.model.mamba2 import Mamba2Mixer
 
     outs = []
@@ -139,6 +140,8 @@ def mixer_switch_outputs(layout: str, switch: str) -> list:
             if isinstance(m, Mamba2Mixer):
                 assert getattr(m, switch), f"{switch} is off here: the test would compare the torch path with itself"
                 setattr(m, switch, on)
+                for name, value in fixed.items():
+                    setattr(m, name, value)
         engine = make_engine(model, deterministic=False, forced_retraction_interval=4)
         prompts = [[(3 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((4, 19, 11, 30, 26))]
         outs.append(run_requests(engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True)))

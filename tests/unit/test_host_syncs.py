@@ -57,7 +57,7 @@ def decode_step_counts(model: HybridModel, batch: int, sampling: SamplingParams,
     counter = rank_counter(rank)
     for layer in rank.model.model.layers:  # the paths a device has (the CPU's C kernels are not among them)
         if hasattr(layer, "mamba"):
-            layer.mamba.native_kernels = layer.mamba.native_decode = False
+            layer.mamba.native_kernels = layer.mamba.native_step = False
         if hasattr(layer, "self_attn"):
             # flash: the CPU reference kernel stands in for the device kernel, its own ops not counted
             layer.self_attn.backend = FlashPaged(counter.opaque(varlen_paged_reference)) if flash else SdpaPaged()

@@ -21,8 +21,8 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.causal_conv_rows import available as conv_unavailable
 from hyrax.actors.model.causal_conv_rows import causal_conv_rows_
 from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
-from hyrax.actors.model.mamba2_decode import available as decode_unavailable
-from hyrax.actors.model.mamba2_decode import DecodeWeights, decode_weights, mamba2_decode_rows_
+from hyrax.actors.model.mamba2_rows import available as step_unavailable
+from hyrax.actors.model.mamba2_rows import MixerWeights, mamba2_decode_rows_, mamba2_prefill_rows_, mixer_weights
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
@@ -105,11 +105,12 @@ class Mamba2Mixer(nn.Module):
         # on the CPU, where they build: the prefill steps' recurrence through the C scan (ssd_scan.py)
         # and every step's convolution through the C one (causal_conv_rows.py)
         self.native_kernels = torch.device(device).type == "cpu" and (scan_unavailable() or conv_unavailable()) is None
-        # and its decode steps through the C one from in_proj's output to out_proj's input
-        # (mamba2_decode.py), where its norm is one the kernel has
-        self.native_decode = torch.device(device).type == "cpu" and self._decode_norm() is not None \
-            and decode_unavailable() is None
-        self._decode_weights: tuple[tuple, DecodeWeights] | None = None  # (parameter versions, weights)
+        # and, where its norm is one the kernels have, the whole of a step from in_proj's output to
+        # out_proj's input through one C kernel (mamba2_rows.py): every decode step, and every
+        # prefill step without a capture point inside it
+        self.native_step = torch.device(device).type == "cpu" and self._kernel_norm() is not None \
+            and step_unavailable() is None
+        self._kernel_weights: tuple[tuple, MixerWeights] | None = None  # (parameter versions, weights)
         # per-row multipliers of in_proj's output (this rank's rows), None when all are 1
         scales = _section_scales(cfg)
         self.register_buffer("in_scale", None if scales is None else scales[self.in_rows].to(dtype), persistent=False)
@@ -122,8 +123,8 @@ class Mamba2Mixer(nn.Module):
             "norm.weight": (0, self.inner_ch), "out_proj.weight": (1, self.inner_ch),
         }
 
-    def _decode_norm(self) -> tuple[str, int] | None:
-        """The decode kernel's norm mode and group size for this layer's norm, None where it has
+    def _kernel_norm(self) -> tuple[str, int] | None:
+        """The step kernels' norm mode and group size for this layer's norm, None where it has
         none (a group split across TP ranks needs an all-reduce inside the norm)."""
         if isinstance(self.norm, SiluGate):
             return "gate_only", self.inner
@@ -132,17 +133,17 @@ class Mamba2Mixer(nn.Module):
             return None
         return ("norm_then_gate" if n.norm_first else "gate_then_norm"), n.group_size
 
-    def decode_weights(self) -> DecodeWeights:
-        """The parameters as the decode kernel reads them, remade when one of them changed."""
+    def kernel_weights(self) -> MixerWeights:
+        """The parameters as the step kernels read them, remade when one of them changed."""
         params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
                   getattr(self.norm, "weight", None))
         key = tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
-        if self._decode_weights is None or self._decode_weights[0] != key:
-            mode, group = self._decode_norm()
-            w = decode_weights(*params[:5], self.cfg.time_step_limit, params[5], getattr(self.norm, "eps", 0.0),
-                               group, mode)
-            self._decode_weights = (key, w)
-        return self._decode_weights[1]
+        if self._kernel_weights is None or self._kernel_weights[0] != key:
+            mode, group = self._kernel_norm()
+            w = mixer_weights(*params[:5], self.cfg.time_step_limit, params[5], getattr(self.norm, "eps", 0.0),
+                              group, mode)
+            self._kernel_weights = (key, w)
+        return self._kernel_weights[1]
 
     def discretize(self, dt: torch.Tensor, state_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """dt: (..., H) in_proj's dt section, in the model dtype -> (dt, A): the step sizes
@@ -166,13 +167,17 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(x)
         if self.in_scale is not None:
             zxbcdt = zxbcdt * self.in_scale
-        if T == 1 and self.native_decode and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
+        cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
+        if self.native_step and cap is None and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
                 and rows_on_host(conv_pool, zxbcdt) and rows_on_host(ssm_pool, zxbcdt):
-            y = mamba2_decode_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, self.decode_weights())
+            if T == 1:
+                y = mamba2_decode_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, self.kernel_weights())
+            else:
+                y = mamba2_prefill_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, batch.q_lens,
+                                         self.kernel_weights())
             return self.allreduce(self.out_proj(y))
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.nh], dim=-1)
 
-        cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
         if cap is not None:  # the conv inputs up to each capture point, before the slots move on
             capture_conv_states(pools[cap.into[CONV]][self.local_layer], CONV, conv_pool, conv_slots, xbc, cap)
         if self.native_kernels and xbc.dtype == conv_pool.dtype == torch.float32 and rows_on_host(conv_pool, xbc):

@@ -130,7 +130,7 @@ def unavailable(name: str) -> str | None:
 
 
 # the return codes of the kernels that update pool rows in place (ssd_scan.c, causal_conv.c,
-# mamba2_decode.c); each checks its rows before it writes anything
+# mamba2_rows.c); each checks its rows before it writes anything
 SHARED_ROW = -4
 ROW_KERNEL_ERRORS = {-1: "a state row lies outside the pool", -3: "no memory for the kernel's scratch",
                      SHARED_ROW: "two sequences of a step share a state row"}

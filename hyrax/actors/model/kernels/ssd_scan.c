@@ -21,39 +21,7 @@
 #include <string.h>
 
 #include "rows.h"
-
-static void to_np(float *restrict st, const float *restrict s, int64_t P, int64_t N) {
-    for (int64_t p = 0; p < P; p++)
-        for (int64_t n = 0; n < N; n++)
-            st[n * P + p] = s[p * N + n];
-}
-
-static void to_pn(float *restrict s, const float *restrict st, int64_t P, int64_t N) {
-    for (int64_t p = 0; p < P; p++)
-        for (int64_t n = 0; n < N; n++)
-            s[p * N + n] = st[n * P + p];
-}
-
-/* one token of one (sequence, head): the state (N, P) in st advanced, y written */
-static inline __attribute__((always_inline)) void advance(float *restrict st, float *restrict u, float *restrict acc,
-                                                          const float *restrict xt, const float *restrict bn,
-                                                          const float *restrict cn, float *restrict yt, float step,
-                                                          float decay, float dh, int64_t P, int64_t N) {
-    for (int64_t p = 0; p < P; p++) {
-        u[p] = step * xt[p];
-        acc[p] = 0.0f;
-    }
-    for (int64_t n = 0; n < N; n++) {
-        float *restrict row = st + n * P;
-        const float bv = bn[n], cv = cn[n];
-        for (int64_t p = 0; p < P; p++) {
-            row[p] = row[p] * decay + u[p] * bv;
-            acc[p] += row[p] * cv;
-        }
-    }
-    for (int64_t p = 0; p < P; p++)
-        yt[p] = acc[p] + dh * xt[p];
-}
+#include "ssd_token.h"
 
 int hyrax_ssd_scan_f32(float *pool, int64_t pool_rows, const int64_t *rows, const float *x, const float *dt,
                        const float *A, const float *Bm, const float *Cm, const float *D, float *y, int64_t B,
@@ -83,12 +51,7 @@ int hyrax_ssd_scan_f32(float *pool, int64_t pool_rows, const int64_t *rows, cons
                 const float *restrict cn = Cm + (bt * G + g) * N;
                 float *restrict yt = y + (bt * H + h) * P;
                 const float decay = expf(fmaxf(step * a, -80.0f)); /* ssd.LOG_DECAY_FLOOR */
-                if (P == 32) /* the same arithmetic, with a trip count the compiler can see */
-                    advance(st, u, acc, xt, bn, cn, yt, step, decay, dh, 32, N);
-                else if (P == 64)
-                    advance(st, u, acc, xt, bn, cn, yt, step, decay, dh, 64, N);
-                else
-                    advance(st, u, acc, xt, bn, cn, yt, step, decay, dh, P, N);
+                advance_any(st, u, acc, xt, bn, cn, yt, step, decay, dh, P, N);
                 for (int64_t i = 0; i < n_cap; i++)
                     if (cap_seq[i] == b && cap_len[i] == t + 1)
                         to_pn(cap_out + (i * H + h) * P * N, st, P, N);

@@ -1,5 +1,6 @@
-/* One decode token per sequence through a Mamba2 layer, from in_proj's output to the input of
-   out_proj, on the pool's state rows in place (float32, CPU).
+/* A Mamba2 layer's step from in_proj's output to the input of out_proj, on the pool's state
+   rows in place (float32, CPU): one decode token per sequence (hyrax_mamba2_decode_f32), or a
+   prefill step's tokens (hyrax_mamba2_prefill_f32, at the end of this file).
 
    Per sequence b, from its in_proj row zxbcdt[b] = [z (H*P) | xBC (C) | dt (H)], C = H*P + 2*G*N:
      1. causal conv: w = [conv state row (C, K-1) | xBC]; u[c] = silu(sum_k taps[k][c] w[c][k]
@@ -30,6 +31,7 @@
 #include <string.h>
 
 #include "rows.h"
+#include "ssd_token.h"
 
 
 /* exp(x) to about one unit in the last place (x = k ln2 + r, |r| <= ln2/2, a degree-6
@@ -96,6 +98,48 @@ static inline float sum_vec(vec v) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* dt after softplus (torch's: the input itself above 20), clamped to [lo, hi] (NaN stays) */
+static inline float step_size(float raw, float bias, float lo, float hi) {
+    float step = softplus(raw + bias);
+    if (step < lo)
+        step = lo;
+    if (step > hi)
+        step = hi;
+    return step;
+}
+
+/* one token's gated norm in place on y (inner channels), z its gate input; gate: scratch */
+static void gated_norm(float *restrict y, const float *restrict z, float *restrict gate, const float *restrict norm_w,
+                       float eps, int64_t inner, int64_t group, int64_t mode) {
+    for (int64_t i = 0; i < inner; i++)
+        gate[i] = silu(z[i]);
+    if (mode != 1)
+        for (int64_t i = 0; i < inner; i++)
+            y[i] *= gate[i];
+    if (mode == 2)
+        return;
+    for (int64_t g0 = 0; g0 < inner; g0 += group) {
+        float *yg = y + g0;
+        const float *wg = norm_w + g0, *sg = gate + g0;
+        vec sq = {0.0f};
+        int64_t i = 0;
+        for (; i + LANES <= group; i += LANES) {
+            const vec v = load_vec(yg + i);
+            sq += v * v;
+        }
+        float ss = sum_vec(sq);
+        for (; i < group; i++)
+            ss += yg[i] * yg[i];
+        const float r = 1.0f / sqrtf(ss / (float)group + eps);
+        if (mode == 0)
+            for (i = 0; i < group; i++)
+                yg[i] = yg[i] * r * wg[i];
+        else
+            for (i = 0; i < group; i++)
+                yg[i] = yg[i] * r * wg[i] * sg[i];
+    }
+}
+
 /* the state rows of one head advanced by one token; y (P) written */
 static inline __attribute__((always_inline)) void head_step(float *restrict S, const float *restrict x,
                                                             const float *restrict bn, const float *restrict cn,
@@ -121,6 +165,22 @@ static inline __attribute__((always_inline)) void head_step(float *restrict S, c
     }
 }
 
+/* the arguments both entry points check before anything is written (codes as above) */
+static int check(int64_t conv_slots, const int64_t *conv_rows, int64_t ssm_slots, const int64_t *ssm_rows,
+                 const int64_t *q_lens, int64_t T, int64_t inner, int64_t group, int64_t mode, int64_t B) {
+    if (mode < 0 || mode > 2 || group <= 0 || inner % group)
+        return -2;
+    for (int64_t b = 0; b < B; b++) {
+        if (conv_rows[b] < 0 || conv_rows[b] >= conv_slots || ssm_rows[b] < 0 || ssm_rows[b] >= ssm_slots)
+            return -1;
+        if (q_lens && (q_lens[b] < 1 || q_lens[b] > T))
+            return -5;
+    }
+    if (!distinct(conv_rows, B) || !distinct(ssm_rows, B))
+        return -4;
+    return 0;
+}
+
 int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_pool, int64_t conv_slots,
                             const int64_t *conv_rows, const float *taps, const float *conv_bias, int64_t K,
                             float *ssm_pool, int64_t ssm_slots, const int64_t *ssm_rows, const float *dt_bias,
@@ -128,13 +188,9 @@ int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_
                             float eps, int64_t group, int64_t mode, float *out, int64_t B, int64_t H, int64_t G,
                             int64_t P, int64_t N) {
     const int64_t inner = H * P, C = inner + 2 * G * N, keep = K - 1, R = H / G;
-    if (mode < 0 || mode > 2 || group <= 0 || inner % group)
-        return -2;
-    for (int64_t b = 0; b < B; b++)
-        if (conv_rows[b] < 0 || conv_rows[b] >= conv_slots || ssm_rows[b] < 0 || ssm_rows[b] >= ssm_slots)
-            return -1;
-    if (!distinct(conv_rows, B) || !distinct(ssm_rows, B))
-        return -4;
+    const int rc = check(conv_slots, conv_rows, ssm_slots, ssm_rows, NULL, 1, inner, group, mode, B);
+    if (rc)
+        return rc;
     float *u = malloc(sizeof(float) * (size_t)(C + inner)), *gate = u ? u + C : NULL;
     if (!u)
         return -3;
@@ -167,11 +223,7 @@ int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_
         float *y = out + b * inner;
         float *S0 = ssm_pool + ssm_rows[b] * H * P * N;
         for (int64_t h = 0; h < H; h++) {
-            float step = softplus(dtb[h] + dt_bias[h]);
-            if (step < dt_lo)
-                step = dt_lo;
-            if (step > dt_hi)
-                step = dt_hi;
+            const float step = step_size(dtb[h], dt_bias[h], dt_lo, dt_hi);
             const float decay = expf(step * -expf(A_log[h]));
             const int64_t g = h / R;
             float *S = S0 + h * P * N;
@@ -185,33 +237,89 @@ int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_
             else
                 head_step(S, xh, bn, cn, y + h * P, step, decay, D[h], P, N);
         }
-        for (int64_t i = 0; i < inner; i++)
-            gate[i] = silu(zb[i]);
-        if (mode != 1)
-            for (int64_t i = 0; i < inner; i++)
-                y[i] *= gate[i];
-        if (mode == 2)
-            continue;
-        for (int64_t g0 = 0; g0 < inner; g0 += group) {
-            float *yg = y + g0;
-            const float *wg = norm_w + g0, *sg = gate + g0;
-            vec sq = {0.0f};
-            int64_t i = 0;
-            for (; i + LANES <= group; i += LANES) {
-                const vec v = load_vec(yg + i);
-                sq += v * v;
+        gated_norm(y, zb, gate, norm_w, eps, inner, group, mode);
+    }
+    free(u);
+    return 0;
+}
+
+/* A prefill step: sequence b's q_lens[b] tokens (1 .. T; the rest of its T rows are padding),
+   token t's in_proj row at zxbcdt + b * seq_stride + t * tok_stride. The same layer as the
+   decode step above, token by token: the conv over the window [state | inputs] tap by tap across
+   the channels (the state's K-1 inputs transposed to (K-1, C) first), then per head the
+   recurrence over the tokens with the state transposed to (N, P) in a scratch (ssd_token.h, as
+   the prefill scan runs it), then each token's gated norm. out: (B, T, H*P), zero at padding.
+   The conv row is left holding the last K-1 inputs of the sequence, the SSM row its state after
+   its last token. Returns as the decode step, and -5 when a length is outside 1 .. T. */
+int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t seq_stride, int64_t tok_stride, float *conv_pool,
+                             int64_t conv_slots, const int64_t *conv_rows, const float *taps, const float *conv_bias,
+                             int64_t K, float *ssm_pool, int64_t ssm_slots, const int64_t *ssm_rows,
+                             const float *dt_bias, const float *A_log, const float *D, float dt_lo, float dt_hi,
+                             const float *norm_w, float eps, int64_t group, int64_t mode, const int64_t *q_lens,
+                             float *out, int64_t B, int64_t T, int64_t H, int64_t G, int64_t P, int64_t N) {
+    const int64_t inner = H * P, C = inner + 2 * G * N, keep = K - 1, R = H / G;
+    const int rc = check(conv_slots, conv_rows, ssm_slots, ssm_rows, q_lens, T, inner, group, mode, B);
+    if (rc)
+        return rc;
+    /* scratch: the conv outputs (T, C), the step sizes (T, H), one head's state (N, P) and two
+       P-vectors, the conv state transposed (K-1, C), a token's gate (inner) */
+    const size_t floats = (size_t)(T * C + T * H + N * P + 2 * P + (keep > 0 ? keep : 1) * C + inner);
+    float *u = malloc(sizeof(float) * floats);
+    if (!u)
+        return -3;
+    float *dts = u + T * C, *st = dts + T * H, *uv = st + N * P, *acc = uv + P, *head = acc + P,
+          *gate = head + (keep > 0 ? keep : 1) * C;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = q_lens[b];
+        const float *zb = zxbcdt + b * seq_stride;
+        float *W = conv_pool + conv_rows[b] * C * keep;
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t j = 0; j < keep; j++)
+                head[j * C + c] = W[c * keep + j];
+        for (int64_t t = 0; t < L; t++) {
+            float *o = u + t * C;
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t at = t + k; /* position in the window */
+                const float *w = at < keep ? head + at * C : zb + (at - keep) * tok_stride + inner;
+                const float *tap = taps + k * C;
+                if (k == 0)
+                    for (int64_t c = 0; c < C; c++)
+                        o[c] = w[c] * tap[c];
+                else
+                    for (int64_t c = 0; c < C; c++)
+                        o[c] += w[c] * tap[c];
             }
-            float ss = sum_vec(sq);
-            for (; i < group; i++)
-                ss += yg[i] * yg[i];
-            const float r = 1.0f / sqrtf(ss / (float)group + eps);
-            if (mode == 0)
-                for (i = 0; i < group; i++)
-                    yg[i] = yg[i] * r * wg[i];
-            else
-                for (i = 0; i < group; i++)
-                    yg[i] = yg[i] * r * wg[i] * sg[i];
+            if (conv_bias)
+                for (int64_t c = 0; c < C; c++)
+                    o[c] += conv_bias[c];
         }
+        for (int64_t j = 0; j < keep; j++) { /* the new conv state: window positions L .. L+K-2 */
+            const int64_t at = L + j;
+            const float *w = at < keep ? head + at * C : zb + (at - keep) * tok_stride + inner;
+            for (int64_t c = 0; c < C; c++)
+                W[c * keep + j] = w[c];
+        }
+        for (int64_t i = 0; i < L * C; i++)
+            u[i] = silu(u[i]);
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t h = 0; h < H; h++)
+                dts[t * H + h] = step_size(zb[t * tok_stride + inner + C + h], dt_bias[h], dt_lo, dt_hi);
+        float *ob = out + b * T * inner;
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t g = h / R;
+            float *S = ssm_pool + (ssm_rows[b] * H + h) * P * N;
+            const float a = -expf(A_log[h]);
+            to_np(st, S, P, N);
+            for (int64_t t = 0; t < L; t++) {
+                const float *ut = u + t * C, step = dts[t * H + h];
+                advance_any(st, uv, acc, ut + h * P, ut + inner + g * N, ut + inner + G * N + g * N,
+                            ob + t * inner + h * P, step, expf(step * a), D[h], P, N);
+            }
+            to_pn(S, st, P, N);
+        }
+        for (int64_t t = 0; t < L; t++)
+            gated_norm(ob + t * inner, zb + t * tok_stride, gate, norm_w, eps, inner, group, mode);
+        memset(ob + L * inner, 0, sizeof(float) * (size_t)((T - L) * inner));
     }
     free(u);
     return 0;

@@ -1,5 +1,6 @@
-"""The C Mamba2 decode step (kernels/mamba2_decode.c) against the layer's definition computed in
-float64, and a model through it against the same model through the torch path."""
+"""The C Mamba2 decode and prefill steps (kernels/mamba2_rows.c) against the layer's definition
+computed in float64, token by token, and a model through them against the same model through
+the torch path."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,7 @@ import torch
 from engine_helpers import mixer_switch_outputs, tiny_model
 
 from hyrax.actors.model.mamba2 import Mamba2Mixer
-from hyrax.actors.model.mamba2_decode import available, decode_weights, mamba2_decode_rows_
+from hyrax.actors.model.mamba2_rows import available, mamba2_decode_rows_, mamba2_prefill_rows_, mixer_weights
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"the kernel does not build here: {available()}")
 
@@ -71,7 +72,7 @@ def test_the_kernel_equals_the_layer_computed_in_float64(mode, H, P, N, G, group
     want = _reference(zxbcdt, conv_pool, conv_rows, conv_w, conv_b, ssm_pool, ssm_rows, dt_bias, A_log, D, limits,
                       norm_w, 1e-5, group, mode)
     conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
-    w = decode_weights(conv_w, conv_b, dt_bias, A_log, D, limits, norm_w, 1e-5, group, mode)
+    w = mixer_weights(conv_w, conv_b, dt_bias, A_log, D, limits, norm_w, 1e-5, group, mode)
     out = mamba2_decode_rows_(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w)
     torch.testing.assert_close(out.double(), want[0], rtol=2e-5, atol=2e-5)
     assert torch.equal(conv_pool[conv_rows], want[1].float())  # the window moves on: copies, bit for bit
@@ -82,6 +83,39 @@ def test_the_kernel_equals_the_layer_computed_in_float64(mode, H, P, N, G, group
     assert torch.equal(ssm_pool[others], ssm_before[others])
 
 
+@pytest.mark.parametrize("mode", ["gate_then_norm", "norm_then_gate", "gate_only"])
+@pytest.mark.parametrize("H,P,N,G,group", [(4, 32, 32, 1, 128), (6, 16, 20, 2, 48), (2, 64, 64, 1, 128)])
+def test_the_prefill_kernel_equals_the_layer_token_by_token(mode, H, P, N, G, group):
+    """Sequences of different lengths in one right-padded step: each equals the float64
+    definition applied token by token from its rows; padding gives zeros and moves no state."""
+    g = torch.Generator().manual_seed(H * 7 + N + G)
+    B, T, K, slots = 4, 9, 4, 7
+    inner = H * P
+    C = inner + 2 * G * N
+    zxbcdt = (torch.randn(B, T, inner + C + H + 5, generator=g) * 1.5)[:, :, 2:2 + inner + C + H]
+    q_lens = torch.tensor([9, 1, 4, 7])
+    conv_pool, ssm_pool = torch.randn(slots, C, K - 1, generator=g), torch.randn(slots, H, P, N, generator=g)
+    conv_rows, ssm_rows = torch.tensor([6, 2, 0, 4]), torch.tensor([1, 5, 3, 0])
+    conv_w, conv_b = torch.randn(C, 1, K, generator=g) * 0.5, torch.randn(C, generator=g)
+    dt_bias, A_log, D = torch.randn(H, generator=g) - 2.0, torch.rand(H, generator=g) * 3 - 1, torch.randn(H, generator=g)
+    norm_w = None if mode == "gate_only" else torch.randn(inner, generator=g)
+    params = (conv_w, conv_b, dt_bias, A_log, D, (0.001, 0.5), norm_w, 1e-5, group, mode)
+    conv_want, ssm_want = conv_pool.double(), ssm_pool.double()
+    want = torch.zeros(B, T, inner, dtype=torch.float64)
+    for b in range(B):
+        for t in range(int(q_lens[b])):
+            one = zxbcdt[b:b + 1, t:t + 1]
+            r = [conv_rows[b].item()], [ssm_rows[b].item()]
+            y, conv_want[r[0]], ssm_want[r[1]] = _reference(one, conv_want, r[0], conv_w, conv_b, ssm_want, r[1],
+                                                            dt_bias, A_log, D, *params[5:])
+            want[b, t] = y[0, 0]
+    w = mixer_weights(*params)
+    out = mamba2_prefill_rows_(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, q_lens, w)
+    torch.testing.assert_close(out.double(), want, rtol=5e-5, atol=5e-5)
+    torch.testing.assert_close(conv_pool.double(), conv_want, rtol=0, atol=0)  # inputs moved, bit for bit
+    torch.testing.assert_close(ssm_pool.double(), ssm_want, rtol=5e-5, atol=5e-5)
+
+
 def test_the_vectorised_silu_is_within_two_units_in_the_last_place():
     """The kernel's silu (its own branch-free exp) against float64, over the float range where
     silu is a normal float, and at the edges: large inputs give themselves, large negative ones
@@ -90,7 +124,7 @@ def test_the_vectorised_silu_is_within_two_units_in_the_last_place():
 
     from hyrax.actors.model.native import function
 
-    silu = function("mamba2_decode", "hyrax_silu_f32", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None)
+    silu = function("mamba2_rows", "hyrax_silu_f32", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None)
     x = torch.cat([torch.linspace(-80.0, 80.0, 400_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 100.0, 1e30])])
     out = torch.empty_like(x)
     silu(x.data_ptr(), out.data_ptr(), x.numel())
@@ -108,7 +142,7 @@ def test_a_sequence_gets_the_same_bits_whatever_shares_its_step():
     g = torch.Generator().manual_seed(5)
     H, P, N, K = 4, 16, 32, 4
     inner, C = H * P, H * P + 2 * N
-    w = decode_weights(torch.randn(C, 1, K, generator=g), None, torch.randn(H, generator=g), torch.randn(H, generator=g),
+    w = mixer_weights(torch.randn(C, 1, K, generator=g), None, torch.randn(H, generator=g), torch.randn(H, generator=g),
                        torch.randn(H, generator=g), (0.0, float("inf")), torch.randn(inner, generator=g), 1e-5, inner,
                        "gate_then_norm")
     zxbcdt = torch.randn(6, 1, inner + C + H, generator=g)
@@ -124,7 +158,7 @@ def test_a_sequence_gets_the_same_bits_whatever_shares_its_step():
 def test_refusals_leave_the_pools_untouched():
     H, P, N, K = 2, 8, 16, 4
     inner, C = H * P, H * P + 2 * N
-    w = decode_weights(torch.randn(C, 1, K), None, torch.randn(H), torch.randn(H), torch.randn(H),
+    w = mixer_weights(torch.randn(C, 1, K), None, torch.randn(H), torch.randn(H), torch.randn(H),
                        (0.0, float("inf")), torch.randn(inner), 1e-5, inner, "gate_then_norm")
     zxbcdt = torch.randn(2, 1, inner + C + H)
     conv_pool, ssm_pool = torch.randn(3, C, K - 1), torch.randn(3, H, P, N)
@@ -137,32 +171,38 @@ def test_refusals_leave_the_pools_untouched():
         mamba2_decode_rows_(zxbcdt, conv_pool.double(), torch.tensor([0, 1]), ssm_pool, torch.tensor([0, 1]), w)
     with pytest.raises(ValueError, match="zxbcdt"):
         mamba2_decode_rows_(zxbcdt[:, :, 1:], conv_pool, torch.tensor([0, 1]), ssm_pool, torch.tensor([0, 1]), w)
+    with pytest.raises(RuntimeError, match="length is outside"):
+        mamba2_prefill_rows_(zxbcdt.expand(2, 3, -1), conv_pool, torch.tensor([0, 1]), ssm_pool, torch.tensor([0, 1]),
+                             torch.tensor([3, 4]), w)
     with pytest.raises(ValueError, match="unknown norm mode 'rms'"):
-        decode_weights(torch.randn(C, 1, K), None, torch.randn(H), torch.randn(H), torch.randn(H),
-                       (0.0, float("inf")), torch.randn(inner), 1e-5, inner, "rms")
+        mixer_weights(torch.randn(C, 1, K), None, torch.randn(H), torch.randn(H), torch.randn(H),
+                      (0.0, float("inf")), torch.randn(inner), 1e-5, inner, "rms")
     assert torch.equal(conv_pool, before[0]) and torch.equal(ssm_pool, before[1])
 
 
 @pytest.mark.parametrize("layout", ["mamba", "full_swa_mamba"])
-def test_a_model_through_the_c_decode_step_decodes_what_the_torch_path_decodes(layout, monkeypatch):
-    """Decode steps, mixed steps and forced retraction: the same greedy tokens with the decode
-    step in C as through the torch operations, and the C step did run, batched."""
+def test_a_model_through_the_c_steps_decodes_what_the_torch_path_decodes(layout, monkeypatch):
+    """Chunked prefill, mixed and decode steps, forced retraction: the same greedy tokens with
+    the layer's steps in C as through the torch operations, and both kernels did run, batched."""
     import hyrax.actors.model.mamba2 as mamba2
 
-    calls = []
-    real = mamba2.mamba2_decode_rows_
-    monkeypatch.setattr(mamba2, "mamba2_decode_rows_", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
-    outs = mixer_switch_outputs(layout, "native_decode")
-    assert calls and max(calls) > 1
+    calls = {"decode": [], "prefill": []}
+    for kind in calls:
+        real = getattr(mamba2, f"mamba2_{kind}_rows_")
+        monkeypatch.setattr(mamba2, f"mamba2_{kind}_rows_",
+                            lambda *a, _r=real, _k=kind: (calls[_k].append(tuple(a[0].shape[:2])), _r(*a))[1])
+    outs = mixer_switch_outputs(layout, "native_step")
+    assert max(b for b, _ in calls["decode"]) > 1 and max(b for b, _ in calls["prefill"]) > 1
+    assert max(t for _, t in calls["prefill"]) > 1
     assert outs[0] == outs[1]
 
 
 def test_a_changed_parameter_reaches_the_kernel():
     """The kernel's copy of a layer's parameters is remade when one of them changes in place."""
     mixer = next(m for m in copy.deepcopy(tiny_model("mamba")).modules() if isinstance(m, Mamba2Mixer))
-    first = mixer.decode_weights()
-    assert mixer.decode_weights() is first
+    first = mixer.kernel_weights()
+    assert mixer.kernel_weights() is first
     with torch.no_grad():
         mixer.D.add_(1.0)
-    again = mixer.decode_weights()
+    again = mixer.kernel_weights()
     assert again is not first and torch.equal(again.D, mixer.D.float())
