@@ -1,5 +1,6 @@
 """The C prefill scan (kernels/ssd_scan.c) equals the token-by-token recurrence, in place on
-pool rows, with captures part-way; its refusals; and a model through it equals the torch scan."""
+pool rows, with captures part-way; its refusals; and a model through it (and the C convolution)
+equals the torch scan."""
 from __future__ import annotations
 
 import pytest

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "conv_window.h"
 #include "rows.h"
 
 int hyrax_causal_conv_f32(float *pool, int64_t pool_rows, const int64_t *rows, const float *x, int64_t x_seq,
@@ -31,35 +32,10 @@ int hyrax_causal_conv_f32(float *pool, int64_t pool_rows, const int64_t *rows, c
         return -3;
     for (int64_t b = 0; b < B; b++) {
         float *S = pool + rows[b] * C * keep;
-        for (int64_t c = 0; c < C; c++)
-            for (int64_t j = 0; j < keep; j++)
-                head[j * C + c] = S[c * keep + j];
         const float *xb = x + b * x_seq;
-        for (int64_t t = 0; t < T; t++) {
-            float *o = out + (b * T + t) * C;
-            for (int64_t k = 0; k < K; k++) {
-                const int64_t at = t + k; /* position in the window */
-                const float *w = at < keep ? head + at * C : xb + (at - keep) * x_tok;
-                const float *tap = taps + k * C;
-                if (k == 0)
-                    for (int64_t c = 0; c < C; c++)
-                        o[c] = w[c] * tap[c];
-                else
-                    for (int64_t c = 0; c < C; c++)
-                        o[c] += w[c] * tap[c];
-            }
-            if (bias)
-                for (int64_t c = 0; c < C; c++)
-                    o[c] += bias[c];
-        }
-        /* the new state: window positions q_len .. q_len + K - 2 */
-        const int64_t q = q_lens[b];
-        for (int64_t j = 0; j < keep; j++) {
-            const int64_t at = q + j;
-            const float *w = at < keep ? head + at * C : xb + (at - keep) * x_tok;
-            for (int64_t c = 0; c < C; c++)
-                S[c * keep + j] = w[c];
-        }
+        conv_head(head, S, C, keep);
+        conv_window(out + b * T * C, head, xb, x_tok, taps, bias, T, C, K);
+        conv_keep(S, head, xb, x_tok, q_lens[b], C, keep);
     }
     free(head);
     return 0;

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "conv_window.h"
 #include "rows.h"
 #include "ssd_token.h"
 
@@ -273,32 +274,9 @@ int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t seq_stride, int64_t to
         const int64_t L = q_lens[b];
         const float *zb = zxbcdt + b * seq_stride;
         float *W = conv_pool + conv_rows[b] * C * keep;
-        for (int64_t c = 0; c < C; c++)
-            for (int64_t j = 0; j < keep; j++)
-                head[j * C + c] = W[c * keep + j];
-        for (int64_t t = 0; t < L; t++) {
-            float *o = u + t * C;
-            for (int64_t k = 0; k < K; k++) {
-                const int64_t at = t + k; /* position in the window */
-                const float *w = at < keep ? head + at * C : zb + (at - keep) * tok_stride + inner;
-                const float *tap = taps + k * C;
-                if (k == 0)
-                    for (int64_t c = 0; c < C; c++)
-                        o[c] = w[c] * tap[c];
-                else
-                    for (int64_t c = 0; c < C; c++)
-                        o[c] += w[c] * tap[c];
-            }
-            if (conv_bias)
-                for (int64_t c = 0; c < C; c++)
-                    o[c] += conv_bias[c];
-        }
-        for (int64_t j = 0; j < keep; j++) { /* the new conv state: window positions L .. L+K-2 */
-            const int64_t at = L + j;
-            const float *w = at < keep ? head + at * C : zb + (at - keep) * tok_stride + inner;
-            for (int64_t c = 0; c < C; c++)
-                W[c * keep + j] = w[c];
-        }
+        conv_head(head, W, C, keep);
+        conv_window(u, head, zb + inner, tok_stride, taps, conv_bias, L, C, K);
+        conv_keep(W, head, zb + inner, tok_stride, L, C, keep);
         for (int64_t i = 0; i < L * C; i++)
             u[i] = silu(u[i]);
         for (int64_t t = 0; t < L; t++)
