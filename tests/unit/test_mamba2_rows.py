@@ -10,7 +10,8 @@ import torch
 from engine_helpers import mixer_switch_outputs, tiny_model
 
 from hyrax.actors.model.mamba2 import Mamba2Mixer
-from hyrax.actors.model.mamba2_rows import available, mamba2_decode_rows_, mamba2_prefill_rows_, mixer_weights
+from hyrax.actors.model.mamba2_rows import (available, mamba2_decode_rows_, mamba2_packed_rows_, mamba2_prefill_rows_,
+                                            mixer_weights)
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"the kernel does not build here: {available()}")
 
@@ -116,6 +117,28 @@ def test_the_prefill_kernel_equals_the_layer_token_by_token(mode, H, P, N, G, gr
     torch.testing.assert_close(ssm_pool.double(), ssm_want, rtol=5e-5, atol=5e-5)
 
 
+def test_packed_tokens_give_the_padded_layout_s_results_bit_for_bit():
+    """The same sequences as a padded (B, T) step and packed back to back: the same outputs at
+    the real tokens and the same states, bit for bit (each sequence is computed alone)."""
+    g = torch.Generator().manual_seed(11)
+    H, P, N, K = 4, 32, 32, 4
+    inner, C = H * P, H * P + 2 * N
+    w = mixer_weights(torch.randn(C, 1, K, generator=g), torch.randn(C, generator=g), torch.randn(H, generator=g),
+                      torch.randn(H, generator=g), torch.randn(H, generator=g), (0.0, float("inf")),
+                      torch.randn(inner, generator=g), 1e-5, inner, "gate_then_norm")
+    q_lens = torch.tensor([5, 2, 8])
+    padded = torch.randn(3, 8, inner + C + H, generator=g)
+    valid = torch.arange(8)[None, :] < q_lens[:, None]
+    packed = padded[valid][None]
+    rows = torch.tensor([2, 0, 1])
+    pools = [(torch.randn(4, C, K - 1, generator=g), torch.randn(4, H, P, N, generator=g)) for _ in range(2)]
+    pools[1] = (pools[0][0].clone(), pools[0][1].clone())
+    a = mamba2_prefill_rows_(padded, pools[0][0], rows, pools[0][1], rows, q_lens, w)
+    b = mamba2_packed_rows_(packed, pools[1][0], rows, pools[1][1], rows, q_lens.cumsum(0) - q_lens, q_lens, w)
+    assert torch.equal(a[valid], b[0]) and not a[~valid].any()
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+
+
 def test_the_vectorised_silu_is_within_two_units_in_the_last_place():
     """The kernel's silu (its own branch-free exp) against float64, over the float range where
     silu is a normal float, and at the edges: large inputs give themselves, large negative ones
@@ -171,9 +194,9 @@ def test_refusals_leave_the_pools_untouched():
         mamba2_decode_rows_(zxbcdt, conv_pool.double(), torch.tensor([0, 1]), ssm_pool, torch.tensor([0, 1]), w)
     with pytest.raises(ValueError, match="zxbcdt"):
         mamba2_decode_rows_(zxbcdt[:, :, 1:], conv_pool, torch.tensor([0, 1]), ssm_pool, torch.tensor([0, 1]), w)
-    with pytest.raises(RuntimeError, match="length is outside"):
-        mamba2_prefill_rows_(zxbcdt.expand(2, 3, -1), conv_pool, torch.tensor([0, 1]), ssm_pool, torch.tensor([0, 1]),
-                             torch.tensor([3, 4]), w)
+    with pytest.raises(RuntimeError, match="outside the step's rows"):
+        mamba2_packed_rows_(torch.randn(1, 3, inner + C + H), conv_pool, torch.tensor([0, 1]), ssm_pool,
+                            torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([2, 2]), w)
     with pytest.raises(ValueError, match="unknown norm mode 'rms'"):
         mixer_weights(torch.randn(C, 1, K), None, torch.randn(H), torch.randn(H), torch.randn(H),
                       (0.0, float("inf")), torch.randn(inner), 1e-5, inner, "rms")
@@ -183,17 +206,19 @@ def test_refusals_leave_the_pools_untouched():
 @pytest.mark.parametrize("layout", ["mamba", "full_swa_mamba"])
 def test_a_model_through_the_c_steps_decodes_what_the_torch_path_decodes(layout, monkeypatch):
     """Chunked prefill, mixed and decode steps, forced retraction: the same greedy tokens with
-    the layer's steps in C as through the torch operations, and both kernels did run, batched."""
+    the layer's steps in C as through the torch operations (the C prefill step on one padded
+    slice and on packed slices), and every kernel did run, batched."""
     import hyrax.actors.model.mamba2 as mamba2
 
-    calls = {"decode": [], "prefill": []}
+    calls = {"decode": [], "prefill": [], "packed": []}  # (sequences, token rows) per call
     for kind in calls:
         real = getattr(mamba2, f"mamba2_{kind}_rows_")
         monkeypatch.setattr(mamba2, f"mamba2_{kind}_rows_",
-                            lambda *a, _r=real, _k=kind: (calls[_k].append(tuple(a[0].shape[:2])), _r(*a))[1])
+                            lambda *a, _r=real, _k=kind: (calls[_k].append((a[2].shape[0], a[0].shape[1])), _r(*a))[1])
     outs = mixer_switch_outputs(layout, "native_step")
-    assert max(b for b, _ in calls["decode"]) > 1 and max(b for b, _ in calls["prefill"]) > 1
-    assert max(t for _, t in calls["prefill"]) > 1
+    assert max(b for b, _ in calls["decode"]) > 1  # batched decode steps
+    assert max(t for _, t in calls["prefill"]) > 1  # one prompt's chunk alone
+    assert max(b for b, _ in calls["packed"]) > 1  # several prompts' chunks, packed
     assert outs[0] == outs[1]
 
 

@@ -212,9 +212,9 @@ class RankRuntime:
         return ids
 
     def _forward_grouped(self, block, entries, captures: dict, fills: list[int]) -> torch.Tensor:
-        """Decode tokens (one per sequence) in one batch, prompt chunks in batches of similar
-        length (step_groups.py): padding a decode token or a short chunk to the longest chunk
-        would multiply a mixed step's work."""
+        """Decode tokens (one per sequence) in one batch, prompt chunks in another, which runs
+        packed (step_groups.py): padding a decode token to the longest chunk would multiply a
+        mixed step's work."""
         lengths = list(map(len, map(_TOKEN_IDS, entries)))
         if max(lengths, default=1) == 1:  # a decode step: one batch, in row order
             return self._forward(block, entries, captures, fills)

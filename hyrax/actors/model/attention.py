@@ -100,10 +100,14 @@ class Attention(nn.Module):
             "o_proj.weight": (1, q),
         }
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor], rope, cos_sin) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor], rope, cos_sin,
+                packed: bool = False) -> torch.Tensor:
         """x: (B, T, hidden) -> (B, T, hidden). Writes this step's K/V into the pool first.
 
         cos_sin: the step's rotary tables from `rope.cos_sin(batch.positions)`, shared by all layers.
+        `packed`: x is (1, N, hidden), the step's real tokens back to back, and cos_sin packed the
+        same way (HybridModel.forward); the projections run on those tokens only, and the
+        backend gets the queries in their (B, T) rows.
         """
         B, T, _ = x.shape
         hd = self.head_dim
@@ -124,10 +128,12 @@ class Attention(nn.Module):
         # the real tokens' K/V, (N, 2, kv_heads, head_dim), into their rows: index tensors made
         # once per step on the host (no boolean mask here, whose size only the device knows)
         kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd)
-        if T > 1:  # a decode step has no padding: its tokens are already in token_index order
+        if T > 1 and not packed:  # a decode step has no padding, a packed one none left: token_index order
             kv = kv.index_select(0, batch.token_index)
         index_copy_rows_(pool, idx.write_rows, kv.to(pool.dtype))
-        out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
+        out = self.backend((batch.unpack(q) if packed else q).contiguous(), pool, idx, batch, self.window, self.scale)
+        if packed:
+            out = batch.pack(out)
         if self.output_gate:
             out = out * torch.sigmoid(gate)
         return self.allreduce(self.o_proj(out.reshape(B, T, -1)))

@@ -182,6 +182,29 @@ class ForwardBatch:
                 torch.cat([zero, self.context_lens.cumsum(0, dtype=torch.int32)]))
 
     @property
+    def packs(self) -> bool:
+        """Whether this step runs packed (HybridModel.forward): several slices of more than one
+        token, some padded. Known on the host (the token count is a shape)."""
+        B, T = self.input_ids.shape
+        return T > 1 and self.token_index.shape[0] < B * T
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """(B,) long: where each sequence's tokens begin among the N packed tokens."""
+        return self.q_lens.cumsum(0) - self.q_lens
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (1, N, ...): the real tokens, sequence by sequence, padding dropped."""
+        B, T = self.input_ids.shape
+        return x.reshape(B * T, *x.shape[2:]).index_select(0, self.token_index)[None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N, ...) -> (B, T, ...): the tokens back in their rows, zeros at padding."""
+        B, T = self.input_ids.shape
+        out = x.new_zeros(B * T, *x.shape[2:])
+        return out.index_copy_(0, self.token_index, x[0]).view(B, T, *x.shape[2:])
+
+    @property
     def num_seqs(self) -> int:
         return self.input_ids.shape[0]
 

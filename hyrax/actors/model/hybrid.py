@@ -13,7 +13,7 @@ from torch import nn
 from hyrax.actors.model import attention, gated_deltanet, mamba2
 from hyrax.actors.model.attention import Attention
 from hyrax.actors.model.batch import ForwardBatch
-from hyrax.actors.model.config import MIXERS, ModelConfig
+from hyrax.actors.model.config import ATTENTION_TYPES, MIXERS, ModelConfig
 from hyrax.actors.model.gated_deltanet import GatedDeltaNet
 from hyrax.actors.model.mamba2 import Mamba2Mixer
 from hyrax.actors.model.mlp import GatedMLP, ReluSqMLP
@@ -87,7 +87,10 @@ class DecoderLayer(nn.Module):
             self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, off)
             self.feed_forward = _feed_forward(cfg, self.ffn_kind, tp, dtype, allreduce)
 
-    def forward(self, x, batch, pools, rope, cos_sin):
+    def forward(self, x, batch, pools, rope, cos_sin, packed: bool = False):
+        """x: (B, T, hidden), or with `packed` (1, N, hidden), the step's real tokens only, and
+        cos_sin packed likewise (HybridModel.forward): then a mixer that runs on packed tokens
+        gets them as they are, any other its (B, T) rows and gives its output back packed."""
         r = self.residual_multiplier
         if self.mixers:
             h = self.input_layernorm(x)
@@ -95,12 +98,14 @@ class DecoderLayer(nn.Module):
             for mixer in self.mixers:
                 s_in, s_out = self.scales[mixer]
                 h_in = h * s_in if s_in != 1.0 else h
-                if mixer == "mamba2":
-                    y = self.mamba(h_in, batch, pools)
-                elif mixer == "gated_deltanet":
-                    y = self.linear_attn(h_in, batch, pools)
-                else:
-                    y = self.self_attn(h_in, batch, pools, rope, cos_sin)
+                if not packed:
+                    y = self._mixer(mixer, h_in, batch, pools, rope, cos_sin)
+                elif mixer in ATTENTION_TYPES:
+                    y = self.self_attn(h_in, batch, pools, rope, cos_sin, packed=True)
+                else:  # the C Mamba2 step takes packed tokens; otherwise, and other mixers, rows
+                    y = self.mamba.packed(h_in, batch, pools) if mixer == "mamba2" else None
+                    if y is None:
+                        y = batch.pack(self._mixer(mixer, batch.unpack(h_in), batch, pools, rope, cos_sin))
                 if s_out != 1.0:
                     y = y * s_out
                 out = y if out is None else out + y
@@ -108,6 +113,14 @@ class DecoderLayer(nn.Module):
         if self.ffn_kind != "none":
             x = torch.add(x, self.feed_forward(self.pre_ff_layernorm(x)), alpha=r)
         return x
+
+    def _mixer(self, mixer: str, h, batch, pools, rope, cos_sin):
+        """One mixer on (B, T, hidden) rows."""
+        if mixer == "mamba2":
+            return self.mamba(h, batch, pools)
+        if mixer == "gated_deltanet":
+            return self.linear_attn(h, batch, pools)
+        return self.self_attn(h, batch, pools, rope, cos_sin)
 
 
 class _Backbone(nn.Module):
@@ -168,9 +181,18 @@ class HybridModel(nn.Module):
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
         cos_sin = self.rope.cos_sin(batch.positions) if self.cfg.has_attention and self.cfg.use_rope else None
+        # several padded slices: the layers run on the real tokens only, (1, N, hidden), so the
+        # token-wise work (projections, MLPs, norms) skips the padding; mixers that need rows
+        # get them unpacked (DecoderLayer.forward)
+        packed = not all_logits and batch.packs
+        if packed:
+            x = batch.pack(x)
+            cos_sin = None if cos_sin is None else tuple(map(batch.pack, cos_sin))
         for layer in self.model.layers:
-            x = layer(x, batch, pools, self.rope, cos_sin)
-        if not all_logits:
+            x = layer(x, batch, pools, self.rope, cos_sin, packed)
+        if packed:
+            x = x[0, batch.starts + batch.q_lens - 1]
+        elif not all_logits:
             last = (batch.q_lens - 1).clamp(min=0)
             x = x[torch.arange(x.shape[0], device=x.device), last]
         x = self.model.final_layernorm(x)

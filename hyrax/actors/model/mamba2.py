@@ -22,7 +22,8 @@ from hyrax.actors.model.causal_conv_rows import available as conv_unavailable
 from hyrax.actors.model.causal_conv_rows import causal_conv_rows_
 from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
 from hyrax.actors.model.mamba2_rows import available as step_unavailable
-from hyrax.actors.model.mamba2_rows import MixerWeights, mamba2_decode_rows_, mamba2_prefill_rows_, mixer_weights
+from hyrax.actors.model.mamba2_rows import (MixerWeights, mamba2_decode_rows_, mamba2_packed_rows_,
+                                            mamba2_prefill_rows_, mixer_weights)
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
@@ -154,6 +155,21 @@ class Mamba2Mixer(nn.Module):
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(lo, hi)
         return dt, -torch.exp(self.A_log.to(state_dtype))
+
+    def packed(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """x: (1, N, hidden), a prefill step's real tokens back to back (HybridModel.forward) ->
+        (1, N, hidden) through the C step, or None where it does not run (before any work):
+        `forward` on the unpacked rows instead."""
+        conv_pool, ssm_pool = pools[CONV][self.local_layer], pools[SSM][self.local_layer]
+        if not (self.native_step and batch.capture is None and x.dtype == conv_pool.dtype == ssm_pool.dtype
+                == torch.float32 and rows_on_host(conv_pool, x) and rows_on_host(ssm_pool, x)):
+            return None
+        zxbcdt = self.in_proj(x)
+        if self.in_scale is not None:
+            zxbcdt = zxbcdt * self.in_scale
+        y = mamba2_packed_rows_(zxbcdt, conv_pool, batch.slots[CONV], ssm_pool, batch.slots[SSM], batch.starts,
+                                batch.q_lens, self.kernel_weights())
+        return self.allreduce(self.out_proj(y))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and SSM slots."""

@@ -25,7 +25,7 @@ from hyrax.actors.model.native import ROW_KERNEL_ERRORS, function, raise_for, un
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 NORM_MODES = {"gate_then_norm": 0, "norm_then_gate": 1, "gate_only": 2}
 _ERRORS = {**ROW_KERNEL_ERRORS, -2: "an unknown norm mode, or a norm group that does not divide the channels",
-           -5: "a sequence's length is outside 1 .. the step's tokens"}
+           -5: "a sequence's tokens lie outside the step's rows (or it has none)"}
 # the arguments both entry points share, after the in_proj rows and their strides
 _SHARED = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _F32, _F32, _PTR, _F32, _I64, _I64]
 
@@ -36,7 +36,7 @@ def _decode_kernel():
 
 def _prefill_kernel():
     return function("mamba2_rows", "hyrax_mamba2_prefill_f32",
-                    [_PTR, _I64, _I64, *_SHARED, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64])
+                    [_PTR, _I64, _PTR, *_SHARED, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64])
 
 
 def available() -> str | None:
@@ -84,9 +84,9 @@ def mixer_weights(conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, dt_
 
 
 def _checked(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_rows: torch.Tensor, ssm_pool: torch.Tensor,
-             ssm_rows: torch.Tensor, w: MixerWeights) -> tuple[list, tuple[int, int, int, int]]:
-    """The arguments both kernels share, checked: (the shared C arguments, (H, G, P, N))."""
-    Bsz = zxbcdt.shape[0]
+             ssm_rows: torch.Tensor, w: MixerWeights, Bsz: int) -> tuple[list, tuple[int, int, int, int]]:
+    """The arguments both kernels share, checked, for Bsz sequences: (the shared C arguments,
+    (H, G, P, N))."""
     _, H, P, N = ssm_pool.shape
     K, C = w.taps.shape
     inner = H * P
@@ -119,8 +119,8 @@ def mamba2_decode_rows_(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_rows
     what out_proj takes."""
     if zxbcdt.dim() != 3 or zxbcdt.shape[1] != 1:
         raise ValueError(f"mamba2_rows: a decode step has one token per sequence, got {tuple(zxbcdt.shape)}")
-    args, (H, G, P, N) = _checked(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w)
     Bsz = zxbcdt.shape[0]
+    args, (H, G, P, N) = _checked(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w, Bsz)
     out = torch.empty(Bsz, 1, H * P, dtype=torch.float32)
     rc = _decode_kernel()(zxbcdt.data_ptr(), zxbcdt.stride(0), *args, out.data_ptr(), Bsz, H, G, P, N)
     raise_for(rc, "mamba2_rows", _ERRORS)
@@ -130,17 +130,36 @@ def mamba2_decode_rows_(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_rows
 def mamba2_prefill_rows_(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_rows: torch.Tensor,
                          ssm_pool: torch.Tensor, ssm_rows: torch.Tensor, q_lens: torch.Tensor,
                          w: MixerWeights) -> torch.Tensor:
-    """A prefill step: zxbcdt (B, T, H*P + C + H) as for `mamba2_decode_rows_`, sequence b's
-    first q_lens[b] (1 .. T) tokens real, the rest padding. Returns (B, T, H*P) float32, zero
-    at padding; each sequence's conv and SSM rows are left as after its last real token."""
-    args, (H, G, P, N) = _checked(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w)
-    Bsz, T = zxbcdt.shape[:2]
-    if q_lens.shape != (Bsz,):
-        raise ValueError("mamba2_rows: q_lens must hold one length per sequence")
-    q_lens = q_lens.to(torch.int64).contiguous()
-    out = torch.empty(Bsz, T, H * P, dtype=torch.float32)
-    rc = _prefill_kernel()(zxbcdt.data_ptr(), zxbcdt.stride(0), zxbcdt.stride(1), *args, q_lens.data_ptr(),
-                           out.data_ptr(), Bsz, T, H, G, P, N)
+    """A prefill step in the padded layout: zxbcdt (B, T, H*P + C + H) as for
+    `mamba2_decode_rows_`, sequence b's first q_lens[b] (1 .. T) tokens real, the rest padding.
+    Returns (B, T, H*P) float32, zero at padding; each sequence's conv and SSM rows are left as
+    after its last real token."""
+    B, T = zxbcdt.shape[:2]
+    if q_lens.shape != (B,) or zxbcdt.stride(0) != T * zxbcdt.stride(1):
+        raise ValueError("mamba2_rows: q_lens must hold one length per sequence of a (B, T, ...) step")
+    starts = torch.arange(B, dtype=torch.int64) * T
+    return _prefill(zxbcdt.view(1, B * T, -1), conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w,
+                    zero=True).view(B, T, -1)
+
+
+def mamba2_packed_rows_(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_rows: torch.Tensor,
+                        ssm_pool: torch.Tensor, ssm_rows: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+                        w: MixerWeights) -> torch.Tensor:
+    """A prefill step in the packed layout: zxbcdt (1, N, H*P + C + H), the step's N tokens back
+    to back, sequence b's at rows starts[b] .. starts[b] + q_lens[b] - 1. Returns (1, N, H*P)
+    float32 (rows of no sequence uninitialised)."""
+    return _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w, zero=False)
+
+
+def _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w: MixerWeights, zero: bool):
+    args, (H, G, P, N) = _checked(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w, conv_rows.shape[0])
+    Bsz, rows = conv_rows.shape[0], zxbcdt.shape[1]
+    if zxbcdt.shape[0] != 1 or starts.shape != (Bsz,) or q_lens.shape != (Bsz,):
+        raise ValueError("mamba2_rows: one start and one length per sequence over one row of tokens")
+    starts, q_lens = starts.to(torch.int64).contiguous(), q_lens.to(torch.int64).contiguous()
+    out = (torch.zeros if zero else torch.empty)(1, rows, H * P, dtype=torch.float32)
+    rc = _prefill_kernel()(zxbcdt.data_ptr(), zxbcdt.stride(1), starts.data_ptr(), *args, q_lens.data_ptr(),
+                           out.data_ptr(), rows, Bsz, H, G, P, N)
     raise_for(rc, "mamba2_rows", _ERRORS)
     return out
 

@@ -168,13 +168,14 @@ static inline __attribute__((always_inline)) void head_step(float *restrict S, c
 
 /* the arguments both entry points check before anything is written (codes as above) */
 static int check(int64_t conv_slots, const int64_t *conv_rows, int64_t ssm_slots, const int64_t *ssm_rows,
-                 const int64_t *q_lens, int64_t T, int64_t inner, int64_t group, int64_t mode, int64_t B) {
+                 const int64_t *starts, const int64_t *q_lens, int64_t n_rows, int64_t inner, int64_t group,
+                 int64_t mode, int64_t B) {
     if (mode < 0 || mode > 2 || group <= 0 || inner % group)
         return -2;
     for (int64_t b = 0; b < B; b++) {
         if (conv_rows[b] < 0 || conv_rows[b] >= conv_slots || ssm_rows[b] < 0 || ssm_rows[b] >= ssm_slots)
             return -1;
-        if (q_lens && (q_lens[b] < 1 || q_lens[b] > T))
+        if (q_lens && (starts[b] < 0 || q_lens[b] < 1 || starts[b] + q_lens[b] > n_rows))
             return -5;
     }
     if (!distinct(conv_rows, B) || !distinct(ssm_rows, B))
@@ -189,7 +190,7 @@ int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_
                             float eps, int64_t group, int64_t mode, float *out, int64_t B, int64_t H, int64_t G,
                             int64_t P, int64_t N) {
     const int64_t inner = H * P, C = inner + 2 * G * N, keep = K - 1, R = H / G;
-    const int rc = check(conv_slots, conv_rows, ssm_slots, ssm_rows, NULL, 1, inner, group, mode, B);
+    const int rc = check(conv_slots, conv_rows, ssm_slots, ssm_rows, NULL, NULL, 0, inner, group, mode, B);
     if (rc)
         return rc;
     float *u = malloc(sizeof(float) * (size_t)(C + inner)), *gate = u ? u + C : NULL;
@@ -244,24 +245,29 @@ int hyrax_mamba2_decode_f32(const float *zxbcdt, int64_t in_stride, float *conv_
     return 0;
 }
 
-/* A prefill step: sequence b's q_lens[b] tokens (1 .. T; the rest of its T rows are padding),
-   token t's in_proj row at zxbcdt + b * seq_stride + t * tok_stride. The same layer as the
-   decode step above, token by token: the conv over the window [state | inputs] tap by tap across
-   the channels (the state's K-1 inputs transposed to (K-1, C) first), then per head the
-   recurrence over the tokens with the state transposed to (N, P) in a scratch (ssd_token.h, as
-   the prefill scan runs it), then each token's gated norm. out: (B, T, H*P), zero at padding.
-   The conv row is left holding the last K-1 inputs of the sequence, the SSM row its state after
-   its last token. Returns as the decode step, and -5 when a length is outside 1 .. T. */
-int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t seq_stride, int64_t tok_stride, float *conv_pool,
+/* A prefill step: sequence b's q_lens[b] tokens are rows starts[b] .. starts[b] + q_lens[b] - 1
+   of the step's n_rows token rows (packed back to back, or a padded (B, T) layout with
+   starts[b] = b * T), row r's in_proj output at zxbcdt + r * tok_stride and its result at
+   out + r * H*P (rows of no sequence are not written). The same layer as the decode step above,
+   token by token: the conv over the window [state | inputs] tap by tap across the channels (the
+   state's K-1 inputs transposed to (K-1, C) first), then per head the recurrence over the tokens
+   with the state transposed to (N, P) in a scratch (ssd_token.h, as the prefill scan runs it),
+   then each token's gated norm. The conv row is left holding the last K-1 inputs of the
+   sequence, the SSM row its state after its last token. Returns as the decode step, and -5 when
+   a sequence's rows lie outside 0 .. n_rows - 1 (or it has none). */
+int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t tok_stride, const int64_t *starts, float *conv_pool,
                              int64_t conv_slots, const int64_t *conv_rows, const float *taps, const float *conv_bias,
                              int64_t K, float *ssm_pool, int64_t ssm_slots, const int64_t *ssm_rows,
                              const float *dt_bias, const float *A_log, const float *D, float dt_lo, float dt_hi,
                              const float *norm_w, float eps, int64_t group, int64_t mode, const int64_t *q_lens,
-                             float *out, int64_t B, int64_t T, int64_t H, int64_t G, int64_t P, int64_t N) {
+                             float *out, int64_t n_rows, int64_t B, int64_t H, int64_t G, int64_t P, int64_t N) {
     const int64_t inner = H * P, C = inner + 2 * G * N, keep = K - 1, R = H / G;
-    const int rc = check(conv_slots, conv_rows, ssm_slots, ssm_rows, q_lens, T, inner, group, mode, B);
+    const int rc = check(conv_slots, conv_rows, ssm_slots, ssm_rows, starts, q_lens, n_rows, inner, group, mode, B);
     if (rc)
         return rc;
+    int64_t T = 1; /* the longest sequence: the scratch's length */
+    for (int64_t b = 0; b < B; b++)
+        T = q_lens[b] > T ? q_lens[b] : T;
     /* scratch: the conv outputs (T, C), the step sizes (T, H), one head's state (N, P) and two
        P-vectors, the conv state transposed (K-1, C), a token's gate (inner) */
     const size_t floats = (size_t)(T * C + T * H + N * P + 2 * P + (keep > 0 ? keep : 1) * C + inner);
@@ -272,7 +278,7 @@ int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t seq_stride, int64_t to
           *gate = head + (keep > 0 ? keep : 1) * C;
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = q_lens[b];
-        const float *zb = zxbcdt + b * seq_stride;
+        const float *zb = zxbcdt + starts[b] * tok_stride;
         float *W = conv_pool + conv_rows[b] * C * keep;
         conv_head(head, W, C, keep);
         conv_window(u, head, zb + inner, tok_stride, taps, conv_bias, L, C, K);
@@ -282,7 +288,7 @@ int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t seq_stride, int64_t to
         for (int64_t t = 0; t < L; t++)
             for (int64_t h = 0; h < H; h++)
                 dts[t * H + h] = step_size(zb[t * tok_stride + inner + C + h], dt_bias[h], dt_lo, dt_hi);
-        float *ob = out + b * T * inner;
+        float *ob = out + starts[b] * inner;
         for (int64_t h = 0; h < H; h++) {
             const int64_t g = h / R;
             float *S = ssm_pool + (ssm_rows[b] * H + h) * P * N;
@@ -297,7 +303,6 @@ int hyrax_mamba2_prefill_f32(const float *zxbcdt, int64_t seq_stride, int64_t to
         }
         for (int64_t t = 0; t < L; t++)
             gated_norm(ob + t * inner, zb + t * tok_stride, gate, norm_w, eps, inner, group, mode);
-        memset(ob + L * inner, 0, sizeof(float) * (size_t)((T - L) * inner));
     }
     free(u);
     return 0;
