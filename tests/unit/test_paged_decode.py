@@ -181,6 +181,39 @@ def test_a_build_is_kept_and_reused_until_a_header_it_includes_changes(monkeypat
     assert len(builds) == 2 and len(list(cache.glob("ssd_scan-*.so"))) == 2
 
 
+@needs_kernel
+def test_a_new_build_deletes_the_same_kernel_s_builds_unused_for_a_month(monkeypatch, tmp_path):
+    """Libraries of older sources (or compilers, or CPUs) do not pile up in the cache: a new
+    build deletes the same kernel's libraries that no process has loaded for PRUNE_AFTER_S;
+    loading a library marks it used, so one in use elsewhere (a shared cache) is kept."""
+    import os
+    import time
+
+    monkeypatch.setenv("HYRAX_KERNEL_CACHE", str(tmp_path))
+    tmp_path.chmod(0o700)
+    month = native.PRUNE_AFTER_S
+    planted = {n: tmp_path / n for n in ("ssd_scan-old.so", "ssd_scan-recent.so", "paged_decode-old.so")}
+    for f in planted.values():
+        f.write_bytes(b"")
+    for n, age in (("ssd_scan-old.so", month + 3600), ("ssd_scan-recent.so", month - 3600),
+                   ("paged_decode-old.so", month + 3600)):
+        t = time.time() - age
+        os.utime(planted[n], (t, t))
+    native.load.cache_clear()
+    try:
+        native.load("ssd_scan")  # built now
+        assert not planted["ssd_scan-old.so"].exists()
+        assert planted["ssd_scan-recent.so"].exists() and planted["paged_decode-old.so"].exists()
+        (built,) = [f for f in tmp_path.glob("ssd_scan-*.so") if f not in planted.values()]
+        t = time.time() - month - 3600
+        os.utime(built, (t, t))
+        native.load.cache_clear()  # another process loads it: marked used again
+        native.load("ssd_scan")
+        assert built.stat().st_mtime > time.time() - 60
+    finally:
+        native.load.cache_clear()
+
+
 def test_auto_picks_the_cpu_kernel_for_float32_on_the_cpu_and_says_why_not_otherwise():
     notes = []
     pick = lambda dt, native=lambda: None, dev="cpu", req="auto": select_backend(  # noqa: E731

@@ -10,10 +10,12 @@ the kernel reads each key and value row once where it lies.
 How: the source is compiled once per machine with `-O3 -march=native` into a cache directory
 (`HYRAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/hyrax/kernels`, else `~/.cache/hyrax/kernels`;
 a directory under the system's temporary directory where that one is not writable),
-named by a hash of the source (and the headers beside it), the flags, the compiler's version and the CPU's model and
-feature flags, so a machine with another CPU (a VM moved to another host) builds its own.
-A build writes a temporary file and renames it, so processes building at once never load a
-half-written library. No torch headers are involved: a build takes well under a second.
+named by a hash of the source (and the headers beside it), the flags, the compiler's version
+and the CPU's model and feature flags, so a machine with another CPU (a VM moved to another
+host) builds its own. A build writes a temporary file and renames it, so processes building at
+once never load a half-written library. Loading marks a library used (its modification time);
+a new build deletes the same kernel's libraries unused for PRUNE_AFTER_S. No torch headers are
+involved: a build takes well under a second.
 
 Where there is no compiler, or the build fails, `load` answers why, and the callers keep
 their torch paths (the attention backend says so once in the log).
@@ -28,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -92,7 +95,9 @@ def load(name: str) -> ctypes.CDLL:
                                      _cpu_identity().encode()])).hexdigest()[:20]
     places = [d / f"{name}-{key}.so" for d in (cache_dir(), _fallback_dir())]
     lib = next((p for p in places if p.exists() and _ours(p.parent)), None)
-    if lib is None:
+    if lib is not None:
+        _mark_used(lib)
+    else:
         lib, unwritable = None, []
         for place in places:
             try:
@@ -102,6 +107,7 @@ def load(name: str) -> ctypes.CDLL:
                 continue
             _build(cc, source, tmp, place)
             lib = place
+            _prune(place.parent, name, keep=place)
             break
         if lib is None:
             raise NativeUnavailable("no writable place for the kernel: " + "; ".join(unwritable))
@@ -109,6 +115,32 @@ def load(name: str) -> ctypes.CDLL:
         return ctypes.CDLL(str(lib))
     except OSError as e:
         raise NativeUnavailable(f"{lib.name} does not load: {e}") from e
+
+
+# A build is kept while some process loads it: a library none has loaded for this long is
+# deleted when a new build of the same kernel lands beside it (an older source, compiler or
+# CPU; a cache shared by hosts keeps every build in use on any of them).
+PRUNE_AFTER_S = 30 * 24 * 3600
+
+
+def _mark_used(lib: Path) -> None:
+    """Record that `lib` is in use (its modification time: once per process and kernel)."""
+    try:
+        os.utime(lib)
+    except OSError:  # a read-only cache still serves; it is only never pruned
+        pass
+
+
+def _prune(directory: Path, name: str, keep: Path) -> None:
+    """Delete the builds of kernel `name` in `directory`, other than `keep`, that no process
+    has loaded for PRUNE_AFTER_S (unlinking a library a process has loaded leaves its mapping)."""
+    cutoff = time.time() - PRUNE_AFTER_S
+    for old in directory.glob(f"{name}-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another process pruned it first, or it is not ours to delete
+            pass
 
 
 def function(name: str, symbol: str, argtypes: list, restype=ctypes.c_int):
