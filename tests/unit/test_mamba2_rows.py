@@ -206,19 +206,19 @@ def test_refusals_leave_the_pools_untouched():
 @pytest.mark.parametrize("layout", ["mamba", "full_swa_mamba"])
 def test_a_model_through_the_c_steps_decodes_what_the_torch_path_decodes(layout, monkeypatch):
     """Chunked prefill, mixed and decode steps, forced retraction: the same greedy tokens with
-    the layer's steps in C as through the torch operations (the C prefill step on one padded
-    slice and on packed slices), and every kernel did run, batched."""
+    the layer's steps in C as through the torch operations (the C step on packed slices, decode
+    tokens among them), and the kernels did run, batched. (The C prefill step on one padded
+    slice runs in test_models_checkpoints.py, against transformers.)"""
     import hyrax.actors.model.mamba2 as mamba2
 
-    calls = {"decode": [], "prefill": [], "packed": []}  # (sequences, token rows) per call
+    calls = {"decode": [], "packed": []}  # (sequences, their token counts) per call
     for kind in calls:
         real = getattr(mamba2, f"mamba2_{kind}_rows_")
         monkeypatch.setattr(mamba2, f"mamba2_{kind}_rows_",
-                            lambda *a, _r=real, _k=kind: (calls[_k].append((a[2].shape[0], a[0].shape[1])), _r(*a))[1])
+                            lambda *a, _r=real, _k=kind: (calls[_k].append((a[2].shape[0], a[-2])), _r(*a))[1])
     outs = mixer_switch_outputs(layout, "native_step")
     assert max(b for b, _ in calls["decode"]) > 1  # batched decode steps
-    assert max(t for _, t in calls["prefill"]) > 1  # one prompt's chunk alone
-    assert max(b for b, _ in calls["packed"]) > 1  # several prompts' chunks, packed
+    assert any(b > 1 and int(n.min()) == 1 < int(n.max()) for b, n in calls["packed"])  # decode tokens beside chunks
     assert outs[0] == outs[1]
 
 

@@ -29,7 +29,7 @@ from hyrax.actors.engine.sampler import GREEDY_BELOW, logprobs_of, sample
 from hyrax.actors.engine.state_hash import ROW_WORDS, hasher
 from hyrax.actors.engine.step_groups import length_groups
 from hyrax.actors.engine.view import PLACEHOLDER
-from hyrax.actors.model.batch import build_forward_batch
+from hyrax.actors.model.batch import ForwardBatch, MixedBatch, build_forward_batch
 from hyrax.actors.model.hybrid import HybridModel
 from hyrax.actors.model.state import ComponentSpec
 
@@ -212,22 +212,32 @@ class RankRuntime:
         return ids
 
     def _forward_grouped(self, block, entries, captures: dict, fills: list[int]) -> torch.Tensor:
-        """Decode tokens (one per sequence) in one batch, prompt chunks in another, which runs
-        packed (step_groups.py): padding a decode token to the longest chunk would multiply a
-        mixed step's work."""
+        """A mixed step's decode tokens (one per sequence) and prompt chunks in one packed
+        forward (`MixedBatch`, step_groups.py): padding a decode token to the longest chunk
+        would multiply the step's work, and a forward of their own would pay every layer's
+        fixed cost again."""
         lengths = list(map(len, map(_TOKEN_IDS, entries)))
         if max(lengths, default=1) == 1:  # a decode step: one batch, in row order
             return self._forward(block, entries, captures, fills)
         nb = len(block) if block is not None else 0
-        out = [None] * (nb + len(entries))
-        for group in length_groups([1] * nb + lengths):
-            for i, row in zip(group, self._forward(block, entries, captures, fills, group)):
-                out[i] = row
-        return torch.stack(out)
+        groups = length_groups([1] * nb + lengths)
+        if len(groups) == 1:  # prompt chunks only
+            return self._forward(block, entries, captures, fills)
+        ones, longer = groups
+        batch = MixedBatch(self._batch(block, entries, captures, fills, ones),
+                           self._batch(block, entries, captures, fills, longer))
+        logits = self.model(batch, self.pools)  # rows: the decode tokens', then the chunks'
+        if ones[-1] == len(ones) - 1:  # already in step order (the block's rows, then the entries)
+            return logits
+        return torch.empty_like(logits).index_copy_(0, self._idx(ones + longer), logits)
 
     def _forward(self, block, entries, captures: dict, fills: list[int], rows: list[int] | None = None) -> torch.Tensor:
         """The forward of the step's rows `rows` (all of them: None; block rows before entries,
         as length_groups keeps them) as one batch."""
+        return self.model(self._batch(block, entries, captures, fills, rows), self.pools)
+
+    def _batch(self, block, entries, captures: dict, fills: list[int], rows=None) -> ForwardBatch:
+        """The batch of the step's rows `rows` (a sequence of row numbers; all of them: None)."""
         if rows is not None:
             nb = len(block) if block is not None else 0
             captures = {k: captures[i] for k, i in enumerate(rows) if i in captures}
@@ -235,9 +245,8 @@ class RankRuntime:
             picked = [i for i in rows if i < nb]
             block = block.rows(np.array(picked, dtype=np.int64)) if picked else None
             entries = [entries[i - nb] for i in rows if i >= nb]
-        batch = build_forward_batch(entries, self.components, self.sizes.page_size, self.device, self._capture_into,
-                                    captures=captures, fills=fills, block=block)
-        return self.model(batch, self.pools)
+        return build_forward_batch(entries, self.components, self.sizes.page_size, self.device, self._capture_into,
+                                   captures=captures, fills=fills, block=block)
 
     # ---- state moves: save and load over a location ----------------------------------------
     def save(self, req_id: str, rows: Rows, location: Location) -> tuple[dict[str, int], StateShard | None]:

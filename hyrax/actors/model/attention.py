@@ -106,8 +106,9 @@ class Attention(nn.Module):
 
         cos_sin: the step's rotary tables from `rope.cos_sin(batch.positions)`, shared by all layers.
         `packed`: x is (1, N, hidden), the step's real tokens back to back, and cos_sin packed the
-        same way (HybridModel.forward); the projections run on those tokens only, and the
-        backend gets the queries in their (B, T) rows.
+        same way (HybridModel.forward); the projections run on those tokens only, and the batch
+        (a ForwardBatch, or a MixedBatch of decode rows and prompt slices) gives the backend the
+        queries in its rows (`attend`).
         """
         B, T, _ = x.shape
         hd = self.head_dim
@@ -123,17 +124,19 @@ class Attention(nn.Module):
         if self.use_rope:
             cos, sin = cos_sin
             q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        idx = batch.attn[self.component]
         pool = pools[self.component][self.local_layer]
         # the real tokens' K/V, (N, 2, kv_heads, head_dim), into their rows: index tensors made
         # once per step on the host (no boolean mask here, whose size only the device knows)
         kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd)
-        if T > 1 and not packed:  # a decode step has no padding, a packed one none left: token_index order
-            kv = kv.index_select(0, batch.token_index)
-        index_copy_rows_(pool, idx.write_rows, kv.to(pool.dtype))
-        out = self.backend((batch.unpack(q) if packed else q).contiguous(), pool, idx, batch, self.window, self.scale)
-        if packed:
-            out = batch.pack(out)
+        if packed:  # in packed order already; the batch runs the backend over its rows or parts
+            index_copy_rows_(pool, batch.write_rows(self.component), kv.to(pool.dtype))
+            out = batch.attend(self.backend, q, pool, self.component, self.window, self.scale)
+        else:
+            idx = batch.attn[self.component]
+            if T > 1:  # a decode step has no padding: token_index order
+                kv = kv.index_select(0, batch.token_index)
+            index_copy_rows_(pool, idx.write_rows, kv.to(pool.dtype))
+            out = self.backend(q.contiguous(), pool, idx, batch, self.window, self.scale)
         if self.output_gate:
             out = out * torch.sigmoid(gate)
         return self.allreduce(self.o_proj(out.reshape(B, T, -1)))

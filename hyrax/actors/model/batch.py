@@ -204,6 +204,27 @@ class ForwardBatch:
         out = x.new_zeros(B * T, *x.shape[2:])
         return out.index_copy_(0, self.token_index, x[0]).view(B, T, *x.shape[2:])
 
+    def packed_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The real tokens' input ids and positions, (1, N) each, sequence by sequence."""
+        return (self.input_ids.reshape(-1).index_select(0, self.token_index)[None],
+                self.positions.reshape(-1).index_select(0, self.token_index)[None])
+
+    def write_rows(self, component: str) -> torch.Tensor:
+        """(N,) the pool rows of `component` the step's real tokens write, in packed order."""
+        return self.attn[component].write_rows
+
+    def attend(self, backend, q: torch.Tensor, pool: torch.Tensor, component: str, window: int | None,
+               scale: float) -> torch.Tensor:
+        """Packed queries (1, N, H, D), their K/V written -> (1, N, H, D): `backend` (a
+        PagedAttentionBackend) over this batch's (B, T) rows."""
+        out = backend(self.unpack(q).contiguous(), pool, self.attn[component], self, window, scale)
+        return self.pack(out)
+
+    def by_rows(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """Packed x (1, N, ...) -> (1, N, ...): `fn(rows, batch)` on x's (B, T) rows and this
+        batch, its result packed again (a mixer that cannot run packed tokens)."""
+        return self.pack(fn(self.unpack(x), self))
+
     @property
     def num_seqs(self) -> int:
         return self.input_ids.shape[0]
@@ -211,6 +232,81 @@ class ForwardBatch:
     @property
     def max_len(self) -> int:
         return self.input_ids.shape[1]
+
+
+@dataclass
+class MixedBatch:
+    """A step's decode rows and its prompt slices in ONE packed forward (HybridModel.forward):
+    the token-wise work - embedding, norms, projections, MLPs, the C Mamba2 step - runs once on
+    all their tokens, (1, nd + N, hidden), the decode tokens first; attention, and any mixer
+    that needs (B, T) rows, runs each part as the batch it is (`attend`, `by_rows`): the decode
+    rows as a decode step, the slices unpacked, so a decode token is never padded to the
+    longest slice. The parts are ordinary batches (`build_forward_batch`): every row's
+    metadata is what it would be in a forward of its own part."""
+
+    decode: ForwardBatch  # nd rows of one token each
+    chunks: ForwardBatch  # the prompt slices (at least one longer than a token)
+    packs = True  # always runs packed
+
+    def __post_init__(self):
+        if self.decode.max_len != 1 or self.chunks.max_len < 2:
+            raise ValueError("a mixed batch is decode rows of one token and slices of which one is longer")
+        self._write_rows: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_decode(self) -> int:
+        return self.decode.num_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.decode.num_seqs + self.chunks.num_seqs
+
+    @property
+    def max_len(self) -> int:
+        return self.chunks.max_len
+
+    @property
+    def capture(self) -> Capture | None:
+        """The slices' capture points (a decode token has none), as rows of `chunks`: a mixer
+        that captures runs each part on its own rows (`by_rows`)."""
+        return self.chunks.capture
+
+    @cached_property
+    def q_lens(self) -> torch.Tensor:
+        return torch.cat([self.decode.q_lens, self.chunks.q_lens])
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """(B,) long: where each sequence's tokens begin among the packed tokens."""
+        return torch.cat([self.decode.starts, self.chunks.starts + self.num_decode])
+
+    @cached_property
+    def slots(self) -> dict[str, torch.Tensor]:
+        return {name: torch.cat([s, self.chunks.slots[name]]) for name, s in self.decode.slots.items()}
+
+    def packed_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        (di, dp), (ci, cp) = self.decode.packed_inputs(), self.chunks.packed_inputs()
+        return torch.cat([di, ci], dim=1), torch.cat([dp, cp], dim=1)
+
+    def write_rows(self, component: str) -> torch.Tensor:
+        rows = self._write_rows.get(component)
+        if rows is None:  # made by the first attention layer of the component, shared by the others
+            rows = self._write_rows[component] = torch.cat([self.decode.write_rows(component),
+                                                            self.chunks.write_rows(component)])
+        return rows
+
+    def attend(self, backend, q: torch.Tensor, pool: torch.Tensor, component: str, window: int | None,
+               scale: float) -> torch.Tensor:
+        nd = self.num_decode
+        head = backend(q[0, :nd, None].contiguous(), pool, self.decode.attn[component], self.decode, window, scale)
+        tail = self.chunks.attend(backend, q[:, nd:], pool, component, window, scale)
+        return torch.cat([head.view(1, nd, *head.shape[2:]), tail], dim=1)
+
+    def by_rows(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """`fn` on each part's rows: the decode rows as (nd, 1, ...), the slices unpacked."""
+        nd = self.num_decode
+        head = fn(x[0, :nd, None], self.decode)
+        return torch.cat([head.view(1, nd, *head.shape[2:]), self.chunks.by_rows(fn, x[:, nd:])], dim=1)
 
 
 _TOKEN_IDS, _START, _SLOTS, _PAGE_TABLES = (attrgetter(f) for f in ("token_ids", "start", "slots", "page_tables"))

@@ -90,7 +90,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, batch, pools, rope, cos_sin, packed: bool = False):
         """x: (B, T, hidden), or with `packed` (1, N, hidden), the step's real tokens only, and
         cos_sin packed likewise (HybridModel.forward): then a mixer that runs on packed tokens
-        gets them as they are, any other its (B, T) rows and gives its output back packed."""
+        gets them as they are, any other its (B, T) rows (a MixedBatch's: each part's) and
+        gives its output back packed."""
         r = self.residual_multiplier
         if self.mixers:
             h = self.input_layernorm(x)
@@ -105,7 +106,7 @@ class DecoderLayer(nn.Module):
                 else:  # the C Mamba2 step takes packed tokens; otherwise, and other mixers, rows
                     y = self.mamba.packed(h_in, batch, pools) if mixer == "mamba2" else None
                     if y is None:
-                        y = batch.pack(self._mixer(mixer, batch.unpack(h_in), batch, pools, rope, cos_sin))
+                        y = batch.by_rows(lambda rows, part: self._mixer(mixer, rows, part, pools, rope, None), h_in)
                 if s_out != 1.0:
                     y = y * s_out
                 out = y if out is None else out + y
@@ -177,17 +178,16 @@ class HybridModel(nn.Module):
         """Run one step. Returns logits (B, vocab) at each sequence's last token, or
         (B, T, vocab) at every position with `all_logits`. Logits are float32 (float64 for
         float64 models)."""
-        x = self.model.embed_tokens(batch.input_ids).to(self.dtype)
+        # several padded slices, or decode rows with prompt slices (a MixedBatch): the layers run
+        # on the real tokens only, (1, N, hidden), so the token-wise work (projections, MLPs,
+        # norms) skips the padding and runs once per step; mixers that need rows get them
+        # unpacked (DecoderLayer.forward)
+        packed = not all_logits and batch.packs
+        ids, positions = batch.packed_inputs() if packed else (batch.input_ids, batch.positions)
+        x = self.model.embed_tokens(ids).to(self.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
-        cos_sin = self.rope.cos_sin(batch.positions) if self.cfg.has_attention and self.cfg.use_rope else None
-        # several padded slices: the layers run on the real tokens only, (1, N, hidden), so the
-        # token-wise work (projections, MLPs, norms) skips the padding; mixers that need rows
-        # get them unpacked (DecoderLayer.forward)
-        packed = not all_logits and batch.packs
-        if packed:
-            x = batch.pack(x)
-            cos_sin = None if cos_sin is None else tuple(map(batch.pack, cos_sin))
+        cos_sin = self.rope.cos_sin(positions) if self.cfg.has_attention and self.cfg.use_rope else None
         for layer in self.model.layers:
             x = layer(x, batch, pools, self.rope, cos_sin, packed)
         if packed:
