@@ -4,9 +4,10 @@ mixer that needs (B, T) rows running each part as its own batch.
 
 Reference: the same steps as separate forwards of padded rows - decode tokens in one, prompt
 slices in another, each padded to its longest - what the engine ran before packing. Every
-step's logits agree, and every pool after it (K/V, recurrent state, checkpoints), every layout, with the Mamba2 C step and with the torch path (whose
-mixer runs each part's rows), through the whole engine: chunked prefill, decode tokens beside
-chunks, one-token slices among longer ones, forced retraction."""
+step's logits agree, and every pool after it (K/V, recurrent state, checkpoints), every
+layout, with the Mamba2 C step and with the torch path (whose mixer runs each part's rows),
+through the whole engine: chunked prefill, decode tokens beside chunks, one-token slices among
+longer ones, checkpoints captured inside chunks, forced retraction."""
 from __future__ import annotations
 
 import copy
