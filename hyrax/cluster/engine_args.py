@@ -39,8 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"{PREFILL_CHUNK}, or --max-batch-tokens if smaller)")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
                    help=f"which prompts prefill first: shortest: the fewest tokens left first, among those that "
-                        f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest waiting one; fcfs: arrival order "
-                        f"(default: shortest)")
+                        f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest one still to prefill, admitted "
+                        f"or waiting; fcfs: arrival order (default: shortest)")
     g.add_argument("--retraction-backup", choices=BACKUP_MODES, default="cpu_tensor",
                    help="how retracted requests keep their state (default cpu_tensor)")
     g.add_argument("--host-pool-mb", type=non_negative_float, default=256.0,

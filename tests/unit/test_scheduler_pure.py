@@ -169,13 +169,37 @@ def test_a_prompt_is_never_passed_by_one_that_arrived_after_the_window():
     assert _order(got) == [("old", 8), ("new", 3)]
 
 
-def test_running_prefills_continue_shortest_remaining_first_and_before_any_admission():
+def test_running_prefills_and_admissions_of_one_burst_go_shortest_remaining_first():
+    """A burst reaches the engine over several steps: "a" and "b" were admitted a step before
+    "w" arrived (within the window). The shortest remaining goes first, admission or not; in
+    arrival order (fcfs) every running chunk goes before any admission."""
     running = [req("a", 20, computed=4, pages=1, slot=1, arrival=0.0),  # 16 to go
                req("b", 10, computed=4, pages=1, first_page=110, slot=2, arrival=0.1)]  # 6 to go
     got = schedule(view(running=running, waiting=[req("w", 2, computed=0, arrival=0.2)]))
-    assert _order(got) == [("b", 6), ("a", 8), ("w", 2)]
+    assert _order(got) == [("w", 2), ("b", 6), ("a", 8)]
+    assert got.admitted == ("w",)
     assert _order(schedule(view(running=running, waiting=[req("w", 2, computed=0, arrival=0.2)]), FCFS)) == \
         [("a", 8), ("b", 6), ("w", 2)]
+
+
+def test_running_prefills_go_before_an_admission_after_the_window():
+    running = [req("a", 20, computed=4, pages=1, slot=1, arrival=0.0)]
+    late = SHORTEST_FIRST_WINDOW_S + 0.01
+    got = schedule(view(running=running, waiting=[req("w", 2, computed=0, arrival=late)]))
+    assert _order(got) == [("a", 8), ("w", 2)]
+
+
+def test_an_admission_before_a_running_chunk_leaves_that_chunk_its_pages():
+    """Free pages for the running chunks only: the short prompt first in line is not admitted
+    (it would take a page they need and force a retraction); they run, nothing is retracted."""
+    running = [req("a", 20, computed=4, pages=1, slot=1, arrival=0.0),  # positions 4..11: pages 1, 2
+               req("b", 10, computed=4, pages=1, first_page=110, slot=2, arrival=0.1)]  # 4..9: pages 1, 2
+    w = req("w", 2, computed=0, arrival=0.2)  # one page
+    tight = schedule(view(running=running, waiting=[w], n_pages=4))
+    assert isinstance(tight, Scheduled)
+    assert _order(tight) == [("b", 6), ("a", 8)] and tight.admitted == ()
+    roomy = schedule(view(running=running, waiting=[w], n_pages=5))
+    assert _order(roomy) == [("w", 2), ("b", 6), ("a", 8)] and roomy.admitted == ("w",)
 
 
 def test_prefill_order_values_are_checked():

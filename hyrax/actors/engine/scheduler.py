@@ -2,8 +2,8 @@
 returns `Scheduled` (the step's plan and the units it takes) or `NeedRoom` (retract these
 victims, or give up on a request that can never grow, and ask again).
 
-Decode tokens first, then prefill chunks of running requests, then new admissions, under a
-per-step token budget; the chunks and the admissions each in `prefill_order`. Units are taken from the view's free lists, for exactly the positions
+Decode tokens first, then prefill chunks of running requests and new admissions in
+`prefill_order`, under a per-step token budget. Units are taken from the view's free lists, for exactly the positions
 a step writes; the engine claims them when it applies the result. In deterministic mode
 prefill chunks end at fixed multiples of `prefill_chunk`, so a request's numerics never
 depend on what else shares the step.
@@ -73,6 +73,17 @@ class _Pools:
 
 
 _NO_PAGES: Mapping[str, list[int]] = {}  # a step that takes no page (shared; never mutated)
+
+
+def _sum_needs(need: Mapping[str, int], others) -> dict[str, int]:
+    """`need` plus every mapping in `others`, per component."""
+    out = dict(need)
+    for o in others:
+        for name, n in o.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
 _by_arrival = attrgetter("arrival")
 
 
@@ -84,22 +95,28 @@ _by_arrival = attrgetter("arrival")
 SHORTEST_FIRST_WINDOW_S = 0.5
 
 
-def prefill_order(cands: Sequence[RequestView], policy: str,
-                  window_s: float = SHORTEST_FIRST_WINDOW_S) -> Sequence[RequestView]:
-    """Prefill candidates of one kind (running requests with a chunk to run, in arrival order;
-    or the waiting ones, in queue order: every running chunk is planned before any admission,
-    so that admitting never costs a running request its pages) in the order the step serves
-    them: unchanged for "fcfs"; for "shortest" the group that arrived within `window_s` of
-    the oldest first, by remaining tokens (ties by arrival), then the rest by arrival."""
-    if policy == "fcfs" or len(cands) < 2:
-        return cands
-    cutoff = min(r.arrival for r in cands) + window_s
+def prefill_order(running: Sequence[RequestView], waiting: Sequence[RequestView], policy: str,
+                  window_s: float = SHORTEST_FIRST_WINDOW_S) -> list[tuple[bool, RequestView]]:
+    """The step's prefill candidates - running requests with a chunk to run, in arrival order,
+    and the waiting ones, in queue order - in the order the step serves them, each as
+    (waiting?, request). "fcfs": the running chunks, then the admissions. "shortest": the
+    prompts that arrived within `window_s` of the oldest of them, running or waiting alike,
+    by remaining tokens (ties by arrival); then the other running chunks by arrival, then the
+    other waiting requests in queue order. A burst that reaches the engine over several steps
+    (HTTP requests never arrive together) is then still served shortest first: a long prompt
+    admitted a step before the short ones does not keep the budget from them. An admission
+    that goes before a running chunk must leave that chunk its pages (`Scheduler.schedule`)."""
+    marked = [(False, r) for r in running] + [(True, r) for r in waiting]
+    if policy == "fcfs" or len(marked) < 2:
+        return marked
+    cutoff = min(r.arrival for _, r in marked) + window_s
 
-    def key(r: RequestView) -> tuple:
+    def key(item: tuple[int, tuple[bool, RequestView]]) -> tuple:
+        queue_pos, (is_waiting, r) = item
         if r.arrival <= cutoff:
-            return 0, len(r.ids) - r.computed, r.arrival
-        return 1, 0, r.arrival
-    return sorted(cands, key=key)
+            return 0, len(r.ids) - r.computed, r.arrival, queue_pos
+        return 1, is_waiting, 0.0 if is_waiting else r.arrival, queue_pos
+    return [item for _, item in sorted(enumerate(marked), key=key)]
 
 
 def _decode_first(running: Sequence[RequestView]) -> tuple[list[RequestView], list[RequestView]]:
@@ -162,6 +179,11 @@ class Scheduler:
             out[c.name] = [n for n in range(first, -(-end // ps)) if n >= len(table) or table[n] < 0]
         return out
 
+    def _chunk_need(self, r: RequestView) -> Mapping[str, int]:
+        """Pages of each paged component `r`'s next chunk takes at most (a full one)."""
+        n = self.chunk_len(r, self.config.max_batch_tokens)
+        return {name: len(pages) for name, pages in self._pages_to_add(r, r.computed + n).items()} if n else _NO_PAGES
+
     def _reserve_ok(self, growing: list[RequestView], need: dict[str, int], pools: _Pools, ratio: float,
                     lane: LaneRows | None = None) -> bool:
         """After a retraction, admit only while pages stay free for the running requests' growth
@@ -203,8 +225,39 @@ class Scheduler:
             if len(lane.block) + len(decodes) > budget:  # the budget decides who decodes: in arrival order
                 return NeedRoom(widen=True)
             budget -= len(lane.block)
-        order = self.config.prefill_order
-        for r in decodes + prefill_order(later, order):
+        admitted: list[RequestView] = []
+        admitting = view.admit_new
+        # the next chunk's pages of each running request not planned yet: an admission planned
+        # before it leaves them free, so that admitting never costs a running request its pages
+        unplanned = {r.id: self._chunk_need(r) for r in later}
+        queue = [(False, r) for r in decodes] + prefill_order(later, view.waiting, self.config.prefill_order)
+        for waiting, r in queue:
+            if waiting:
+                if not admitting:
+                    continue
+                if budget <= 0 or view.num_running + len(admitted) >= self.config.max_running:
+                    admitting = False
+                    continue
+                n = self.chunk_len(r, budget)
+                if n == 0:
+                    admitting = False
+                    continue
+                add = self._pages_to_add(r, r.computed + n)
+                need = {name: len(pages) for name, pages in add.items()} | {c.name: 1 for c in self.slotted}
+                held = _sum_needs(need, unplanned.values())
+                if not pools.fits(held):
+                    short = short or pools.short(held)
+                    admitting = False
+                    continue
+                if not self._reserve_ok([*view.running, *admitted], need, pools, view.reserve_ratio, lane):
+                    admitting = False
+                    continue
+                slots = {c.name: pools.take(c.name, 1) for c in self.slotted}
+                entries.append(self._entry(r, n, add, slots, pools, grants))
+                admitted.append(r)
+                budget -= n
+                continue
+            unplanned.pop(r.id, None)
             if budget >= 1:
                 e = self._steady_decode(r)
                 if e is not None:
@@ -237,24 +290,6 @@ class Scheduler:
                 continue
             entries.append(self._entry(r, n, add, {}, pools, grants))
             planned.add(r.id)
-            budget -= n
-        admitted: list[RequestView] = []
-        for r in prefill_order(view.waiting, order):
-            if not view.admit_new or budget <= 0 or view.num_running + len(admitted) >= self.config.max_running:
-                break
-            n = self.chunk_len(r, budget)
-            if n == 0:
-                break
-            add = self._pages_to_add(r, r.computed + n)
-            need = {name: len(pages) for name, pages in add.items()} | {c.name: 1 for c in self.slotted}
-            if not pools.fits(need):
-                short = short or pools.short(need)
-                break
-            if not self._reserve_ok([*view.running, *admitted], need, pools, view.reserve_ratio, lane):
-                break
-            slots = {c.name: pools.take(c.name, 1) for c in self.slotted}
-            entries.append(self._entry(r, n, add, slots, pools, grants))
-            admitted.append(r)
             budget -= n
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic,
