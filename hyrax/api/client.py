@@ -100,6 +100,8 @@ class EngineClient:
     unresponsive_after: int = 3  # health checks missed in a row before a replica is taken out
     _missed: dict[int, int] = field(default_factory=dict)
     migrate_to: dict[str, object] = field(default_factory=dict)  # request id -> chosen target
+    # requests aborted through this client: one that is handed off meanwhile goes nowhere
+    aborting: set[str] = field(default_factory=set)
     admitted: int = 0
     _background: set = field(default_factory=set)  # fire-and-forget aborts, kept referenced
     # cache-aware first hop (cache_routing.py): requests in flight a replica with the longest cached
@@ -206,6 +208,11 @@ class EngineClient:
                         yield error_item("the replica serving this request stopped before the request finished", 503)
                         return  # (not done: it is aborted wherever it may still be)
                     return
+                if request_id in self.aborting:  # aborted while it was being handed off: it goes nowhere
+                    done = True
+                    self._abort_later(backend, request_id)  # the source frees what it offered
+                    yield {"token_ids": [], "finished": True, "finish_reason": "abort"}
+                    return
                 offered_by = backend
                 target = self.migrate_to.pop(request_id, None) or self._continuation(exclude=backend)
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
@@ -218,8 +225,11 @@ class EngineClient:
             if not done:  # the consumer went away (or nowhere to go): free it wherever it is
                 for b in {id(x): x for x in (backend, offered_by) if x is not None}.values():
                     self._abort_later(b, request_id)
+            elif offered_by is not None:  # it ended before the next replica imported it (an abort
+                self._abort_later(offered_by, request_id)  # came first): the source frees its offer now
             self._own(request_id, None)
             self.migrate_to.pop(request_id, None)
+            self.aborting.discard(request_id)
 
     def find_backend(self, role: str, replica: int):
         for b in self.backends:
@@ -286,8 +296,16 @@ class EngineClient:
         self.draining.discard(id(backend))
 
     async def abort(self, request_id: str) -> bool:
+        """End a request this gateway streams, wherever it is: True if it streams it. Between
+        two replicas it is never lost: offered by one (its stream ended with the hand-off), it
+        ends at the hand-off instead of going on (`generate`); not yet imported by the next,
+        that replica refuses the import when it comes (an abort that came first, loop.py)."""
         b = self.owner.get(request_id)
-        return bool(b and await b.run(Abort(request_id)))
+        if b is None:
+            return False
+        self.aborting.add(request_id)
+        await b.run(Abort(request_id))
+        return True
 
     async def end_streams(self, timeout_s: float) -> int:
         """Abort every request this gateway streams (its server is shutting down): each stream

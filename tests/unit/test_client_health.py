@@ -220,8 +220,9 @@ def test_a_hand_off_with_every_decode_replica_draining_goes_to_a_draining_one_ra
     imported = []
 
     def take(handoff):
-        async def items():
+        async def items():  # as a replica's loop answers an import: acknowledged, then tokens
             imported.append(handoff["request"]["id"])
+            yield {"token_ids": [], "finished": False, "finish_reason": None, "imported": "verified"}
             yield {"token_ids": [6], "finished": True, "finish_reason": "length"}
         return items()
     d1.generate_imported = take
