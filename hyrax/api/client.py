@@ -208,9 +208,8 @@ class EngineClient:
                         yield error_item("the replica serving this request stopped before the request finished", 503)
                         return  # (not done: it is aborted wherever it may still be)
                     return
-                if request_id in self.aborting:  # aborted while it was being handed off: it goes nowhere
-                    done = True
-                    self._abort_later(backend, request_id)  # the source frees what it offered
+                if request_id in self.aborting:  # aborted while it was being handed off: it goes nowhere,
+                    done, offered_by = True, backend  # and its source frees what it offered (below)
                     yield {"token_ids": [], "finished": True, "finish_reason": "abort"}
                     return
                 offered_by = backend
@@ -225,8 +224,8 @@ class EngineClient:
             if not done:  # the consumer went away (or nowhere to go): free it wherever it is
                 for b in {id(x): x for x in (backend, offered_by) if x is not None}.values():
                     self._abort_later(b, request_id)
-            elif offered_by is not None:  # it ended before the next replica imported it (an abort
-                self._abort_later(offered_by, request_id)  # came first): the source frees its offer now
+            elif offered_by is not None:  # it ended before a next replica imported it (aborted at the
+                self._abort_later(offered_by, request_id)  # hand-off, or the import refused): free the offer now
             self._own(request_id, None)
             self.migrate_to.pop(request_id, None)
             self.aborting.discard(request_id)

@@ -229,7 +229,8 @@ class Scheduler:
         admitting = view.admit_new
         # the next chunk's pages of each running request not planned yet: an admission planned
         # before it leaves them free, so that admitting never costs a running request its pages
-        unplanned = {r.id: self._chunk_need(r) for r in later}
+        # (none to admit, as in most steps: nothing to work out)
+        unplanned = {r.id: self._chunk_need(r) for r in later} if admitting and view.waiting else {}
         queue = [(False, r) for r in decodes] + prefill_order(later, view.waiting, self.config.prefill_order)
         for waiting, r in queue:
             if waiting:

@@ -108,7 +108,7 @@ class Attention(nn.Module):
         `packed`: x is (1, N, hidden), the step's real tokens back to back, and cos_sin packed the
         same way (HybridModel.forward); the projections run on those tokens only, and the batch
         (a ForwardBatch, or a MixedBatch of decode rows and prompt slices) gives the backend the
-        queries in its rows (`attend`).
+        queries in its rows (`by_rows`).
         """
         B, T, _ = x.shape
         hd = self.head_dim
@@ -128,9 +128,10 @@ class Attention(nn.Module):
         # the real tokens' K/V, (N, 2, kv_heads, head_dim), into their rows: index tensors made
         # once per step on the host (no boolean mask here, whose size only the device knows)
         kv = torch.stack((k, v), dim=2).reshape(B * T, 2, -1, hd)
-        if packed:  # in packed order already; the batch runs the backend over its rows or parts
+        if packed:  # in packed order already; the backend runs over the batch's rows (each part's)
             index_copy_rows_(pool, batch.write_rows(self.component), kv.to(pool.dtype))
-            out = batch.attend(self.backend, q, pool, self.component, self.window, self.scale)
+            out = batch.by_rows(lambda rows, part: self.backend(rows.contiguous(), pool, part.attn[self.component],
+                                                                part, self.window, self.scale), q)
         else:
             idx = batch.attn[self.component]
             if T > 1:  # a decode step has no padding: token_index order

@@ -213,16 +213,10 @@ class ForwardBatch:
         """(N,) the pool rows of `component` the step's real tokens write, in packed order."""
         return self.attn[component].write_rows
 
-    def attend(self, backend, q: torch.Tensor, pool: torch.Tensor, component: str, window: int | None,
-               scale: float) -> torch.Tensor:
-        """Packed queries (1, N, H, D), their K/V written -> (1, N, H, D): `backend` (a
-        PagedAttentionBackend) over this batch's (B, T) rows."""
-        out = backend(self.unpack(q).contiguous(), pool, self.attn[component], self, window, scale)
-        return self.pack(out)
-
     def by_rows(self, fn, x: torch.Tensor) -> torch.Tensor:
         """Packed x (1, N, ...) -> (1, N, ...): `fn(rows, batch)` on x's (B, T) rows and this
-        batch, its result packed again (a mixer that cannot run packed tokens)."""
+        batch, its result packed again (attention's backend, a mixer that cannot run packed
+        tokens)."""
         return self.pack(fn(self.unpack(x), self))
 
     @property
@@ -239,7 +233,7 @@ class MixedBatch:
     """A step's decode rows and its prompt slices in ONE packed forward (HybridModel.forward):
     the token-wise work - embedding, norms, projections, MLPs, the C Mamba2 step - runs once on
     all their tokens, (1, nd + N, hidden), the decode tokens first; attention, and any mixer
-    that needs (B, T) rows, runs each part as the batch it is (`attend`, `by_rows`): the decode
+    that needs (B, T) rows, runs each part as the batch it is (`by_rows`): the decode
     rows as a decode step, the slices unpacked, so a decode token is never padded to the
     longest slice. The parts are ordinary batches (`build_forward_batch`): every row's
     metadata is what it would be in a forward of its own part."""
@@ -294,13 +288,6 @@ class MixedBatch:
             rows = self._write_rows[component] = torch.cat([self.decode.write_rows(component),
                                                             self.chunks.write_rows(component)])
         return rows
-
-    def attend(self, backend, q: torch.Tensor, pool: torch.Tensor, component: str, window: int | None,
-               scale: float) -> torch.Tensor:
-        nd = self.num_decode
-        head = backend(q[0, :nd, None].contiguous(), pool, self.decode.attn[component], self.decode, window, scale)
-        tail = self.chunks.attend(backend, q[:, nd:], pool, component, window, scale)
-        return torch.cat([head.view(1, nd, *head.shape[2:]), tail], dim=1)
 
     def by_rows(self, fn, x: torch.Tensor) -> torch.Tensor:
         """`fn` on each part's rows: the decode rows as (nd, 1, ...), the slices unpacked."""
