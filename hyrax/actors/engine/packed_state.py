@@ -106,9 +106,16 @@ class Packing:
             out[p.name] = typed[0].as_strided(p.shape, stride, typed[1] + p.first * HASH_ROW_BYTES // p.dtype.itemsize)
         return out
 
-    def read(self, sums: torch.Tensor) -> dict[str, int]:
-        """sums: (parts,) int64 from `DeviceHasher.packed` -> each part's state hash (one host read)."""
-        return {name: (h + n) & MASK for name, h, n in zip(self.names, sums.tolist(), self.length_terms)}
+    def read(self, sums: torch.Tensor | list[int]) -> dict[str, int]:
+        """sums: (parts,) int64 from `DeviceHasher.packed` (or already read: ints) -> each part's
+        state hash (one host read)."""
+        raw = sums.tolist() if isinstance(sums, torch.Tensor) else sums
+        return {name: (h + n) & MASK for name, h, n in zip(self.names, raw, self.length_terms)}
+
+    def read_parts(self, sums: dict[str, int]) -> dict[str, int]:
+        """sums: some parts' hashes before their length terms, by name -> their state hashes."""
+        terms = dict(zip(self.names, self.length_terms))
+        return {name: (h + terms[name]) & MASK for name, h in sums.items()}
 
 
 class Packings:

@@ -21,12 +21,13 @@ from hyrax.actors.engine.grammar import GrammarMasks
 from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import StateShard
 from hyrax.actors.engine.moves import Location, Place
-from hyrax.actors.engine.packed_state import PackedState, Packing, Packings, row_view
+from hyrax.actors.engine.packed_state import HASH_ROW_BYTES, PackedState, Packing, Packings, row_view
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import GREEDY_BELOW, logprobs_of, sample
 from hyrax.actors.engine.state_hash import ROW_WORDS, hasher
+from hyrax.actors.engine.state_rows import fused_row_moves
 from hyrax.actors.engine.step_groups import length_groups
 from hyrax.actors.engine.view import PLACEHOLDER
 from hyrax.actors.model.batch import ForwardBatch, MixedBatch, build_forward_batch
@@ -78,6 +79,8 @@ class RankRuntime:
         self.hash = hasher(self.device)  # state hashes of rows where they are (state_hash.py)
         self.host_hash = hasher("cpu")  # ... of host tensors (shards another replica exported)
         self.packings = Packings(self.hash)  # where each component lies in a packed move buffer
+        # CPU: backups and restores move and hash each component's rows in one pass (state_rows.py)
+        self.fused = fused_row_moves(self.hash) if self.device.type == "cpu" else None
         # state moves copy whole rows: the pools (device and host) as (layers, rows, k) of the widest
         # element that divides a row (packed_state.row_view), and a part's (layers, k, dtype)
         self._row_pools = {c.name: row_view(self.pools[c.name]) for c in self.components}
@@ -313,12 +316,17 @@ class RankRuntime:
             torch.index_select(pools[name], 1, idx[name], out=out)
         return parts
 
-    def _hashed_gather(self, idx: dict[str, torch.Tensor]) -> tuple[PackedState, torch.Tensor]:
+    def _hashed_gather(self, idx: dict[str, torch.Tensor]) -> tuple[PackedState, torch.Tensor | list[int]]:
         """The rows `idx` of the device pools gathered into a packed buffer on the device and
         hashed there: (the buffer, (parts,) hashes before their length terms, not yet read)."""
         packing = self._packing(idx)
         words = self.lane.device_words(packing.rows)
         packing.clear_padding(words)
+        if self.fused is not None:
+            at = words.data_ptr()
+            sums = [self.fused.gather(self._row_pools[p.name], idx[p.name], at + p.first * HASH_ROW_BYTES)
+                    for p in packing.parts]
+            return PackedState(words, packing, packing.views(words)), sums
         parts = self._gather_into(words, packing, self._row_pools, idx)
         return PackedState(words, packing, parts), packing.hash(words)
 
@@ -364,11 +372,15 @@ class RankRuntime:
         words = self.lane.to_device(saved.words)
         data = saved.parts if words is saved.words else saved.packing.views(words)
         idx = {c.name: self._idx(rows[c.name]) for c in self.components if c.name in saved.parts}
-        for name, i in idx.items():
-            self._row_pools[name].index_copy_(1, i, data[name])
-        check, sums = self._hashed_gather(idx)
-        hashes = check.packing.read(sums)
-        self.lane.drop(check.words)
+        if self.fused is not None:  # each component written and its written rows hashed, in one pass
+            hashes = saved.packing.read_parts({n: self.fused.scatter(self._row_pools[n], i, data[n])
+                                               for n, i in idx.items()})
+        else:
+            for name, i in idx.items():
+                self._row_pools[name].index_copy_(1, i, data[name])
+            check, sums = self._hashed_gather(idx)
+            hashes = check.packing.read(sums)
+            self.lane.drop(check.words)
         if host_rows is not None:
             self.buffers.give(saved.words)
         return hashes
@@ -388,8 +400,13 @@ class RankRuntime:
                      self.pools[c.name].dtype, c.shard_index) for c in saving})
         shard = StateShard(np.empty(nbytes, dtype=np.uint8), parts)
         views = {c.name: shard.tensor(c.name) for c in saving}
-        hashed = [self._gather(self.pools[c.name], idx[c.name], views[c.name]) for c in saving]
-        sums = dict(zip(views, self.hash.many(hashed)))
+        if self.fused is not None:  # gathered into the shard and hashed in one pass
+            f = self.fused
+            sums = {n: f.finish(f.gather(self._row_pools[n], idx[n], t.data_ptr()), parts[n].nbytes)
+                    for n, t in views.items()}
+        else:
+            hashed = [self._gather(self.pools[c.name], idx[c.name], views[c.name]) for c in saving]
+            sums = dict(zip(views, self.hash.many(hashed)))
         for name, t in views.items():
             self._checksummed(name, t)
         return sums, shard
@@ -413,7 +430,12 @@ class RankRuntime:
             same = [k for k, s in enumerate(shards) if s.parts[c.name].shard_index == tuple(c.shard_index)]
             if same:
                 k = same[0]
-                target.index_copy_(1, idx, shards[k].tensor(c.name).to(self.device, non_blocking=True))
+                rows_in = shards[k].tensor(c.name)
+                if self.fused is not None:  # written and the written rows hashed in one pass
+                    raw = self.fused.scatter(self._row_pools[c.name], idx, rows_in)
+                    out[c.name] = [self.fused.finish(raw, shards[k].parts[c.name].nbytes), expect.get(k, {}).get(c.name)]
+                    continue
+                target.index_copy_(1, idx, rows_in.to(self.device, non_blocking=True))
                 written[c.name] = (target.index_select(1, idx), expect.get(k, {}).get(c.name))
                 continue
             mine = self._reshard(c, shards, expect)
