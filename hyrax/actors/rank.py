@@ -59,11 +59,11 @@ class RankWorker:
         pools wait: the rank measures its device and answers the capacities it could hold
         ("capacities", "memory"); the coordinator agrees on the smallest over its ranks and calls
         `allocate`. Otherwise the pools are allocated now, as `config` sizes them."""
-        allreduce, self._broadcast = _identity, None
+        allreduce, self._broadcast, self._agree = _identity, None, None
         if self.tp.size > 1:
             self._join_group(dist_address)
             group = ReplicaGroup(self.device)
-            allreduce, self._broadcast = group.all_reduce, group.broadcast_tokens
+            allreduce, self._broadcast, self._agree = group.all_reduce, group.broadcast_tokens, group.all_reduce
         dtype = resolve_dtype(config.dtype, self.device)
         self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend,
                                  config.captured_decode, row_plans=not config.deterministic)
@@ -85,7 +85,7 @@ class RankWorker:
         sizes = pool_sizes_for(comps, config)
         host = host_pool_rows(comps, sizes, config.host_pool_mb)
         self.runtime = make_rank_runtime(self._model, sizes, host, self.tp.rank, config.faults, self.device,
-                                         self._broadcast, tokenizer_dir=self._model_dir)
+                                         self._broadcast, tokenizer_dir=self._model_dir, all_reduce=self._agree)
         if config.faults.out_of_memory:  # test-only (allow_unsafe), chosen once here
             from hyrax.testing.oom import with_oom_fault
             self.runtime = with_oom_fault(self.runtime, config.faults, self.tp.rank)
@@ -166,10 +166,6 @@ class RankWorker:
     def num_backups(self) -> int:
         with self._turn:
             return self.runtime.num_backups()
-
-    def checkpoint_sums(self, slots):
-        with self._turn:
-            return self.runtime.checkpoint_sums(slots)
 
 
 def place_rank(gpu_ids: list, visible: str | None, cuda_available: bool,

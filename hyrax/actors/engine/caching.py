@@ -1,11 +1,13 @@
 """The prefix cache as the engine drives it (the tree: prefix_cache.py; track boundaries:
 mamba_track.py; the design: docs/prefix-cache.md).
 
-- `attach`: a waiting request matches the tree; a hit's checkpoint is verified on every rank,
-  its node locked, its full-attention pages put at the head of the request's page table (owned
-  by the cache, `CacheHold.shared`) and its computed length set to the hit's.
+- `attach`: a waiting request matches the tree; a hit's node is locked, its full-attention
+  pages put at the head of the request's page table (owned by the cache, `CacheHold.shared`)
+  and its computed length set to the hit's.
 - `prepare(plan)`: the plan's admitted hits copy the cached window pages and checkpoint into
-  the request's own units before the forward; every track boundary an entry reaches carries a
+  the request's own units before the forward, each checkpoint with the hashes it had when it was
+  cached: every rank checks them before the step writes anything (a mismatch fails the step
+  before it wrote: `revoke` below); every track boundary an entry reaches carries a
   `CheckpointWrite` (the step's snapshot of where the recurrent state goes, in checkpoint slots
   taken for that write alone).
 - `commit(plan, result)`: from that snapshot only, the written checkpoints are committed and
@@ -15,6 +17,9 @@ mamba_track.py; the design: docs/prefix-cache.md).
   slots of its pending writes through the engine's one free point; it never frees a unit the
   cache owns.
 - `evict(short)`: least recently used unreferenced nodes go before any request is retracted.
+- `revoke(ids)`: hits whose checkpoint changed since it was cached (the step raised
+  `CheckpointMismatch`) stop counting as hits, and their nodes are never matched again; each
+  goes from the tree as soon as no request holds it. The engine rebuilds the step's requests.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ class CacheHold:
 
 class PrefixCaching:
     def __init__(self, components: tuple[ComponentSpec, ...], config: EngineConfig, sizes: PoolSizes,
-                 alloc: dict[str, IndexAllocator], executor, release: Callable[[str, dict[str, list[int]]], None],
+                 alloc: dict[str, IndexAllocator], release: Callable[[str, dict[str, list[int]]], None],
                  stats: PrefixCacheStats):
         self.components = components
         self.slots = tuple(c for c in components if c.kind == SLOT)
@@ -72,11 +77,12 @@ class PrefixCaching:
         self.track = MambaTrack(self.policy)
         self.deterministic = config.deterministic
         self.prefill_chunk = config.prefill_chunk
-        self.executor = executor
         self.release = release  # the engine's one free point
         self.stats = stats
         self.tree = PrefixCache(components, config.page_size)
         self._hits: set[str] = set()  # requests holding a hit whose copies no plan has made yet
+        self._hit_of: dict[str, tuple[Node, int]] = {}  # request -> its hit (node, tokens), until it leaves
+        self._corrupt: set[Node] = set()  # nodes a check condemned, held by some request still
         for pool in self.tree.pools if self.enabled else ():
             stats.evicted[pool] += 0  # every pool has a sample from the start
 
@@ -95,14 +101,11 @@ class PrefixCaching:
         m = self.tree.match(ids[:-1], self._accept(req))
         if not m.length:
             return
-        if not self._verified(m.checkpoint):
-            self.stats.corrupt += 1
-            self._let_go(self.tree.drop(m.node) or {})
-            return
         self.tree.lock(m.node)
         hold = req.cache
         hold.node, hold.hit = m.node, m
         self._hits.add(req.id)
+        self._hit_of[req.id] = (m.node, m.length)
         for name, pages in m.full.items():
             req.indices[name] = tuple(pages)
             hold.shared[name] = set(pages)
@@ -116,25 +119,31 @@ class PrefixCaching:
             return 0
         return self.tree.match(token_ids[:-1], self._accept_for(len(token_ids)), touch=False).length
 
+    def revoke(self, req_ids: Iterable[str]) -> None:
+        """These requests' hits failed their check on a rank (`CheckpointMismatch`: the step
+        wrote nothing): they stop counting as hits, and their nodes are never matched again."""
+        for rid in req_ids:
+            hit = self._hit_of.get(rid)
+            if hit is None:
+                continue
+            node, length = hit
+            self.stats.corrupt += 1
+            self.stats.hits -= 1
+            self.stats.hit_tokens -= length
+            self._corrupt.add(node)
+
     def _accept(self, req: Request) -> Callable[[Node], bool] | None:
         return self._accept_for(req.num_prompt)
 
     def _accept_for(self, num_prompt: int) -> Callable[[Node], bool] | None:
         """Deterministic mode takes a checkpoint only where the request's own chunk schedule cuts
         and only one taken while prefilling a prompt: the state is then bit-identical to the one
-        the request would compute itself."""
+        the request would compute itself. A condemned node (`revoke`) is never taken."""
+        corrupt = self._corrupt
         if not self.deterministic:
-            return None
+            return (lambda node: node not in corrupt) if corrupt else None
         cuts = self.policy.deterministic_cuts(num_prompt, num_prompt, self.prefill_chunk)
-        return lambda node: node.checkpoint.in_prompt and node.end in cuts
-
-    def _verified(self, ck: Checkpoint) -> bool:
-        if not ck.slots:
-            return True
-        sums = self.executor.checkpoint_sums(dict(ck.slots))
-        return all(sums.get(rank, {}).get(name) == crc for name, per_rank in ck.checksums.items()
-                   for rank, crc in per_rank.items()) and all(set(ck.checksums.get(name, {})) == set(sums)
-                                                              for name in ck.slots)
+        return lambda node: node.checkpoint.in_prompt and node.end in cuts and node not in corrupt
 
     # ---- a plan's copies and checkpoint writes ---------------------------------------------
     def prepare(self, plan: StepPlan, table: RequestTable) -> StepPlan:
@@ -177,7 +186,8 @@ class PrefixCaching:
                 out.append(UnitCopy(name, tuple(pages[k] for k in nums), name,
                                     tuple(req.indices[name][k] for k in nums)))
         for name, slot in (m.checkpoint.slots.items() if m.checkpoint else ()):
-            out.append(UnitCopy(checkpoint_pool(name), (slot,), name, (req.indices[name][0],)))
+            expect = tuple(sorted(m.checkpoint.checksums.get(name, {}).items()))  # what each rank recorded
+            out.append(UnitCopy(checkpoint_pool(name), (slot,), name, (req.indices[name][0],), req.id, expect))
         return out
 
     def _plan_track(self, req: Request, hold: CacheHold, start: int, end: int) -> tuple[TrackWrite, ...]:
@@ -255,10 +265,13 @@ class PrefixCaching:
         the cache's units in its tables stay the cache's."""
         hold, req.cache = req.cache, None
         self._hits.discard(req.id)
+        self._hit_of.pop(req.id, None)
         if hold is None:
             return
         if hold.node is not None:
             self.tree.unlock(hold.node)
+            if hold.node in self._corrupt:  # condemned: it goes once nobody holds it
+                self._drop_corrupt()
         if hold.track is not None:
             slots: dict[str, list[int]] = {}
             for pending in self.track.release(hold.track):
@@ -293,6 +306,14 @@ class PrefixCaching:
             self.stats.evicted[pool] += len(units)
         return freed
 
+    def _drop_corrupt(self) -> None:
+        """Remove the condemned nodes nobody holds (and forget those already evicted)."""
+        for node in list(self._corrupt):
+            if node.parent is None:
+                self._corrupt.discard(node)
+            elif self._let_go(self.tree.drop(node) or {}) or node.parent is None:
+                self._corrupt.discard(node)
+
     def cached(self) -> dict[str, int]:
         """Units the cache holds, per pool."""
         return {p: len(u) for p, u in self.tree.held().items()}
@@ -302,6 +323,8 @@ class PrefixCaching:
         by the engine), and no request holds anything of it."""
         self.tree = PrefixCache(self.components, self.tree.page_size)
         self._hits.clear()
+        self._hit_of.clear()
+        self._corrupt.clear()
         for req in requests:
             req.cache = None
 

@@ -74,7 +74,7 @@ class Engine:
         # the pipeline: the step the ranks are running (depth 2 only) and the frees waiting for it
         self.inflight = InFlight(self.alloc)
         # the prefix cache adds its checkpoint pools to self.alloc (caching.py)
-        self.caching = PrefixCaching(components, config, sizes, self.alloc, executor, self.inflight.release,
+        self.caching = PrefixCaching(components, config, sizes, self.alloc, self.inflight.release,
                                      self.stats.prefix)
         self.moves = make_moves(components, config, executor, self.alloc, self.host_alloc, self.stats,
                                 release=self.inflight.release, cache=self.caching)
@@ -92,7 +92,7 @@ class Engine:
         self._pressure = False
         self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
                                  finish=self._finish, reset=self._reset_pipeline, free_device=self.moves.free_device,
-                                 cap=self.cap)
+                                 cap=self.cap, revoke_hits=self.caching.revoke)
 
     # ---- the request table, as the rest of the code reads it -----------------------------
     @property

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from hyrax.actors.engine.moves import Location, Place, Rows
-from hyrax.actors.engine.plan import StepPlan, StepResult
+from hyrax.actors.engine.plan import CheckpointMismatch, StepPlan, StepResult
 from hyrax.actors.engine.rank_runtime import RankRuntime
 
 
@@ -32,11 +32,24 @@ class StepOutOfMemory(StepError):
     engine rebuilds the step's requests from their tokens and lowers its batch cap."""
 
 
+class StepCorruptHit(StepError):
+    """A prefix-cache hit's checkpoint changed since it was cached (`CheckpointMismatch`, raised
+    by every rank before the step wrote anything): the engine revokes those hits, keeps the
+    checkpoint from being matched again and rebuilds the step's requests."""
+
+    def __init__(self, message: str, req_ids: tuple[str, ...]):
+        super().__init__(message)
+        self.req_ids = req_ids
+
+
 def step_error(cause: BaseException | None, where: str) -> StepError:
     """The typed error of a step that raised `cause` on live ranks: by the exception's type,
     never by its message."""
+    message = f"the step raised on {where}: {type(cause).__name__}: {cause}"
+    if isinstance(cause, CheckpointMismatch):
+        return StepCorruptHit(message, cause.req_ids)
     kind = StepOutOfMemory if isinstance(cause, torch.OutOfMemoryError) else StepError
-    return kind(f"the step raised on {where}: {type(cause).__name__}: {cause}")
+    return kind(message)
 
 
 Sums = dict[int, dict[str, int]]  # rank -> component -> checksum
@@ -60,9 +73,6 @@ class Executor(Protocol):
 
     def discard(self, req_id: str) -> None: ...
 
-    def checkpoint_sums(self, slots: dict[str, int]) -> Sums:
-        """rank -> component -> state hash of checkpoint slots as they are now (state_hash.py)."""
-
     def num_backups(self) -> dict[int, int]: ...
 
 
@@ -83,9 +93,6 @@ class RankCalls:
 
     def discard(self, req_id: str) -> None:
         self._each("discard", req_id)
-
-    def checkpoint_sums(self, slots: dict[str, int]) -> Sums:
-        return dict(enumerate(self._each("checkpoint_sums", slots)))
 
     def num_backups(self) -> dict[int, int]:
         return dict(enumerate(self._each("num_backups")))

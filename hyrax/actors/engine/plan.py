@@ -179,12 +179,34 @@ class DecodeBlock:
 @dataclass(frozen=True)
 class UnitCopy:
     """Before the forward: copy units `src` of pool `src_pool` into units `dst` of pool `dst_pool`
-    (pages of a paged pool, slots otherwise) - a prefix-cache hit's window pages and checkpoint."""
+    (pages of a paged pool, slots otherwise) - a prefix-cache hit's window pages and checkpoint.
+    `expect`: for a checkpoint slot, the state hash each rank recorded when it was cached
+    ((rank, hash) pairs; None for window pages, which are not checked): every rank checks its
+    slot before the step writes anything, and the step raises `CheckpointMismatch` for `req_id`
+    where one differs or where a rank recorded none."""
 
     src_pool: str
     src: tuple[int, ...]
     dst_pool: str
     dst: tuple[int, ...]
+    req_id: str = ""
+    expect: tuple[tuple[int, int], ...] | None = None
+
+
+class CheckpointMismatch(RuntimeError):
+    """A prefix-cache hit's checkpoint no longer hashes, on some rank, to what it hashed to when
+    it was cached: the step wrote nothing (every rank raises it, agreed over the group). Its
+    one argument: the requests whose hits must be revoked."""
+
+    def __init__(self, req_ids):
+        super().__init__(tuple(req_ids))  # the only argument, so the error pickles as it is
+
+    @property
+    def req_ids(self) -> tuple[str, ...]:
+        return self.args[0]
+
+    def __str__(self) -> str:
+        return f"a prefix-cache checkpoint changed since it was cached (hits of {', '.join(self.req_ids)})"
 
 
 @dataclass(frozen=True)

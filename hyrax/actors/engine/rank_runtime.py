@@ -22,7 +22,7 @@ from hyrax.actors.engine.host_buffers import HostBuffers
 from hyrax.actors.engine.manifest import StateShard
 from hyrax.actors.engine.moves import Location, Place
 from hyrax.actors.engine.packed_state import HASH_ROW_BYTES, PackedState, Packing, Packings, row_view
-from hyrax.actors.engine.plan import StepPlan, StepResult
+from hyrax.actors.engine.plan import CheckpointMismatch, StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import GREEDY_BELOW, logprobs_of, sample
@@ -40,12 +40,12 @@ _TOKEN_IDS = attrgetter("token_ids")
 
 def make_rank_runtime(model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
                       faults: UnsafeFaults = UnsafeFaults(), device: str | torch.device = "cpu", broadcast=None,
-                      tokenizer_dir: str | None = None) -> RankRuntime:
+                      tokenizer_dir: str | None = None, all_reduce=None) -> RankRuntime:
     """The rank for `faults`: with test-only faults on this rank's saves (refused unless
     allow_unsafe), the fault-injecting one; chosen here, once, so the production rank has no
     fault branches."""
     faults.check_components({c.name for c in model.components})
-    args = (model, sizes, host_rows, rank, device, broadcast, tokenizer_dir)
+    args = (model, sizes, host_rows, rank, device, broadcast, tokenizer_dir, all_reduce)
     if faults.applies_to(rank) and (faults.skipped or faults.corrupt_backup_component or faults.step_error_at_context):
         from hyrax.testing.faults import UnsafeRankRuntime
         return UnsafeRankRuntime(faults, *args)
@@ -54,7 +54,8 @@ def make_rank_runtime(model: HybridModel, sizes: PoolSizes, host_rows: dict[str,
 
 class RankRuntime:
     def __init__(self, model: HybridModel, sizes: PoolSizes, host_rows: dict[str, int], rank: int = 0,
-                 device: str | torch.device = "cpu", broadcast=None, tokenizer_dir: str | None = None):
+                 device: str | torch.device = "cpu", broadcast=None, tokenizer_dir: str | None = None,
+                 all_reduce=None):
         self.model = model
         for backend in model.attention_backends:
             backend.check_page_size(sizes.page_size)
@@ -95,6 +96,7 @@ class RankRuntime:
         self.last_token: dict[str, int] = {}
         self.eos = tuple(model.cfg.eos_token_id)  # masked by min_tokens unless a request ignores EOS
         self.broadcast = broadcast
+        self.all_reduce = all_reduce  # the TP group's sum (None: one rank), for what every rank must agree on
         # structured output: rank 0's grammar matchers (request state rebuilt from each plan's tokens)
         self.grammars = GrammarMasks(tokenizer_dir, model.cfg.vocab_size, self.eos) if rank == 0 else None
 
@@ -103,6 +105,8 @@ class RankRuntime:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; returns the sampled tokens of the entries that sample (rank 0; other
         ranks: an empty result), with logprobs where an entry asked."""
+        if plan.copies:  # before anything is written: the hits' checkpoints are what was cached
+            self._verify_hits(plan.copies)
         # before the step: a request that left and came back (migrated away and home again)
         # runs in this plan under the same id, and what its first stay left must not outlive it
         for rid in plan.forget:
@@ -195,15 +199,20 @@ class RankRuntime:
             out.setdefault(key, {})[name] = {self.rank: h}
         return out
 
-    def _slot_checksum(self, slots: dict[str, int]) -> dict[str, int]:
-        """component -> the state hash of its checkpoint slot `slots[component]`, (layers, *unit)
-        hashed on the device, one host read for all."""
-        names = list(slots)
-        return dict(zip(names, self.hash.many([self.pools[checkpoint_pool(n)][:, slots[n]] for n in names])))
-
-    def checkpoint_sums(self, slots: dict[str, int]) -> dict[str, int]:
-        """State hashes of checkpoint slots as they are now (a hit verifies them before it copies them)."""
-        return self._slot_checksum(slots)
+    def _verify_hits(self, copies) -> None:
+        """Each checkpoint a hit copies hashed where it lies and compared with the hash this rank
+        recorded when it was cached; the verdicts summed over the TP group, so that every rank
+        raises the same `CheckpointMismatch` (one rank alone raising would leave the others
+        waiting in the forward's collectives)."""
+        checked = [cp for cp in copies if cp.expect is not None]
+        if not checked:
+            return
+        got = self.hash.many([self.pools[cp.src_pool][:, cp.src[0]] for cp in checked])
+        bad = [dict(cp.expect).get(self.rank) != h for cp, h in zip(checked, got)]
+        if self.all_reduce is not None:
+            bad = (self.all_reduce(torch.tensor(bad, dtype=torch.int64, device=self.device)) > 0).tolist()
+        if any(bad):
+            raise CheckpointMismatch(sorted({cp.req_id for cp, b in zip(checked, bad) if b}))
 
     def _history(self, e) -> np.ndarray | None:
         """Prompt + output ids (int64) of a sampling entry that processes logits, in-flight token filled in."""

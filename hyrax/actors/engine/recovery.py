@@ -8,6 +8,10 @@
   of the queue, rebuilt by prefill from their tokens: the failed forward may have written part
   of their state (a recurrent state advanced in some layers, not in others), so none of it is
   kept. Only a step already as small as a step can be fails its request with `error`.
+- A step whose prefix-cache hit failed its check on a rank (`StepCorruptHit`: the checkpoint
+  changed since it was cached; every rank raised before writing anything): those hits are
+  revoked (their nodes never matched again) and the requests of that step and of the step
+  after it are rebuilt by prefill, as after running out of memory; no request fails.
 - Ranks lost and restarted with empty pools: every request keeps its tokens and is rebuilt
   by prefill (recompute); or, when the ranks are gone for good, every request ends.
 """
@@ -18,7 +22,7 @@ from typing import Callable
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.batch_cap import BatchCap
-from hyrax.actors.engine.executor import Executor, StepError, StepOutOfMemory
+from hyrax.actors.engine.executor import Executor, StepCorruptHit, StepError, StepOutOfMemory
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.plan import StepPlan
@@ -32,13 +36,15 @@ class Recovery:
     def __init__(self, table: RequestTable, inflight: InFlight, executor: Executor, stats: EngineStats,
                  alloc: dict[str, IndexAllocator], host_alloc: dict[str, IndexAllocator],
                  finish: Callable[[Request, str], None], reset: Callable[[], None],
-                 free_device: Callable[[Request], None], cap: BatchCap):
+                 free_device: Callable[[Request], None], cap: BatchCap,
+                 revoke_hits: Callable[[tuple[str, ...]], None] = lambda ids: None):
         self.table, self.inflight, self.executor, self.stats = table, inflight, executor, stats
         self.alloc, self.host_alloc = alloc, host_alloc
         self.finish = finish  # the engine's end of a request (frees through the one free point)
         self.reset = reset  # the engine forgets what its pipeline carried between steps
         self.free_device = free_device  # gives back a request's device units (the one free point)
         self.cap = cap
+        self.revoke_hits = revoke_hits  # the prefix cache's answer to hits that failed their check
         self.last_step_error: str | None = None
 
     def step_failed(self, plan: StepPlan, error: StepError) -> None:
@@ -47,6 +53,10 @@ class Recovery:
         self.last_step_error = str(error)
         log.warning("step %d failed (%d requests): %s", plan.step, plan.num_rows, error)
         later = self._collect_later(plan)
+        if isinstance(error, StepCorruptHit):  # nothing was written: only the hits were wrong
+            self.revoke_hits(error.req_ids)
+            self._rebuild(plan, *later)
+            return
         if not isinstance(error, StepOutOfMemory):
             self.stats.step_errors += 1
             self._fail(plan, *later)
