@@ -117,3 +117,22 @@ def test_a_checkpoint_without_a_hash_from_this_rank_counts_as_changed():
     copies = tuple(dataclasses.replace(cp, expect=()) if cp.expect is not None else cp for cp in plan.copies)
     with pytest.raises(CheckpointMismatch):
         engine.executor.rank._verify_hits(copies)
+
+
+def test_the_hit_counters_only_grow_and_count_a_hit_once_its_step_committed():
+    """They are exported as Prometheus counters: a revoked hit is never counted, rather than
+    counted and taken back."""
+    engine, _, prompts = _cached_engine(True)
+    engine.executor.rank.pools["mamba_ssm.checkpoint"] += 1.0
+    seen, inner = [], engine.step
+
+    def step():
+        out = inner()
+        s = engine.caching.stats.summary()
+        seen.append((s["hits"], s["hit_tokens"], s["corrupt_checkpoints"]))
+        return out
+    engine.step = step
+    run_requests(engine, prompts[1:], greedy(12))
+    assert seen[-1][2] >= 1
+    assert all(a <= b for x, y in zip(seen, seen[1:]) for a, b in zip(x, y)), seen
+    assert seen[-1][:2] == (0, 0)

@@ -18,8 +18,9 @@ mamba_track.py; the design: docs/prefix-cache.md).
   cache owns.
 - `evict(short)`: least recently used unreferenced nodes go before any request is retracted.
 - `revoke(ids)`: hits whose checkpoint changed since it was cached (the step raised
-  `CheckpointMismatch`) stop counting as hits, and their nodes are never matched again; each
-  goes from the tree as soon as no request holds it. The engine rebuilds the step's requests.
+  `CheckpointMismatch`) never count as hits (a hit counts once the step with its copies
+  commits), and their nodes are never matched again; each goes from the tree as soon as no
+  request holds it. The engine rebuilds the step's requests.
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ class PrefixCaching:
         self.tree = PrefixCache(components, config.page_size)
         self._hits: set[str] = set()  # requests holding a hit whose copies no plan has made yet
         self._hit_of: dict[str, tuple[Node, int]] = {}  # request -> its hit (node, tokens), until it leaves
+        # hits whose first step has not committed yet: counted then (a revoked one never is, and
+        # the exported counters only ever grow)
+        self._uncounted: dict[str, int] = {}
         self._corrupt: set[Node] = set()  # nodes a check condemned, held by some request still
         for pool in self.tree.pools if self.enabled else ():
             stats.evicted[pool] += 0  # every pool has a sample from the start
@@ -106,12 +110,11 @@ class PrefixCaching:
         hold.node, hold.hit = m.node, m
         self._hits.add(req.id)
         self._hit_of[req.id] = (m.node, m.length)
+        self._uncounted[req.id] = m.length
         for name, pages in m.full.items():
             req.indices[name] = tuple(pages)
             hold.shared[name] = set(pages)
         req.num_computed = m.length
-        self.stats.hits += 1
-        self.stats.hit_tokens += m.length
 
     def peek(self, token_ids: list[int]) -> int:
         """The hit length a request with this prompt would get (the LRU order is left alone)."""
@@ -121,16 +124,14 @@ class PrefixCaching:
 
     def revoke(self, req_ids: Iterable[str]) -> None:
         """These requests' hits failed their check on a rank (`CheckpointMismatch`: the step
-        wrote nothing): they stop counting as hits, and their nodes are never matched again."""
+        wrote nothing): they never count as hits, and their nodes are never matched again."""
         for rid in req_ids:
             hit = self._hit_of.get(rid)
             if hit is None:
                 continue
-            node, length = hit
             self.stats.corrupt += 1
-            self.stats.hits -= 1
-            self.stats.hit_tokens -= length
-            self._corrupt.add(node)
+            self._uncounted.pop(rid, None)
+            self._corrupt.add(hit[0])
 
     def _accept(self, req: Request) -> Callable[[Node], bool] | None:
         return self._accept_for(req.num_prompt)
@@ -220,7 +221,14 @@ class PrefixCaching:
     # ---- results: commit checkpoints, hand them to the tree -------------------------------
     def commit(self, plan: StepPlan, result: StepResult, table: RequestTable) -> None:
         """Reads the plan's checkpoint writes (the step's snapshot), never live request fields:
-        each request's written checkpoints go to the tree in one insert."""
+        each request's written checkpoints go to the tree in one insert. A hit counts once the
+        step that made its copies committed (its check passed on every rank)."""
+        if self._uncounted:
+            for rid in plan.req_ids:
+                length = self._uncounted.pop(rid, None)
+                if length is not None:
+                    self.stats.hits += 1
+                    self.stats.hit_tokens += length
         done: dict[str, list[TrackWrite]] = {}
         for cw in plan.checkpoints:
             req = table.get(cw.req_id)
@@ -266,6 +274,7 @@ class PrefixCaching:
         hold, req.cache = req.cache, None
         self._hits.discard(req.id)
         self._hit_of.pop(req.id, None)
+        self._uncounted.pop(req.id, None)
         if hold is None:
             return
         if hold.node is not None:
@@ -324,6 +333,7 @@ class PrefixCaching:
         self.tree = PrefixCache(self.components, self.tree.page_size)
         self._hits.clear()
         self._hit_of.clear()
+        self._uncounted.clear()
         self._corrupt.clear()
         for req in requests:
             req.cache = None
