@@ -38,7 +38,6 @@ class FusedRowMoves:
         self.hasher = hasher
         self._gather = function("state_rows", "hyrax_gather_hash", _ARGS)
         self._scatter = function("state_rows", "hyrax_scatter_hash", _ARGS)
-        self._out = ctypes.c_uint64()
 
     def _call(self, fn, pool: torch.Tensor, idx: torch.Tensor, data_ptr: int, what: str) -> int:
         if pool.device.type != "cpu" or not pool.is_contiguous() or pool.dim() != 3:
@@ -51,10 +50,11 @@ class FusedRowMoves:
         n = idx.shape[0]
         hash_rows = -(-layers * n * row_bytes // HASH_ROW_BYTES)
         v = self.hasher.row_weight_prefix(max(hash_rows, 1))
+        out = ctypes.c_uint64()  # per call: a rank's moves may come from more than one thread
         rc = fn(pool.data_ptr(), layers, pool_rows, row_bytes, idx.data_ptr(), n, data_ptr,
-                self.hasher.word_weights.data_ptr(), v.data_ptr(), ctypes.byref(self._out))
+                self.hasher.word_weights.data_ptr(), v.data_ptr(), ctypes.byref(out))
         raise_for(rc, what, _ERRORS)
-        return self._out.value
+        return out.value
 
     def gather(self, pool: torch.Tensor, idx: torch.Tensor, out_ptr: int) -> int:
         """Rows `idx` of every layer of `pool` written to the bytes at `out_ptr` (layers * n
