@@ -10,6 +10,12 @@ on and off, same weights, same run:
 - routing over two prefill replicas (and one decode replica, in-process loops behind the
   gateway's engine client) of 8 prefix groups, rounds of one request per group at once:
   cache-aware routing vs least-loaded routing, hit rate and TTFT p50.
+
+And over the stack a user runs (HTTP gateway + Ray, one colocated replica with `hyrax serve`'s
+defaults, the load generator of the serving suite, closed loop at c=16): output tok/s of
+requests that all share a `prefix_len`-token prefix (a system prompt; one untimed request cached
+it) against requests of the same lengths that share nothing, in the same run (info: what the
+cache is worth end to end, checks and all).
 """
 from __future__ import annotations
 
@@ -94,6 +100,44 @@ def _route_workload(prefixes: list[list[int]], rounds: int, margin: int | None) 
     return rate, median(ttfts[len(prefixes):])  # the first round only fills the caches
 
 
+STACK_C = 16  # concurrency of the over-the-stack rows
+STACK_OUT = 24
+
+
+def _over_the_stack(profile: Profile, rng: random.Random, vocab: int) -> Row:
+    from bench.stack import GatewayStack, serve_defaults
+    from hyrax.cluster.deployment import RoleSpec
+
+    n = 2 * STACK_C
+    prefix = [rng.randrange(3, vocab) for _ in range(profile.prefix_len)]
+    tails = [[rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(n + 1)]
+    shared = [{"prompt": prefix + t, "max_tokens": STACK_OUT} for t in tails]
+    unique = [{"prompt": [rng.randrange(3, vocab) for _ in range(len(r["prompt"]))], "max_tokens": STACK_OUT}
+              for r in shared[1:]]
+    config = dataclasses.replace(serve_defaults(), kv_capacity_tokens=65536, mamba_slots=STACK_C + 8,
+                                 max_running=64)
+    stack = GatewayStack(demo_model_dir(), "hyrax-demo", [RoleSpec("colocated", 1, 1)], config, "prefix")
+    tps: dict[str, list[float]] = {"shared": [], "unique": []}
+    try:
+        warm = shared[:1]  # untimed: caches the prefix (and warms the replica up)
+        for k in range(2):  # interleaved: both workloads see the same machine
+            for name, reqs in (("shared", shared[1:]), ("unique", unique)):
+                progress(f"prefix: over HTTP + Ray, c={STACK_C}, {len(reqs)} requests, "
+                         f"{'sharing a ' + str(profile.prefix_len) + '-token prefix' if name == 'shared' else 'nothing shared'}"
+                         f" (round {k + 1} of 2)")
+                out = stack.run_clients("bench.loadgen", {"concurrency": STACK_C, "requests": reqs, "warmup": warm})
+                warm = []
+                bad = [r for r in out["results"] if r.get("error") or r["tokens"] != r["expected"]]
+                if bad:
+                    raise RuntimeError(f"prefix: {len(bad)} requests failed over the stack, e.g. {bad[0]}")
+                tps[name].append(sum(r["tokens"] for r in out["results"]) / out["wall"])
+    finally:
+        stack.close()
+    a, b = median(tps["shared"]), median(tps["unique"])
+    return Row(f"prefix cache over HTTP + Ray, c={STACK_C}: output tok/s, every prompt sharing a {profile.prefix_len}-token "
+               f"prefix (baseline: the same lengths, nothing shared); ratio: x faster", a, b, a / b)
+
+
 def run(profile: Profile) -> list[Row]:
     rng = random.Random(BENCH_SEED)
     vocab = 200
@@ -116,6 +160,7 @@ def run(profile: Profile) -> list[Row]:
     progress(f"prefix: routing 8 prefix groups over 2 prefill replicas, cache-aware vs least-loaded")
     route = {name: _route_workload(groups, profile.prefix_rounds, margin) for name, margin in
              (("aware", 4), ("load", None))}
+    stack_row = _over_the_stack(profile, rng, vocab)
     return [
         Row("prefix cache routing, 2 prefill replicas, 8 prefix groups: hit rate, cache-aware (baseline: "
             "least-loaded)", route["aware"][0], route["load"][0],
@@ -128,4 +173,5 @@ def run(profile: Profile) -> list[Row]:
             None, None),
         Row("prefix cache: output tok/s at 0 % hit rate, on / off", tps[True], tps[False], tps[True] / tps[False],
             profile.target(">= 0.97")),
+        stack_row,
     ]
