@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from hyrax.actors.engine.state_hash import LENGTH_MIX, MASK, ROW_WORDS, DeviceHasher
-from hyrax.actors.model.native import NativeUnavailable, function, raise_for
+from hyrax.actors.model.native import NativeUnavailable, function, raise_for, unavailable
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGS = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
@@ -84,3 +84,8 @@ def fused_row_moves(hasher: DeviceHasher) -> FusedRowMoves | None:
         return FusedRowMoves(hasher)
     except NativeUnavailable:
         return None
+
+
+def available() -> str | None:
+    """None when the kernel builds and loads here, else why not (`hyrax doctor`)."""
+    return unavailable("state_rows")
