@@ -9,4 +9,8 @@ suite, each exposing `run(profile) -> list[Row]`:
 - `retraction`    backup + restore throughput vs a contiguous torch copy; restore vs recompute
 - `transfer`      PD export + import throughput vs ray.put + ray.get of one buffer
 - `memory`        bytes per request vs the formula; RSS growth under forced retraction
+- `prefix`        prefix cache on vs off (TTFT, 0 % hit cost), cache-aware routing, and shared
+                  vs unshared prompts over HTTP + Ray
+- `soak`, `multinode`, `captured` (not in the default run): chaos, a multi-node cluster, the
+                  torch.compile'd decode forward (bench/README.md)
 """
