@@ -85,7 +85,7 @@ class PrefixCaching:
         self._hit_of: dict[str, tuple[Node, int]] = {}  # request -> its hit (node, tokens), until it leaves
         # hits whose first step has not committed yet: counted then (a revoked one never is, and
         # the exported counters only ever grow)
-        self._uncounted: dict[str, int] = {}
+        self._uncounted: set[str] = set()
         self._corrupt: set[Node] = set()  # nodes a check condemned, held by some request still
         for pool in self.tree.pools if self.enabled else ():
             stats.evicted[pool] += 0  # every pool has a sample from the start
@@ -110,7 +110,7 @@ class PrefixCaching:
         hold.node, hold.hit = m.node, m
         self._hits.add(req.id)
         self._hit_of[req.id] = (m.node, m.length)
-        self._uncounted[req.id] = m.length
+        self._uncounted.add(req.id)
         for name, pages in m.full.items():
             req.indices[name] = tuple(pages)
             hold.shared[name] = set(pages)
@@ -130,7 +130,7 @@ class PrefixCaching:
             if hit is None:
                 continue
             self.stats.corrupt += 1
-            self._uncounted.pop(rid, None)
+            self._uncounted.discard(rid)
             self._corrupt.add(hit[0])
 
     def _accept(self, req: Request) -> Callable[[Node], bool] | None:
@@ -224,11 +224,10 @@ class PrefixCaching:
         each request's written checkpoints go to the tree in one insert. A hit counts once the
         step that made its copies committed (its check passed on every rank)."""
         if self._uncounted:
-            for rid in plan.req_ids:
-                length = self._uncounted.pop(rid, None)
-                if length is not None:
-                    self.stats.hits += 1
-                    self.stats.hit_tokens += length
+            for rid in self._uncounted.intersection(plan.req_ids):
+                self._uncounted.discard(rid)
+                self.stats.hits += 1
+                self.stats.hit_tokens += self._hit_of[rid][1]
         done: dict[str, list[TrackWrite]] = {}
         for cw in plan.checkpoints:
             req = table.get(cw.req_id)
@@ -274,7 +273,7 @@ class PrefixCaching:
         hold, req.cache = req.cache, None
         self._hits.discard(req.id)
         self._hit_of.pop(req.id, None)
-        self._uncounted.pop(req.id, None)
+        self._uncounted.discard(req.id)
         if hold is None:
             return
         if hold.node is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hyrax.actors.engine.state_hash import LENGTH_MIX, MASK, ROW_WORDS, DeviceHasher, row_weights
+from hyrax.actors.engine.state_hash import ROW_WORDS, DeviceHasher, row_weights, with_length
 from hyrax.actors.model.row_copy import wide_dtype
 
 HASH_ROW_BYTES = ROW_WORDS * 8
@@ -75,7 +75,7 @@ class Packing:
             self.hash = self._hash_by_part
         pad = [p.first + p.hash_rows - 1 for p in parts if p.nbytes % HASH_ROW_BYTES]
         self.pad = torch.tensor(pad, dtype=torch.int64, device=hasher.device) if pad else None
-        self.length_terms = [p.nbytes * LENGTH_MIX for p in parts]
+        self.nbytes = {p.name: p.nbytes for p in parts}
         self._strides = [_contiguous_strides(p.shape) for p in parts]
 
     def _hash_dense(self, words: torch.Tensor) -> torch.Tensor:
@@ -110,12 +110,11 @@ class Packing:
         """sums: (parts,) int64 from `DeviceHasher.packed` (or already read: ints) -> each part's
         state hash (one host read)."""
         raw = sums.tolist() if isinstance(sums, torch.Tensor) else sums
-        return {name: (h + n) & MASK for name, h, n in zip(self.names, raw, self.length_terms)}
+        return self.read_parts(dict(zip(self.names, raw)))
 
     def read_parts(self, sums: dict[str, int]) -> dict[str, int]:
         """sums: some parts' hashes before their length terms, by name -> their state hashes."""
-        terms = dict(zip(self.names, self.length_terms))
-        return {name: (h + terms[name]) & MASK for name, h in sums.items()}
+        return {name: with_length(h, self.nbytes[name]) for name, h in sums.items()}
 
 
 class Packings:

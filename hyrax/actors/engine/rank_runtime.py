@@ -26,7 +26,7 @@ from hyrax.actors.engine.plan import CheckpointMismatch, StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
 from hyrax.actors.engine.sampler import GREEDY_BELOW, logprobs_of, sample
-from hyrax.actors.engine.state_hash import ROW_WORDS, hasher
+from hyrax.actors.engine.state_hash import ROW_WORDS, hasher, with_length
 from hyrax.actors.engine.state_rows import fused_row_moves
 from hyrax.actors.engine.step_groups import length_groups
 from hyrax.actors.engine.view import PLACEHOLDER
@@ -330,12 +330,12 @@ class RankRuntime:
         hashed there: (the buffer, (parts,) hashes before their length terms, not yet read)."""
         packing = self._packing(idx)
         words = self.lane.device_words(packing.rows)
-        packing.clear_padding(words)
-        if self.fused is not None:
+        if self.fused is not None:  # hashes each part's bytes alone: the padding between parts is never read
             at = words.data_ptr()
             sums = [self.fused.gather(self._row_pools[p.name], idx[p.name], at + p.first * HASH_ROW_BYTES)
                     for p in packing.parts]
             return PackedState(words, packing, packing.views(words)), sums
+        packing.clear_padding(words)  # the row sums read the whole buffer: its padding must be zero
         parts = self._gather_into(words, packing, self._row_pools, idx)
         return PackedState(words, packing, parts), packing.hash(words)
 
@@ -411,7 +411,7 @@ class RankRuntime:
         views = {c.name: shard.tensor(c.name) for c in saving}
         if self.fused is not None:  # gathered into the shard and hashed in one pass
             f = self.fused
-            sums = {n: f.finish(f.gather(self._row_pools[n], idx[n], t.data_ptr()), parts[n].nbytes)
+            sums = {n: with_length(f.gather(self._row_pools[n], idx[n], t.data_ptr()), parts[n].nbytes)
                     for n, t in views.items()}
         else:
             hashed = [self._gather(self.pools[c.name], idx[c.name], views[c.name]) for c in saving]
@@ -442,7 +442,7 @@ class RankRuntime:
                 rows_in = shards[k].tensor(c.name)
                 if self.fused is not None:  # written and the written rows hashed in one pass
                     raw = self.fused.scatter(self._row_pools[c.name], idx, rows_in)
-                    out[c.name] = [self.fused.finish(raw, shards[k].parts[c.name].nbytes), expect.get(k, {}).get(c.name)]
+                    out[c.name] = [with_length(raw, shards[k].parts[c.name].nbytes), expect.get(k, {}).get(c.name)]
                     continue
                 target.index_copy_(1, idx, rows_in.to(self.device, non_blocking=True))
                 written[c.name] = (target.index_select(1, idx), expect.get(k, {}).get(c.name))

@@ -146,7 +146,13 @@ class DeviceHasher:
         if not ts:
             return []
         raw = torch.stack([self.tensor(t) for t in ts]).tolist()
-        return [(h + t.numel() * t.element_size() * LENGTH_MIX) & MASK for h, t in zip(raw, ts)]
+        return [with_length(h, t.numel() * t.element_size()) for h, t in zip(raw, ts)]
+
+
+def with_length(raw: int, nbytes: int) -> int:
+    """The state hash of `nbytes` bytes from their sum before the length term (`raw`: the
+    definition's double sum, as a signed or unsigned 64-bit value)."""
+    return (raw + nbytes * LENGTH_MIX) & MASK
 
 
 _hashers: dict[torch.device, DeviceHasher] = {}

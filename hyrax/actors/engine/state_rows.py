@@ -18,13 +18,13 @@ import ctypes
 
 import torch
 
-from hyrax.actors.engine.state_hash import LENGTH_MIX, MASK, ROW_WORDS, DeviceHasher
+from hyrax.actors.engine.packed_state import HASH_ROW_BYTES
+from hyrax.actors.engine.state_hash import DeviceHasher, with_length
 from hyrax.actors.model.native import NativeUnavailable, function, raise_for, unavailable
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGS = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
 _ERRORS = {-1: "a row lies outside the pool"}
-HASH_ROW_BYTES = ROW_WORDS * 8
 
 
 class FusedRowMoves:
@@ -58,7 +58,8 @@ class FusedRowMoves:
 
     def gather(self, pool: torch.Tensor, idx: torch.Tensor, out_ptr: int) -> int:
         """Rows `idx` of every layer of `pool` written to the bytes at `out_ptr` (layers * n
-        rows, nothing past them); returns their hash before the length term (state_hash.py)."""
+        rows, nothing past them); returns their hash before the length term
+        (`state_hash.with_length` completes it)."""
         return self._call(self._gather, pool, idx, out_ptr, "gather_hash")
 
     def scatter(self, pool: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> int:
@@ -71,10 +72,6 @@ class FusedRowMoves:
                              f"{tuple(pool.shape)} {pool.dtype} at {idx.shape[0]} rows")
         return self._call(self._scatter, pool, idx, rows.data_ptr(), "scatter_hash")
 
-    @staticmethod
-    def finish(raw: int, nbytes: int) -> int:
-        """The state hash of `nbytes` moved bytes from what `gather` or `scatter` returned."""
-        return (raw + nbytes * LENGTH_MIX) & MASK
 
 
 def fused_row_moves(hasher: DeviceHasher) -> FusedRowMoves | None:

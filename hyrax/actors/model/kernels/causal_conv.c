@@ -20,9 +20,8 @@
 int hyrax_causal_conv_f32(float *pool, int64_t pool_rows, const int64_t *rows, const float *x, int64_t x_seq,
                           int64_t x_tok, const int64_t *q_lens, const float *taps, const float *bias, float *out,
                           int64_t B, int64_t T, int64_t C, int64_t K) {
-    for (int64_t b = 0; b < B; b++)
-        if (rows[b] < 0 || rows[b] >= pool_rows)
-            return -1;
+    if (!in_pool(rows, B, pool_rows))
+        return -1;
     if (!distinct(rows, B))
         return -4;
     const int64_t keep = K - 1;

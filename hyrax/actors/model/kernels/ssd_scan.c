@@ -27,9 +27,8 @@ int hyrax_ssd_scan_f32(float *pool, int64_t pool_rows, const int64_t *rows, cons
                        const float *A, const float *Bm, const float *Cm, const float *D, float *y, int64_t B,
                        int64_t T, int64_t H, int64_t G, int64_t P, int64_t N, int64_t n_cap, const int64_t *cap_seq,
                        const int64_t *cap_len, float *cap_out) {
-    for (int64_t b = 0; b < B; b++)
-        if (rows[b] < 0 || rows[b] >= pool_rows)
-            return -1;
+    if (!in_pool(rows, B, pool_rows))
+        return -1;
     if (!distinct(rows, B))
         return -4;
     float *st = malloc(sizeof(float) * (size_t)(N * P + 2 * P));

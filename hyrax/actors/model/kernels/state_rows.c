@@ -16,6 +16,8 @@ Both check every row against the pool before touching anything (-1). */
 #include <stdint.h>
 #include <string.h>
 
+#include "rows.h"
+
 #define ROW_WORDS 256
 #define HASH_ROW_BYTES (ROW_WORDS * 8)
 
@@ -114,17 +116,10 @@ static inline void copy_row(uint8_t *d, const uint8_t *s, int64_t n) {
         d[i] = s[i];
 }
 
-static int rows_ok(const int64_t *idx, int64_t n, int64_t pool_rows) {
-    for (int64_t r = 0; r < n; r++)
-        if (idx[r] < 0 || idx[r] >= pool_rows)
-            return 0;
-    return 1;
-}
-
 int hyrax_gather_hash(const uint8_t *pool, int64_t layers, int64_t pool_rows, int64_t row_bytes,
                       const int64_t *idx, int64_t n, uint8_t *out, const uint64_t *w, const uint64_t *v,
                       uint64_t *hash) {
-    if (!rows_ok(idx, n, pool_rows))
+    if (!in_pool(idx, n, pool_rows))
         return -1;
     stream s = {.fill = 0, .next = 0, .h = 0, .w = w, .v = v};
     int64_t hashed = 0, at = 0;  /* bytes of `out` hashed, written */
@@ -148,7 +143,7 @@ int hyrax_gather_hash(const uint8_t *pool, int64_t layers, int64_t pool_rows, in
 int hyrax_scatter_hash(uint8_t *pool, int64_t layers, int64_t pool_rows, int64_t row_bytes,
                        const int64_t *idx, int64_t n, const uint8_t *src, const uint64_t *w, const uint64_t *v,
                        uint64_t *hash) {
-    if (!rows_ok(idx, n, pool_rows))
+    if (!in_pool(idx, n, pool_rows))
         return -1;
     stream s = {.fill = 0, .next = 0, .h = 0, .w = w, .v = v};
     int64_t words = row_bytes / 8, at = 0;
