@@ -23,6 +23,9 @@ class Profile:
     serving_out_range: tuple[int, int] = (64, 128)
     serving_prompt_range: tuple[int, int] = (32, 512)
     serving_target_concurrency: int = 16
+    # runs of the same workload at concurrency 1 and at the target concurrency (the prefix cache
+    # flushed in between), the in-process engine's runs interleaved with the latter: medians
+    serving_repeats: int = 3
     # serving, large model: requests at concurrency 16 (0: skip), output and prompt lengths
     large_requests: int = 32
     large_out_range: tuple[int, int] = (32, 64)
@@ -91,6 +94,7 @@ TINY = Profile(  # the smoke test: plumbing only, seconds
     judge_timing=False,
     serving_requests={1: 1},
     serving_out_range=(4, 8),
+    serving_repeats=1,
     large_requests=0,
     coord_steps=2,
     retract_prompts=(64,),

@@ -15,10 +15,15 @@ requested tokens count).
 
 Rows: output tok/s at each concurrency vs sequential transformers (target >= 3x at
 concurrency 16) and vs static batches; the full stack vs the same workload through an
-in-process engine (no HTTP, no Ray: what the stack costs; run once before and once after the
-HTTP runs and averaged, as transformers' halves are, so that the machine's drift over the run
-falls on both sides); TTFT and ITL p50/p99 (client-side,
-from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL. The "large model"
+in-process engine (no HTTP, no Ray: what the stack costs); TTFT and ITL p50/p99 (client-side,
+from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL.
+
+Repeats: on the shared 2-core VM one run of the same workload moved +-15 % from the next, so
+the concurrency-1 and target-concurrency workloads run `serving_repeats` times over HTTP (the
+prefix cache flushed before each run, so every run prefills the same prompts), with an
+in-process run before, between and after them; throughput rows take the median run, latency
+rows the percentiles of every run's requests together. Transformers' halves run before and
+after all of it, so that the machine's drift over the run falls on both sides. The "large model"
 rows repeat concurrency 16 on a ~110M-parameter Bamba checkpoint (targets: >= 6x sequential,
 >= 1.5x static batches), where weight reads, not Python, dominate a step.
 """
@@ -161,6 +166,27 @@ def _in_process_tps(model_dir: Path, reqs: list[dict], concurrency: int, config)
     return tokens / (time.perf_counter() - t0)
 
 
+def _summarise(runs: list[dict], c: int) -> tuple[tuple, list[float]]:
+    """Runs of one workload at concurrency `c`: ((median output tok/s over the runs, every
+    TTFT, every ITL, requests failed or short, requests sent), the TTFTs of the requests after
+    the first `c` of each run: each arrived into a running batch, not with c-1 others)."""
+    tps, ttft, itl, joined, failed, sent = [], [], [], [], 0, 0
+    for out in runs:
+        res = out["results"]
+        ok = [r for r in res if not r.get("error") and r["tokens"] == r["expected"]]
+        bad = [r for r in res if r.get("error") or r["tokens"] != r["expected"]]
+        if bad:
+            progress(f"serving: concurrency {c}: {len(bad)} of {len(res)} requests failed or came back short, "
+                     f"e.g. {bad[0]}")
+        tps.append(sum(r["tokens"] for r in ok) / out["wall"])
+        ttft += [r["ttft"] for r in ok]
+        itl += [x for r in ok for x in r["itl"]]
+        joined += [r["ttft"] for r in res[c:] if not r.get("error") and r["tokens"] == r["expected"]]
+        failed, sent = failed + len(bad), sent + len(res)
+    progress(f"serving: concurrency {c}: {', '.join(f'{x:.1f}' for x in tps)} output tok/s")
+    return (median(tps), ttft, itl, failed, sent), joined
+
+
 def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1000.0
 
@@ -176,31 +202,29 @@ def run(profile: Profile) -> list[Row]:
         try:
             hf = _Transformers(path)
             hf.run_share(base_reqs, target_c, 0)
-            progress(f"serving: the concurrency-{target_c} workload through an in-process engine (no HTTP, no Ray), "
-                     f"first of two runs")
-            engine_runs = [_in_process_tps(path, base_reqs, target_c, stack.config)]
+            engine_runs: list[float] = []
             warm = [{"prompt": list(range(40)), "max_tokens": 4}]
             measured, joined = {}, {}
             for c in conc:
                 reqs = workload(profile, c)
-                progress(f"serving: Hyrax over HTTP, concurrency {c} ({len(reqs)} requests)")
-                out = _load(stack, reqs, c, warm)
-                warm = []
-                res = out["results"]
-                ok = [r for r in res if not r.get("error") and r["tokens"] == r["expected"]]
-                failed = [r for r in res if r.get("error") or r["tokens"] != r["expected"]]
-                if failed:
-                    progress(f"serving: concurrency {c}: {len(failed)} of {len(res)} requests failed or came back "
-                             f"short, e.g. {failed[0]}")
-                measured[c] = (sum(r["tokens"] for r in ok) / out["wall"], [r["ttft"] for r in ok],
-                               [x for r in ok for x in r["itl"]], len(failed), len(res))
-                # the requests after the first c: each arrived into a running batch, not with c-1 others
-                joined[c] = [r["ttft"] for r in res[c:] if not r.get("error") and r["tokens"] == r["expected"]]
-                progress(f"serving: concurrency {c}: {measured[c][0]:.1f} output tok/s")
-            progress(f"serving: the concurrency-{target_c} workload through an in-process engine, second run")
-            engine_runs.append(_in_process_tps(path, base_reqs, target_c, stack.config))
-            engine_tps = sum(engine_runs) / len(engine_runs)
-            progress(f"serving: in-process engine {engine_runs[0]:.1f} and {engine_runs[1]:.1f} tok/s")
+                repeats = profile.serving_repeats if c in (1, target_c) else 1
+                runs = []
+                for k in range(repeats):
+                    if c == target_c:  # in-process runs between the HTTP runs: both see the same machine
+                        engine_runs.append(_in_process_tps(path, base_reqs, target_c, stack.config))
+                        progress(f"serving: the concurrency-{target_c} workload through an in-process engine "
+                                 f"(no HTTP, no Ray): {engine_runs[-1]:.1f} output tok/s")
+                    stack.flush_cache()  # every run of a workload starts with nothing cached
+                    run_of = f", run {k + 1} of {repeats}" if repeats > 1 else ""
+                    progress(f"serving: Hyrax over HTTP, concurrency {c} ({len(reqs)} requests{run_of})")
+                    runs.append(_load(stack, reqs, c, warm))
+                    warm = []
+                if c == target_c:
+                    engine_runs.append(_in_process_tps(path, base_reqs, target_c, stack.config))
+                measured[c], joined[c] = _summarise(runs, c)
+            engine_tps = median(engine_runs)
+            progress(f"serving: in-process engine {', '.join(f'{x:.1f}' for x in engine_runs)} tok/s "
+                     f"(median {engine_tps:.1f})")
             hf.run_share(base_reqs, target_c, 1)
         finally:
             stack.close()

@@ -79,6 +79,15 @@ class GatewayStack:
             raise RuntimeError(f"{module} failed: {p.stderr[-2000:]}")
         return json.loads(p.stdout)
 
+    def flush_cache(self) -> None:
+        """Evict every cached prefix (`POST /admin/flush-cache`), so that a workload sent again
+        finds nothing cached from its previous run."""
+        import httpx
+
+        r = httpx.post(f"{self.url}/admin/flush-cache", headers={"Authorization": f"Bearer {self.admin_token}"},
+                       timeout=30)
+        r.raise_for_status()
+
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
