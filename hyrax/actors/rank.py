@@ -26,7 +26,7 @@ from hyrax.actors.model.hybrid import resolve_dtype
 from hyrax.actors.model.loader import load_model
 from hyrax.actors.model.sharding import TP
 from hyrax.actors.step_bell import StepRinger
-from hyrax.actors.step_graph import PARK, PARKED, from_wire, to_wire
+from hyrax.actors.step_graph import PARK, PARKED, WITH_RING, from_wire, to_wire
 from hyrax.env import apply_torch_threads
 
 
@@ -137,17 +137,23 @@ class RankWorker:
 
     def execute_and_ring(self, wire: bytes) -> bytes:
         """`execute` as the compiled graph runs it: plan and result travel pickled
-        (step_graph.to_wire); the bell rings when the step has returned or raised, so the
-        coordinator, asleep until then, reads the result as Ray writes it. A park step
-        (step_bell.py) sleeps until the bell wakes this rank, touching nothing: the calls on the
-        main thread (ping, save, load, ...) go on meanwhile."""
-        try:
-            if wire == PARK:
+        (step_graph.to_wire); the bell rings when the step has returned or raised, carrying the
+        result when there is one, so the coordinator, asleep until then, has it at once (the
+        graph's output then says `WITH_RING`; a result the ring could not carry goes through the
+        graph). A park step (step_bell.py) sleeps until the bell wakes this rank, touching
+        nothing: the calls on the main thread (ping, save, load, ...) go on meanwhile."""
+        if wire == PARK:
+            try:
                 self._ringer.wait_for_wake()
-                return PARKED
-            return to_wire(self.execute(from_wire(wire)))
-        finally:
-            self._ringer.ring()
+            finally:
+                self._ringer.ring()
+            return PARKED
+        try:
+            result = to_wire(self.execute(from_wire(wire)))
+        except BaseException:
+            self._ringer.ring()  # the error goes through the graph
+            raise
+        return WITH_RING if self._ringer.ring(result) else result
 
     def save(self, req_id, rows, location):
         with self._turn:

@@ -12,7 +12,7 @@ import ray
 from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
-from hyrax.actors.step_graph import CompiledSteps, compile_steps, from_wire
+from hyrax.actors.step_graph import WITH_RING, CompiledSteps, compile_steps, from_wire
 
 # after one rank raised in a step, how long the others get to answer before the step counts
 # as a rank failure (a rank left waiting in a collective never answers)
@@ -123,9 +123,17 @@ class RayExecutor(RankCalls):
         deadline = time.monotonic() + self.timeout_s
         step.graph.wait(step.step, deadline)
         results, raised = [None] * len(step.refs), None
+        carried = step.graph.bell.take(step.step)
         for k in step.graph.bell.read_order():  # a rank whose bell ended (died) first
+            if carried[k] is not None:  # it came with the ring; the graph's output is read later
+                results[k] = from_wire(carried[k])
+                step.graph.unread.append(step.refs[k])
+                continue
             try:
-                results[k] = from_wire(ray.get(step.refs[k], timeout=max(deadline - time.monotonic(), 0.01)))
+                got = ray.get(step.refs[k], timeout=max(deadline - time.monotonic(), 0.01))
+                if got == WITH_RING:  # a ring that carried it and was then cut off: lost with the bell
+                    raise RuntimeError("the rank's result went with a ring the bell did not take whole")
+                results[k] = from_wire(got)
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e, ray.exceptions.RayActorError):
                     self.close()

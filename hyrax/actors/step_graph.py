@@ -13,8 +13,11 @@ move that depends on a step still in flight (it commits that step first, and row
 may write are freed only after it commits), so the lock's order is enough.
 
 Waiting for a step's result, the coordinator sleeps on a doorbell the ranks ring at the end of
-each graph step (step_bell.py) and reads the graph's channels after it rang: Ray's channel read
-polls, so a coordinator blocked in it burns a core the ranks' forward may need.
+each graph step (step_bell.py): Ray's channel read polls, so a coordinator blocked in it burns a
+core the ranks' forward may need. The ring carries the step's result; the graph's output then
+only says so (`WITH_RING`), and the coordinator reads it after sending the next step, when Ray
+has long written it (every output must be read, in order, or the graph stops taking steps).
+A step that raised rings without a result, and the coordinator reads its error from the graph.
 
 Plans and results cross the graph as bytes pickled here (`to_wire`/`from_wire`): Ray's own
 serializer (cloudpickle) took 0.6-1.1 ms for a 32-request plan on the 2-core box, the standard
@@ -37,6 +40,7 @@ from hyrax.actors.step_bell import StepBell
 # so no plan a step sends can be mistaken for it
 PARK = b"park"
 PARKED = b""  # what a park step answers
+WITH_RING = b"with-ring"  # a step's answer when its result went with the rank's ring (not a pickle)
 
 BELL_CONNECT_S = 30.0  # how long the ranks get to connect to a new graph's bell
 
@@ -76,6 +80,7 @@ class CompiledSteps:
             raise
         self.over = _actor_ids(ranks)
         self.sent = 0  # steps submitted: the rings a step's collect waits for
+        self.unread: list = []  # refs of outputs that said WITH_RING: read after the next send
         self.parked: tuple[int, list] | None = None  # the park step in flight: (its number, its refs)
 
     def serves(self, ranks: list) -> bool:
@@ -90,7 +95,20 @@ class CompiledSteps:
     def _send(self, wire: bytes) -> tuple[int, list]:
         refs = self.graph.execute(wire)
         self.sent += 1
+        self._read_unread()
         return self.sent, refs
+
+    def _read_unread(self) -> None:
+        """Read the outputs whose results came with the ranks' rings: written by now (the rank
+        rang just before Ray wrote them), so this does not wait; Ray needs each read, in order.
+        Raises what reading raises (the rank died since)."""
+        import ray
+
+        unread, self.unread = self.unread, []
+        for ref in unread:
+            got = ray.get(ref, timeout=BELL_CONNECT_S)
+            if got != WITH_RING:
+                raise RuntimeError(f"a step's result came with the rank's ring, but the graph answered {got[:32]!r}")
 
     def park(self) -> None:
         """Park every rank until `unpark` (the replica is idle): no rank polls for a plan."""
@@ -121,6 +139,7 @@ class CompiledSteps:
         inside a step, Ray waits up to its teardown timeout (30 s) for the task to end. With
         it, the ranks can join another graph as soon as this returns."""
         graph, self.graph = self.graph, None
+        self.unread = []  # the teardown discards them
         if graph is None:
             return
         self.bell.close()  # the ranks' next ring fails and closes their end

@@ -25,6 +25,7 @@ from hyrax.actors.model.sharding import TP
 from hyrax.actors.model.state import derive_components
 from hyrax.actors.rank import RankWorker
 from hyrax.actors.ray_executor import RayExecutor
+from hyrax.actors.step_bell import StepBell
 from hyrax.actors.step_graph import compile_steps
 from ray_harness import DEMO_CONFIG, DEMO_MODEL, assert_clean, call, deployed, prompt, reference, replica, run_all
 
@@ -101,6 +102,28 @@ def test_steps_run_through_the_graph_and_equal_the_reference(tp2_ranks):
         run_to_completion(engine)
         assert engine.finished_requests.pop(rid).output_ids == want[1]
         engine.check_invariants()
+    finally:
+        executor.close(wait=True)
+
+
+def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch):
+    """Every step's results reach the coordinator with the ranks' rings (step_bell.py), not
+    through the graph's output, which Ray writes only after the rank's method returned: each
+    collect took a result from every rank's ring, and the tokens are the reference's."""
+    taken: list[list[bool]] = []
+    inner = StepBell.take
+
+    def counted(self, step):
+        got = inner(self, step)
+        taken.append([r is not None for r in got])
+        return got
+
+    monkeypatch.setattr(StepBell, "take", counted)
+    executor = RayExecutor(tp2_ranks, 60.0, compiled=True)
+    try:
+        assert _run(_engine(executor)) == reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
+        assert executor.step_path == "compiled graph"
+        assert len(taken) >= MAX_TOKENS and all(k == [True, True] for k in taken), taken
     finally:
         executor.close(wait=True)
 

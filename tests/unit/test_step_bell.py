@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hyrax.actors.step_bell import STOPPED, StepBell, StepRinger
+from hyrax.actors.step_bell import _RING, MAX_RING_RESULT, STOPPED, StepBell, StepRinger
 
 
 def _bell(ranks: int) -> tuple[StepBell, list[StepRinger]]:
@@ -96,19 +96,67 @@ def test_wait_returns_at_its_deadline_and_after_close():
 
 
 def test_a_ring_split_across_reads_is_reassembled():
+    """A ring counts once it is whole, its result with it: the wait does not return on a ring
+    whose result is still on its way (the collect would find no result and read the graph)."""
     bell, (r0,) = _bell(1)
     try:
         sock = r0._sock
-        sock.setblocking(True)
-        payload = (7).to_bytes(8, "little")
-        sock.sendall(payload[:3])
-        bell.wait(1, time.monotonic() + 0.2)
-        assert bell.rung == [0]
-        sock.sendall(payload[3:])
-        bell.wait(1, time.monotonic() + 5)
-        assert bell.rung == [7]
+        result = bytes(range(256)) * 3
+        frame = _RING.pack(7, len(result)) + result
+        for cut in (3, _RING.size, _RING.size + 100):  # inside the header, at its end, inside the result
+            sock.sendall(frame[:cut])
+            bell.wait(7, time.monotonic() + 0.2)
+            assert bell.rung == [0], cut
+            sock.sendall(frame[cut:])
+            bell.wait(7, time.monotonic() + 5)
+            assert bell.rung == [7]
+            assert bell.take(7) == [result]
+            bell.rung[0] = 0
     finally:
         bell.close()
+        r0.close()
+
+
+def test_rings_carry_step_results_and_take_hands_each_out_once():
+    bell, (r0, r1) = _bell(2)
+    try:
+        assert r0.ring(b"step one, rank 0") is True
+        assert r1.ring() is False  # no result (the step raised): the graph carries its error
+        bell.wait(1, time.monotonic() + 5)
+        assert bell.take(1) == [b"step one, rank 0", None]
+        assert bell.take(1) == [None, None]  # handed out once
+        # overlap: a rank two steps ahead; taking step 3 forgets what step 2 left untaken
+        big = bytes(300_000)  # more than one read of the bell's socket
+        assert r0.ring(b"two") and r0.ring(big) and r1.ring(b"r1 two") and r1.ring(b"r1 three")
+        bell.wait(3, time.monotonic() + 5)
+        assert bell.take(3) == [big, b"r1 three"]
+        assert bell.take(2) == [None, None]
+    finally:
+        bell.close()
+        r0.close(), r1.close()
+
+
+def test_a_result_too_large_for_a_ring_goes_through_the_graph():
+    bell, (r0,) = _bell(1)
+    try:
+        assert r0.ring(bytes(MAX_RING_RESULT + 1)) is False
+        bell.wait(1, time.monotonic() + 5)
+        assert bell.rung == [1] and bell.take(1) == [None]
+    finally:
+        bell.close()
+        r0.close()
+
+
+def test_a_ring_after_the_bell_closed_says_its_result_did_not_go():
+    bell, (r0,) = _bell(1)
+    bell.close()
+    try:
+        deadline = time.monotonic() + 5
+        while r0.ring(b"result") and time.monotonic() < deadline:  # the first send may still land in a buffer
+            time.sleep(0.01)
+        assert r0.ring(b"result") is False
+        assert StepRinger.unconnected().ring(b"result") is False
+    finally:
         r0.close()
 
 
