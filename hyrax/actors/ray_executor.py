@@ -90,7 +90,7 @@ class RayExecutor(RankCalls):
         ids = tuple(r._actor_id for r in self.ranks)
         if self._graph_tried != ids:
             self._graph_tried = ids
-            self._graph, self.step_path = compile_steps(self.ranks)
+            self._graph, self.step_path = compile_steps(self.ranks, self.timeout_s)
         return self._graph
 
     def close(self, wait: bool = False) -> None:
@@ -123,16 +123,20 @@ class RayExecutor(RankCalls):
         deadline = time.monotonic() + self.timeout_s
         step.graph.wait(step.step, deadline)
         results, raised = [None] * len(step.refs), None
-        carried = step.graph.bell.take(step.step)
-        for k in step.graph.bell.read_order():  # a rank whose bell ended (died) first
-            if carried[k] is not None:  # it came with the ring; the graph's output is read later
-                results[k] = from_wire(carried[k])
-                step.graph.unread.append(step.refs[k])
-                continue
+        bell = step.graph.bell
+        carried = bell.take(step.step)
+        for k in bell.read_order():  # a rank whose bell ended (died) first
             try:
+                if carried[k] is not None:  # it came with the ring; the graph's output is read later
+                    results[k] = from_wire(carried[k])
+                    step.graph.unread.append(step.refs[k])
+                    continue
                 got = ray.get(step.refs[k], timeout=max(deadline - time.monotonic(), 0.01))
-                if got == WITH_RING:  # a ring that carried it and was then cut off: lost with the bell
-                    raise RuntimeError("the rank's result went with a ring the bell did not take whole")
+                if got == WITH_RING:  # its ring was not read: the wait ended early, another rank's bell ended
+                    ring = bell.result_of(k, step.step, deadline)
+                    if ring is None:
+                        raise RuntimeError("the rank's result went with a ring its bell did not deliver whole")
+                    got = ring
                 results[k] = from_wire(got)
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e, ray.exceptions.RayActorError):

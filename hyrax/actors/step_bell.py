@@ -75,6 +75,7 @@ class StepBell:
         self.address: tuple[str, int] = (host, self._server.getsockname()[1])
         self._selector = selectors.DefaultSelector()
         self._conns: list[socket.socket] = []
+        self._open: dict[int, socket.socket] = {}  # rank -> its connection, while its bell lasts
         self._pending: dict[int, bytearray] = {}  # rank -> bytes of a ring not yet complete
         self._results: list[dict[int, bytes]] = [{} for _ in range(ranks)]  # per rank: step -> result
         self.rung = [0] * ranks  # per rank: how many steps it rang for (STOPPED: its bell ended)
@@ -104,6 +105,7 @@ class StepBell:
             seen.add(index)
             conn.setblocking(False)
             self._conns.append(conn)
+            self._open[index] = conn
             self._selector.register(conn, selectors.EVENT_READ, index)
         self._server.close()
 
@@ -128,16 +130,17 @@ class StepBell:
         except OSError:
             data = b""
         if not data:  # the rank's end closed: it died or its ring failed
-            self._selector.unregister(conn)
-            conn.close()
-            self.rung[rank] = STOPPED
-            self._pending.pop(rank, None)  # a ring cut short is no ring
+            self._end(conn, rank)
             return
         buf = self._pending.setdefault(rank, bytearray())
         buf += data
         at = 0
         while len(buf) - at >= _RING.size:
             steps, n = _RING.unpack_from(buf, at)
+            if not NO_RESULT <= n <= MAX_RING_RESULT:  # no ringer sends that: the stream is not a bell's
+                log.warning("step bell: rank %d sent a ring of %d result bytes; its bell ends", rank, n)
+                self._end(conn, rank)
+                return
             end = at + _RING.size + max(n, 0)
             if end > len(buf):
                 break  # the rest of this ring's result is still on its way
@@ -146,6 +149,26 @@ class StepBell:
             self.rung[rank] = max(self.rung[rank], steps)
             at = end
         del buf[:at]
+
+    def _end(self, conn: socket.socket, rank: int) -> None:
+        self._open.pop(rank, None)
+        self._selector.unregister(conn)
+        conn.close()
+        self.rung[rank] = STOPPED
+        self._pending.pop(rank, None)  # a ring cut short is no ring
+
+    def result_of(self, rank: int, step: int, deadline: float) -> bytes | None:
+        """The result `rank`'s ring for `step` carried, reading its connection until that ring is
+        whole (the rank sent it in full before its step returned, so it is here or on its way),
+        its bell ends, or `deadline`. For a rank whose graph output said `WITH_RING` after `wait`
+        returned early, when another rank's bell had ended: its ring was not read yet."""
+        conn = self._open.get(rank)
+        while step not in self._results[rank] and conn is not None and self.rung[rank] != STOPPED:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([conn], [], [], left)[0]:
+                break
+            self._drain(conn, rank)
+        return self._results[rank].pop(step, None)
 
     def take(self, step: int) -> list[bytes | None]:
         """Per rank, the result its ring for `step` carried (None: it carried none, or the rank's
@@ -176,7 +199,7 @@ class StepBell:
         self._server.close()
         for conn in self._conns:
             conn.close()
-        self._conns = []
+        self._conns, self._open = [], {}
         self._selector.close()
         self.rung = [STOPPED] * self.ranks
 

@@ -62,7 +62,7 @@ class CompiledSteps:
     """One compiled graph: the plan in, every rank's `execute` result out, in rank order; and
     the doorbell its ranks ring after each step (`RankWorker.execute_and_ring`)."""
 
-    def __init__(self, ranks: list):
+    def __init__(self, ranks: list, timeout_s: float = BELL_CONNECT_S):
         import ray
         from ray.dag import InputNode, MultiOutputNode
 
@@ -81,6 +81,7 @@ class CompiledSteps:
         self.over = _actor_ids(ranks)
         self.sent = 0  # steps submitted: the rings a step's collect waits for
         self.unread: list = []  # refs of outputs that said WITH_RING: read after the next send
+        self.timeout_s = timeout_s  # how long reading one of them may take (the executor's rank timeout)
         self.parked: tuple[int, list] | None = None  # the park step in flight: (its number, its refs)
 
     def serves(self, ranks: list) -> bool:
@@ -106,7 +107,7 @@ class CompiledSteps:
 
         unread, self.unread = self.unread, []
         for ref in unread:
-            got = ray.get(ref, timeout=BELL_CONNECT_S)
+            got = ray.get(ref, timeout=self.timeout_s)
             if got != WITH_RING:
                 raise RuntimeError(f"a step's result came with the rank's ring, but the graph answered {got[:32]!r}")
 
@@ -139,19 +140,25 @@ class CompiledSteps:
         inside a step, Ray waits up to its teardown timeout (30 s) for the task to end. With
         it, the ranks can join another graph as soon as this returns."""
         graph, self.graph = self.graph, None
-        self.unread = []  # the teardown discards them
+        # dropped only once the graph is down: an unread ref let go before would have Ray read
+        # its output first, with no timeout, and a rank that died after ringing never writes it
+        unread, self.unread = self.unread, []
         if graph is None:
             return
         self.bell.close()  # the ranks' next ring fails and closes their end
-        t = threading.Thread(target=graph.teardown, name="hyrax-graph-teardown", daemon=True)
+
+        def down():
+            graph.teardown()
+            unread.clear()
+        t = threading.Thread(target=down, name="hyrax-graph-teardown", daemon=True)
         t.start()
         if wait:
             t.join()
 
 
-def compile_steps(ranks: list) -> tuple[CompiledSteps | None, str]:
+def compile_steps(ranks: list, timeout_s: float = BELL_CONNECT_S) -> tuple[CompiledSteps | None, str]:
     """(the graph, "compiled graph"), or (None, why plain actor calls are used instead)."""
     try:
-        return CompiledSteps(ranks), "compiled graph"
+        return CompiledSteps(ranks, timeout_s), "compiled graph"
     except Exception as e:  # noqa: BLE001 - any reason the graph cannot be built means the fallback
         return None, f"actor calls ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

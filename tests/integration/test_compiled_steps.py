@@ -69,11 +69,11 @@ def tp2_ranks(rank_pair):
     return rank_pair.live()
 
 
-def _engine(executor: RayExecutor) -> Engine:
+def _engine(executor: RayExecutor, config: EngineConfig = CONFIG) -> Engine:
     cfg = ModelConfig.from_dir(DEMO_MODEL)
-    comps = derive_components(cfg, TP(0, 2), resolve_dtype(CONFIG.dtype, "cpu"))
-    sizes = pool_sizes_for(comps, CONFIG)
-    return Engine(comps, sizes, host_pool_rows(comps, sizes, CONFIG.host_pool_mb), executor, CONFIG,
+    comps = derive_components(cfg, TP(0, 2), resolve_dtype(config.dtype, "cpu"))
+    sizes = pool_sizes_for(comps, config)
+    return Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), executor, config,
                   cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
 
 
@@ -106,10 +106,13 @@ def test_steps_run_through_the_graph_and_equal_the_reference(tp2_ranks):
         executor.close(wait=True)
 
 
-def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch, overlap):
     """Every step's results reach the coordinator with the ranks' rings (step_bell.py), not
     through the graph's output, which Ray writes only after the rank's method returned: each
-    collect took a result from every rank's ring, and the tokens are the reference's."""
+    collect took a result from every rank's ring, and the tokens are the reference's, with
+    steps pipelined two deep and one at a time (the graph's outputs are then read at
+    different points of the next step)."""
     taken: list[list[bool]] = []
     inner = StepBell.take
 
@@ -121,7 +124,8 @@ def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch):
     monkeypatch.setattr(StepBell, "take", counted)
     executor = RayExecutor(tp2_ranks, 60.0, compiled=True)
     try:
-        assert _run(_engine(executor)) == reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
+        assert _run(_engine(executor, replace(CONFIG, overlap=overlap))) == reference(DEMO_MODEL, CONFIG, PROMPTS,
+                                                                                     MAX_TOKENS)
         assert executor.step_path == "compiled graph"
         assert len(taken) >= MAX_TOKENS and all(k == [True, True] for k in taken), taken
     finally:

@@ -136,6 +136,42 @@ def test_rings_carry_step_results_and_take_hands_each_out_once():
         r0.close(), r1.close()
 
 
+def test_a_result_rung_after_another_ranks_bell_ended_is_still_delivered():
+    """Once one rank's bell ended the wait returns at once (the others may be stuck in a
+    collective) without reading the others' rings; a rank whose graph output then says its
+    result went with its ring gets it read from its connection (`result_of`)."""
+    bell, (r0, r1) = _bell(2)
+    try:
+        r1.close()
+        bell.wait(1, time.monotonic() + 5)  # reads rank 1's end
+        assert bell.rung[1] == STOPPED
+        big = bytes(200_000)  # more than one read of the socket
+        assert r0.ring(b"one") and r0.ring(big)
+        bell.wait(2, time.monotonic() + 5)  # returns at once: a bell ended
+        assert bell.take(2) == [None, None]  # nothing of rank 0's was read
+        assert bell.result_of(0, 2, time.monotonic() + 5) == big
+        assert bell.result_of(0, 2, time.monotonic() + 0.1) is None  # handed out once
+        assert bell.result_of(1, 3, time.monotonic() + 5) is None  # an ended bell has nothing more
+    finally:
+        bell.close()
+        r0.close()
+
+
+def test_a_ring_with_an_impossible_length_ends_that_ranks_bell():
+    bell, (r0, r1) = _bell(2)
+    try:
+        for n in (-2, MAX_RING_RESULT + 1):
+            r0._sock.sendall(_RING.pack(1, n))
+            bell.wait(1, time.monotonic() + 5)
+            assert bell.rung[0] == STOPPED, n
+            bell.close()
+            r0.close(), r1.close()
+            bell, (r0, r1) = _bell(2)
+    finally:
+        bell.close()
+        r0.close(), r1.close()
+
+
 def test_a_result_too_large_for_a_ring_goes_through_the_graph():
     bell, (r0,) = _bell(1)
     try:
