@@ -143,7 +143,7 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[str, 
                 config = _config(max(batches), overlap)
                 comps = derive_components(cfg, TP(0, tp), resolve_dtype(config.dtype, "cpu"))
                 sizes = pool_sizes_for(comps, config)
-                executor = RayExecutor(ranks, 120.0, compiled=compiled)
+                executor = RayExecutor(ranks, 120.0, compiled=compiled, cpu_affinity=True)  # as a coordinator
                 engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb),
                                 executor, config, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
                 ray.get([r.bench_times.remote() for r in ranks])  # drop the previous engine's timings

@@ -67,7 +67,8 @@ class RoleCoordinator:
         # the ranks resolved `auto` for the device they run on: the pools hold that dtype
         comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[self.dtype])
         sizes = pool_sizes_for(comps, config)
-        self.executor = RayExecutor(self.ranks, rank_timeout_s, compiled=config.compiled_graph)
+        self.executor = RayExecutor(self.ranks, rank_timeout_s, compiled=config.compiled_graph,
+                                    cpu_affinity=config.cpu_affinity == "auto")
         self.engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), self.executor,
                              config, self.cfg.vocab_size, self.cfg.max_position_embeddings,
                              self.cfg.eos_token_id, self.tokenizer.decode)

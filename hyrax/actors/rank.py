@@ -18,6 +18,7 @@ from typing import Callable
 import ray
 import torch
 
+from hyrax.actors.cpu_claims import CpuClaim, claim
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.memory_budget import measured_capacities
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
@@ -43,6 +44,7 @@ class RankWorker:
         self.runtime: RankRuntime | None = None
         self._turn = threading.Lock()
         self._ringer = StepRinger.unconnected()
+        self._cpus: CpuClaim | None = None
         self.device = place_rank(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
 
     def dist_address(self) -> str:
@@ -64,11 +66,13 @@ class RankWorker:
             self._join_group(dist_address)
             group = ReplicaGroup(self.device)
             allreduce, self._broadcast, self._agree = group.all_reduce, group.broadcast_tokens, group.all_reduce
+        if config.cpu_affinity == "auto" and self.device.type == "cpu" and self._cpus is None:
+            self._cpus = claim(torch.get_num_threads())  # CPUs of its own (cpu_claims.py); None: none free
         dtype = resolve_dtype(config.dtype, self.device)
         self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend,
                                  config.captured_decode, row_plans=not config.deterministic)
         self._model_dir = model_dir
-        info = {"rank": self.tp.rank, "device": str(self.device),
+        info = {"rank": self.tp.rank, "device": str(self.device), "cpus": list(self._cpus.cpus) if self._cpus else None,
                 "attention_backend": self._model.attention_backend_name, "dtype": str(dtype).removeprefix("torch.")}
         if config.gpu_memory_fraction is None:
             return info | self.allocate(config)
@@ -113,6 +117,10 @@ class RankWorker:
 
     def ping(self) -> int:
         return self.tp.rank
+
+    def cpu_claim(self) -> list[int] | None:
+        """The CPUs this rank claimed for itself (cpu_claims.py); None: it runs where the OS puts it."""
+        return list(self._cpus.cpus) if self._cpus else None
 
     def execute(self, plan):
         with self._turn:

@@ -4,11 +4,14 @@ Steps go through a compiled graph over the ranks (step_graph.py) unless it canno
 state moves are plain actor calls."""
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import replace
 
 import ray
 
+from hyrax.actors.cpu_claims import keep_off_claimed
 from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
@@ -20,9 +23,13 @@ OTHERS_GRACE_S = 10.0
 
 
 class RayExecutor(RankCalls):
-    def __init__(self, ranks: list, timeout_s: float, compiled: bool = False):
+    def __init__(self, ranks: list, timeout_s: float, compiled: bool = False, cpu_affinity: bool = False):
         self.ranks = ranks  # the coordinator replaces them in place after a rank failure
         self.timeout_s = timeout_s
+        # the thread stepping the graph keeps off the CPUs the ranks claimed (cpu_claims.py):
+        # (its native id, the CPUs it had before) while pinned
+        self.cpu_affinity = cpu_affinity
+        self._pinned: tuple[int, set[int]] | None = None
         self.num_ranks = len(ranks)
         self.compiled = compiled
         self._graph: CompiledSteps | None = None
@@ -91,6 +98,10 @@ class RayExecutor(RankCalls):
         if self._graph_tried != ids:
             self._graph_tried = ids
             self._graph, self.step_path = compile_steps(self.ranks, self.timeout_s)
+            if self._graph is not None and self.cpu_affinity:
+                before = keep_off_claimed()  # the ranks are set up: their claims are made
+                if before is not None:
+                    self._pinned = (threading.get_native_id(), before)
         return self._graph
 
     def close(self, wait: bool = False) -> None:
@@ -99,6 +110,12 @@ class RayExecutor(RankCalls):
         if self._graph is not None:
             self._graph.close(wait)
             self._graph = None
+        if self._pinned is not None:  # from any thread: by the pinned thread's id
+            (tid, cpus), self._pinned = self._pinned, None
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # that thread has ended
+                pass
 
     def collect(self, handle) -> StepResult:
         """Rank 0's result, with every rank's checkpoint checksums. A rank that raised while every rank answered is a StepError (the

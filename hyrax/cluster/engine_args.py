@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from hyrax.actors.cpu_claims import AFFINITY_MODES
 from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, PREFILL_CHUNK, PREFILL_ORDERS,
                                         EngineConfig, UnsafeFaults)
 from hyrax.actors.engine.scheduler import SHORTEST_FIRST_WINDOW_S
@@ -58,6 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention kernel: auto = vllm_flash_attn on CUDA with float16/bfloat16 when the "
                         "gpu extra imports; cpu_paged (a C decode kernel built on first use with the "
                         "machine's C compiler) for float32 on the CPU; else torch SDPA (default auto)")
+    g.add_argument("--cpu-affinity", choices=AFFINITY_MODES, default="auto",
+                   help="auto (default): each CPU rank runs on CPUs of its own, claimed on its machine (never "
+                        "the first CPU), and the coordinator's step loop keeps off them; off: wherever the OS "
+                        "puts them")
     g.add_argument("--captured-decode", choices=CAPTURE_MODES, default="off",
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size; the first decode step compiles it, a minute or more on a "
@@ -107,7 +112,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         host_pool_mb=a.host_pool_mb, forced_retraction_interval=a.forced_retraction_interval,
         deterministic=a.deterministic, dtype=a.dtype, faults=faults, allow_unsafe=a.unsafe_allow_fault_injection,
         overlap=not a.no_overlap, compiled_graph=a.compiled_graph, attention_backend=a.attention_backend,
-        captured_decode=a.captured_decode, prefix_cache=a.prefix_cache,
+        captured_decode=a.captured_decode, prefix_cache=a.prefix_cache, cpu_affinity=a.cpu_affinity,
         mamba_track_interval=(-(-256 // max(a.page_size, 1)) * max(a.page_size, 1) if a.mamba_track_interval is None
                               else a.mamba_track_interval),
         mamba_checkpoint_slots=a.mamba_checkpoint_slots,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from hyrax.actors.model.attn_backends import BACKENDS as ATTENTION_BACKENDS
+from hyrax.actors.cpu_claims import AFFINITY_MODES
 from hyrax.actors.model.captured_decode import CAPTURE_MODES
 from hyrax.actors.model.errors import HyraxInputError
 
@@ -111,6 +112,9 @@ class EngineConfig:
     # off | compile (torch.compile; ~2x the tiny models' CPU decode forward after a minutes-long
     # first compile) | cuda_graphs (not yet run on a GPU). Off by default: the compile is start-up time
     captured_decode: str = "off"
+    # auto: a CPU rank claims CPUs of its own and the coordinator's step loop keeps off them
+    # (actors/cpu_claims.py) | off: wherever the OS puts them
+    cpu_affinity: str = "auto"
     offer_lease_s: float = 10.0  # an offered hand-off not acknowledged in time is reclaimed (freed)
     # prefix cache (docs/prefix-cache.md): on for colocated and prefill replicas (a decode replica
     # receives its requests' state and never matches a prompt)
@@ -159,6 +163,8 @@ class EngineConfig:
         if self.prefill_order not in PREFILL_ORDERS:
             raise HyraxInputError(f"prefill-order must be one of {', '.join(PREFILL_ORDERS)}, "
                                   f"got {self.prefill_order!r}")
+        if self.cpu_affinity not in AFFINITY_MODES:
+            raise HyraxInputError(f"cpu-affinity must be one of {', '.join(AFFINITY_MODES)}, got {self.cpu_affinity!r}")
         if self.captured_decode not in CAPTURE_MODES:
             raise HyraxInputError(f"captured-decode must be one of {', '.join(CAPTURE_MODES)}, "
                                   f"got {self.captured_decode!r}")
