@@ -45,6 +45,7 @@ class RankWorker:
         self._turn = threading.Lock()
         self._ringer = StepRinger.unconnected()
         self._cpus: CpuClaim | None = None
+        self._claims_cpus = False  # set by setup (--cpu-affinity auto, a CPU rank)
         self.device = place_rank(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
 
     def dist_address(self) -> str:
@@ -66,8 +67,8 @@ class RankWorker:
             self._join_group(dist_address)
             group = ReplicaGroup(self.device)
             allreduce, self._broadcast, self._agree = group.all_reduce, group.broadcast_tokens, group.all_reduce
-        if config.cpu_affinity == "auto" and self.device.type == "cpu" and self._cpus is None:
-            self._cpus = claim(torch.get_num_threads())  # CPUs of its own (cpu_claims.py); None: none free
+        self._claims_cpus = config.cpu_affinity == "auto" and self.device.type == "cpu"
+        self._claim_cpus()
         dtype = resolve_dtype(config.dtype, self.device)
         self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend,
                                  config.captured_decode, row_plans=not config.deterministic)
@@ -118,6 +119,12 @@ class RankWorker:
     def ping(self) -> int:
         return self.tp.rank
 
+    def _claim_cpus(self) -> None:
+        """CPUs of its own (cpu_claims.py), if it has none yet and one is free: at setup, and
+        again whenever it joins a new graph (a rank that was being replaced may have held them)."""
+        if self._claims_cpus and self._cpus is None:
+            self._cpus = claim(torch.get_num_threads())
+
     def cpu_claim(self) -> list[int] | None:
         """The CPUs this rank claimed for itself (cpu_claims.py); None: it runs where the OS puts it."""
         return list(self._cpus.cpus) if self._cpus else None
@@ -139,6 +146,7 @@ class RankWorker:
     def ring_step_bell_at(self, address: tuple[str, int], index: int, key: bytes) -> None:
         """Connect to a new compiled graph's doorbell (step_bell.py) as rank `index`, with the
         bell's `key`: from now on `execute_and_ring` rings it after every step."""
+        self._claim_cpus()  # before the coordinator's loop keeps off the claimed CPUs
         ringer = StepRinger(tuple(address), index, key)
         old, self._ringer = self._ringer, ringer
         old.close()

@@ -134,23 +134,23 @@ def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch, overlap)
 
 def test_the_stepping_thread_keeps_off_the_cpus_the_ranks_claimed(tp2_ranks):
     """A CPU rank claims a CPU of its own where one is free (never the first: cpu_claims.py) and
-    the thread that steps the replica's graph keeps off it while the graph lasts, so the rank's
-    ring does not wake that thread on the rank's CPU; the thread gets its CPUs back at close."""
+    the thread that steps the replica's graph keeps off the claimed CPUs while the graph lasts,
+    so the rank's ring does not wake that thread on the rank's CPU; the thread gets its CPUs
+    back at close. (Which process holds a claim depends on what else runs on the machine: a
+    rank of an earlier test may still hold the only claimable CPU of a 2-CPU machine.)"""
     import os
 
-    from hyrax.actors import cpu_claims
-
     before = os.sched_getaffinity(0)
-    claims = [c for c in ray.get([r.cpu_claim.remote() for r in tp2_ranks]) if c]
-    assert claims or len(before) < 2, "no rank claimed a CPU on a machine with two"
-    assert all(min(before) not in c for c in claims)
-    held = cpu_claims.claimed()  # these ranks' claims, and any other process's
-    assert held >= {cpu for c in claims for cpu in c}
+    claims = {cpu for c in ray.get([r.cpu_claim.remote() for r in tp2_ranks]) if c for cpu in c}
+    assert min(before) not in claims
     executor = RayExecutor(tp2_ranks, 60.0, compiled=True, cpu_affinity=True)
     try:
         assert _run(_engine(executor)) == reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
-        assert os.sched_getaffinity(0) == before - held
-        assert not os.sched_getaffinity(0) & {cpu for c in claims for cpu in c}
+        now = os.sched_getaffinity(0)
+        if executor._pinned is None:  # nothing was claimed when the graph was built
+            assert not claims and now == before
+        else:
+            assert now and now < before and not now & claims, (now, before, claims)
     finally:
         executor.close(wait=True)
     assert os.sched_getaffinity(0) == before
