@@ -34,6 +34,9 @@ class Profile:
     coord_batches: tuple[int, ...] = (1, 32)
     coord_tps: tuple[int, ...] = (1, 2)
     coord_steps: int = 30
+    # per-step CPU (step_cpu.py): steady decode steps timed per run (the requests' contexts grow
+    # with them, and so do their page tables, which batch building reads)
+    step_cpu_steps: int = 120
     # retraction: requests backed up and restored per round, rounds, crossover sweep
     retract_prompts: tuple[int, ...] = (256, 512, 768, 1024)
     retract_rounds: int = 9
@@ -77,6 +80,7 @@ QUICK = Profile(
     large_out_range=(16, 24),
     large_prompt_range=(32, 128),
     coord_steps=40,
+    step_cpu_steps=48,
     retract_prompts=(256, 1024),
     retract_rounds=5,
     crossover_lengths=(32, 128, 512, 1024),
@@ -97,6 +101,7 @@ TINY = Profile(  # the smoke test: plumbing only, seconds
     serving_repeats=1,
     large_requests=0,
     coord_steps=2,
+    step_cpu_steps=40,
     retract_prompts=(64,),
     retract_rounds=1,
     crossover_lengths=(32,),

@@ -121,7 +121,7 @@ def _per_step_cpu(batch: int, steps: int) -> tuple[list[float], dict[str, list[f
 
 
 def run(profile: Profile) -> list[Row]:
-    steps = max(40, profile.coord_steps * 4)
+    steps = profile.step_cpu_steps
     rounds = 3 if profile.judge_timing else 1
     per_round: dict[int, list[float]] = {1: [], BIG: []}
     part_rounds: dict[int, dict[str, list[float]]] = {1: {n: [] for n in PARTS}, BIG: {n: [] for n in PARTS}}
