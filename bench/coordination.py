@@ -31,7 +31,7 @@ import random
 import time
 
 from bench.common import BENCH_SEED, Profile, demo_model_dir, ensure_ray, median, progress, prompt_ids, run_until
-from bench.report import Row
+from bench.report import Row, ratio
 
 PROMPT = 16
 
@@ -108,31 +108,46 @@ def _timed_rank_class():
     return ray.remote(**RankWorker._default_options)(TimedRankWorker)  # RankWorker's own actor options
 
 
-def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[str, int], tuple[list, list]]:
-    """One set of TP rank actors; per (mode, batch), a fresh Engine over them (the engine
-    owns every index, so a new engine starts from empty pools as far as it knows)."""
+def _engine_over(ranks: list, executor, config):
+    """A fresh Engine over `ranks` (the engine owns every index, so a new engine starts from
+    empty pools as far as it knows)."""
     from hyrax.actors.engine.engine import Engine
     from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
-    from hyrax.actors.ray_executor import RayExecutor
     from hyrax.actors.model.config import ModelConfig
     from hyrax.actors.model.hybrid import resolve_dtype
     from hyrax.actors.model.sharding import TP
     from hyrax.actors.model.state import derive_components
 
+    cfg = ModelConfig.from_dir(demo_model_dir())
+    comps = derive_components(cfg, TP(0, len(ranks)), resolve_dtype(config.dtype, "cpu"))
+    sizes = pool_sizes_for(comps, config)
+    return Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb), executor, config, cfg.vocab_size,
+                  cfg.max_position_embeddings, cfg.eos_token_id)
+
+
+def _forward_of(ranks: list):
+    """forward(a, b): per step a..b, the slowest rank's execute seconds (since the last call)."""
+    import ray
+
+    def forward(a: int, b: int) -> list[float]:
+        per_rank = ray.get([r.bench_times.remote() for r in ranks])
+        return [max(t[s] for t in per_rank) for s in range(a, b + 1)]
+    return forward
+
+
+def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[str, int], tuple[list, list]]:
+    """One set of TP rank actors; per (mode, batch), a fresh Engine over them."""
+    from hyrax.actors.ray_executor import RayExecutor
+
     ray = ensure_ray()
-    model_dir = demo_model_dir()
-    cfg = ModelConfig.from_dir(model_dir)
     rank_config = _config(max(batches))
     cls = _timed_rank_class()
     ranks = [cls.remote("bench", 0, k, tp) for k in range(tp)]
     out = {}
     try:
         addr = ray.get(ranks[0].dist_address.remote()) if tp > 1 else None
-        ray.get([r.setup.remote(model_dir, rank_config, addr) for r in ranks], timeout=300)
-
-        def forward(a: int, b: int) -> list[float]:
-            per_rank = ray.get([r.bench_times.remote() for r in ranks])
-            return [max(t[s] for t in per_rank) for s in range(a, b + 1)]
+        ray.get([r.setup.remote(demo_model_dir(), rank_config, addr) for r in ranks], timeout=300)
+        forward = _forward_of(ranks)
 
         # (label, overlap, compiled graph): the plain rows keep their names; "actor calls" is
         # the same engine stepping its ranks with plain actor calls (the fallback)
@@ -140,12 +155,8 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[str, 
             for batch in batches:
                 where = f"Ray TP={tp}{label}"
                 progress(f"coordination: {where}, batch {batch}, {steps} decode steps")
-                config = _config(max(batches), overlap)
-                comps = derive_components(cfg, TP(0, tp), resolve_dtype(config.dtype, "cpu"))
-                sizes = pool_sizes_for(comps, config)
                 executor = RayExecutor(ranks, 120.0, compiled=compiled, cpu_affinity=True)  # as a coordinator
-                engine = Engine(comps, sizes, host_pool_rows(comps, sizes, config.host_pool_mb),
-                                executor, config, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
+                engine = _engine_over(ranks, executor, _config(max(batches), overlap))
                 ray.get([r.bench_times.remote() for r in ranks])  # drop the previous engine's timings
                 out[(label, batch)] = _timed_decode(engine, batch, steps, forward)
                 if compiled and not executor.step_path.startswith("compiled graph"):
@@ -155,6 +166,43 @@ def _over_ray(tp: int, batches: tuple[int, ...], steps: int) -> dict[tuple[str, 
         for r in ranks:
             ray.kill(r, no_restart=True)
     return out
+
+
+def _affinity_row(batch: int, steps: int, rounds: int) -> Row:
+    """Ray TP=1 with overlap, batch `batch`: the overhead share with `--cpu-affinity auto` (the
+    rank on a CPU of its own, the stepping thread off it) vs `off` (both wherever the OS puts
+    them), in alternating rounds over two ranks set up each way (cpu_claims.py)."""
+    from dataclasses import replace
+
+    from hyrax.actors.ray_executor import RayExecutor
+
+    ray = ensure_ray()
+    cls = _timed_rank_class()
+    ranks = {"auto": cls.remote("bench-affinity", 0, 0, 1), "off": cls.remote("bench-affinity", 1, 0, 1)}
+    config = _config(batch, overlap=True)
+    shares: dict[str, list[float]] = {"auto": [], "off": []}
+    try:
+        ray.get([r.setup.remote(demo_model_dir(), replace(config, cpu_affinity=mode), None)
+                 for mode, r in ranks.items()], timeout=300)
+        for k in range(rounds):
+            for mode, rank in ranks.items():
+                progress(f"coordination: Ray TP=1 overlap, batch {batch}, cpu-affinity {mode}, round {k + 1} of "
+                         f"{rounds}, {steps} decode steps")
+                executor = RayExecutor([rank], 120.0, compiled=True, cpu_affinity=mode == "auto")
+                engine = _engine_over([rank], executor, config)
+                ray.get(rank.bench_times.remote())
+                step_s, fwd_s = _timed_decode(engine, batch, steps, _forward_of([rank]))
+                executor.close(wait=True)
+                shares[mode].append(median((s - f) / s for s, f in zip(step_s, fwd_s)))
+        claim = ray.get(ranks["auto"].cpu_claim.remote())
+    finally:
+        for r in ranks.values():
+            ray.kill(r, no_restart=True)
+    progress(f"coordination: overhead share by round, cpu-affinity auto (rank on CPUs {claim}) "
+             f"{', '.join(f'{x:.3f}' for x in shares['auto'])}; off {', '.join(f'{x:.3f}' for x in shares['off'])}")
+    auto, off = median(shares["auto"]), median(shares["off"])
+    return Row(f"coordination Ray TP=1 overlap, batch {batch}: overhead share with --cpu-affinity auto "
+               f"(baseline: off; ratio: auto / off)", auto, off, ratio(auto, off))
 
 
 # overhead share targets at batch 32: Ray TP=1 steps through the compiled graph (issue 18)
@@ -180,4 +228,6 @@ def run(profile: Profile) -> list[Row]:
             ray_rows.append((label == " overlap", tp, _row(f"Ray TP={tp}{label}", batch, step_s, fwd_s, profile)))
     from bench import sampling, step_cpu
 
-    return rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])] + step_cpu.run(profile) + sampling.run(profile)
+    affinity = [_affinity_row(max(profile.coord_batches), steps, 5 if profile.judge_timing else 1)]
+    return (rows + [r for _, _, r in sorted(ray_rows, key=lambda x: x[:2])] + affinity + step_cpu.run(profile)
+            + sampling.run(profile))
