@@ -53,8 +53,12 @@ class CpuClaim:
 
 def _lock(where: Path, cpu: int) -> int | None:
     """An fd holding `cpu`'s exclusive lock, or None when another process (or another claim of
-    this one) holds it."""
-    fd = os.open(where / f"cpu-{cpu}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    this one) holds it, or the lock file cannot be opened (another user's directory: then this
+    process neither claims nor sees claims there)."""
+    try:
+        fd = os.open(where / f"cpu-{cpu}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
@@ -70,7 +74,11 @@ def claim(n: int, where: Path | None = None) -> CpuClaim | None:
     cpus = allowed_cpus()
     if n < 1 or len(cpus) < n + 1:
         return None
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        log.info("cpu claims: no claims directory %s (%s); this rank runs where the OS puts it", where, e)
+        return None
     got: list[tuple[int, int]] = []
     for cpu in cpus[1:]:
         fd = _lock(where, cpu)
@@ -96,8 +104,9 @@ def claimed(where: Path | None = None) -> set[int]:
     where = where or claims_dir()
     out = set()
     for cpu in allowed_cpus():
-        if not (where / f"cpu-{cpu}.lock").exists():
-            continue
+        path = where / f"cpu-{cpu}.lock"
+        if not path.exists() or not os.access(path, os.R_OK | os.W_OK):
+            continue  # never claimed, or another user's: not this process's business
         fd = _lock(where, cpu)
         if fd is None:
             out.add(cpu)

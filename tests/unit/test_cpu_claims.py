@@ -94,3 +94,12 @@ def test_the_step_loop_thread_keeps_off_claimed_cpus_and_alone(tmp_path):
         _end(p)
     assert cpu_claims.keep_off_claimed(tmp_path) is None  # no claims: nothing to keep off
     assert os.sched_getaffinity(0) == set(CPUS)
+
+
+def test_a_claims_directory_that_cannot_be_used_means_no_claims_not_an_error(tmp_path):
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")  # a file where the directory should be: mkdir and open fail
+    assert cpu_claims.claim(1, blocked / "claims") is None
+    assert cpu_claims.claimed(blocked / "claims") == set()
+    assert cpu_claims.keep_off_claimed(blocked / "claims") is None
+    assert os.sched_getaffinity(0) == set(CPUS)
