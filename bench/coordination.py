@@ -194,7 +194,7 @@ def _affinity_row(batch: int, steps: int, rounds: int) -> Row:
                 step_s, fwd_s = _timed_decode(engine, batch, steps, _forward_of([rank]))
                 executor.close(wait=True)
                 shares[mode].append(median((s - f) / s for s, f in zip(step_s, fwd_s)))
-        claim = ray.get(ranks["auto"].cpu_claim.remote())
+        claim = (ray.get(ranks["auto"].cpu_claim.remote()) or {}).get("cpus")
     finally:
         for r in ranks.values():
             ray.kill(r, no_restart=True)

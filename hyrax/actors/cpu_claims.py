@@ -1,24 +1,28 @@
-"""CPUs of their own for a node's CPU ranks, and a coordinator step loop that keeps off them.
+"""CPUs of their own for a machine's CPU ranks, and a coordinator step loop that keeps off them.
 
 Why: measured on the 2-core VM (Ray TP=1, batch 32, overlap): when a rank rang its
 coordinator's step bell at the end of a step, the kernel woke the coordinator's loop thread on
 the rank's own CPU, and the rank, already on its next step, waited ~0.45 ms a step for it (the
 ring's send took 0.48 ms of wall time for 0.04 ms of CPU; an eventfd doorbell did the same, so it
 is where the wakee runs, not the kind of wake-up). With the rank on one CPU and the loop thread
-on the other the ring took 0.05 ms and the overhead share of an overlapped step fell from 0.16
-to 0.08.
+on the other the ring took 0.05 ms and the overhead share of an overlapped step fell from
+0.14-0.21 to 0.07-0.08.
 
 How: a rank on the CPU claims as many CPUs as it runs torch threads (`claim`), each by an
-exclusive `flock` on a per-CPU file under the machine's temp directory, and pins every thread of
-its process to them; the locks live as long as the process (a dead rank's claims go with it).
-The first CPU the process may use is never claimed, so that the coordinators, the gateway and
-Ray always keep one. The coordinator's loop thread pins itself to the CPUs no rank claimed
-(`keep_off_claimed`) when it builds a replica's compiled graph (its ranks are set up by then),
-and gets its old CPUs back when the graph is closed. Where too few CPUs are free, or
-`--cpu-affinity off`, everything runs where the OS puts it, as before.
+exclusive `flock` on a per-CPU file, and pins every thread of its process to them; the locks
+live as long as the process (a dead rank's claims go with it). The first CPU of the process's
+set is never claimed, so that coordinators, the gateway and Ray always keep one. The lock files
+live in one directory per temp directory and boot (`claims_dir`): processes that see different
+temp directories (containers with their own /tmp) do not see each other's claims, so a process
+whose CPU time is capped by a cgroup quota - a container sharing the machine's CPUs with others
+rather than owning some - claims nothing. The thread that steps a replica pins itself off the
+CPUs its own ranks on its machine claimed (`keep_off`, called by RayExecutor) and gets its CPUs
+back when the executor closes. Nothing here raises: a directory, lock file or cgroup file that
+cannot be used means no claim. `--cpu-affinity off`: nothing is claimed or pinned.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -32,12 +36,44 @@ AFFINITY_MODES = ("auto", "off")
 
 
 def claims_dir() -> Path:
-    """Where the per-CPU lock files live (one directory per machine, whoever claims)."""
-    return Path(tempfile.gettempdir()) / "hyrax-cpu-claims"
+    """Where the per-CPU lock files live: one directory per temp directory and boot (a temp
+    directory shared by machines, over NFS, then holds one per machine)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    return Path(tempfile.gettempdir()) / f"hyrax-cpu-claims-{boot}"
 
 
 def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+def cpu_quota() -> bool:
+    """Whether this process's CPU time is capped by a cgroup quota (v2 `cpu.max`, v1
+    `cpu.cfs_quota_us`): then it shares the machine's CPUs rather than owning some."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return False
+    root = Path("/sys/fs/cgroup")
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2
+            candidates = [root / rel / "cpu.max", root / "cpu.max"]
+        elif "cpu" in controllers.split(","):
+            candidates = [root / d / rel / "cpu.cfs_quota_us" for d in (controllers, "cpu", "cpu,cpuacct")]
+        else:
+            continue
+        for f in candidates:
+            try:
+                value = f.read_text().split()[0]
+            except (OSError, IndexError):
+                continue
+            if value not in ("max", "-1"):
+                return True
+    return False
 
 
 @dataclass
@@ -53,8 +89,7 @@ class CpuClaim:
 
 def _lock(where: Path, cpu: int) -> int | None:
     """An fd holding `cpu`'s exclusive lock, or None when another process (or another claim of
-    this one) holds it, or the lock file cannot be opened (another user's directory: then this
-    process neither claims nor sees claims there)."""
+    this one) holds it, or the lock file cannot be used."""
     try:
         fd = os.open(where / f"cpu-{cpu}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError:
@@ -62,17 +97,35 @@ def _lock(where: Path, cpu: int) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
-    except BlockingIOError:
+    except OSError:  # held (EWOULDBLOCK), or a file system without locks
         os.close(fd)
         return None
 
 
+def _pin_every_thread(cpus: set[int]) -> bool:
+    """Pin every thread of this process to `cpus`; twice over, so that a thread started during the
+    first pass by a thread not yet pinned is caught. False when a live thread could not be pinned."""
+    for _ in range(2):
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            return False
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError as e:
+                if e.errno != errno.ESRCH:  # a thread that ended meanwhile is fine; anything else is not
+                    return False
+    return True
+
+
 def claim(n: int, where: Path | None = None) -> CpuClaim | None:
     """Claim `n` CPUs this process may use, never the first of them, and pin every thread of the
-    process to them. None (and nothing pinned) when fewer than `n` are free."""
+    process to them. None (nothing claimed, nothing pinned) when fewer than `n` are free, under a
+    cgroup CPU quota, or when anything on the way fails."""
     where = where or claims_dir()
     cpus = allowed_cpus()
-    if n < 1 or len(cpus) < n + 1:
+    if n < 1 or len(cpus) < n + 1 or cpu_quota():
         return None
     try:
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -86,27 +139,26 @@ def claim(n: int, where: Path | None = None) -> CpuClaim | None:
             got.append((cpu, fd))
             if len(got) == n:
                 break
-    if len(got) < n:
-        for _, fd in got:
-            os.close(fd)
+    claimed_now = CpuClaim(tuple(sorted(cpu for cpu, _ in got)), tuple(fd for _, fd in got))
+    if len(got) < n or not _pin_every_thread(set(claimed_now.cpus)):
+        claimed_now.release()
+        _pin_every_thread(set(cpus))  # whatever was pinned goes back
         return None
-    mine = {cpu for cpu, _ in got}
-    for tid in os.listdir("/proc/self/task"):  # threads made later inherit their maker's CPUs
-        try:
-            os.sched_setaffinity(int(tid), mine)
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return CpuClaim(tuple(sorted(mine)), tuple(fd for _, fd in got))
+    return claimed_now
 
 
 def claimed(where: Path | None = None) -> set[int]:
-    """The CPUs this process may use that some process has claimed (this one's own claims too)."""
+    """The CPUs this process may use that some process has claimed (this one's own claims too);
+    a lock file that cannot be used counts as not claimed."""
     where = where or claims_dir()
     out = set()
     for cpu in allowed_cpus():
-        path = where / f"cpu-{cpu}.lock"
-        if not path.exists() or not os.access(path, os.R_OK | os.W_OK):
-            continue  # never claimed, or another user's: not this process's business
+        try:
+            path = where / f"cpu-{cpu}.lock"
+            if not path.exists() or not os.access(path, os.R_OK | os.W_OK):
+                continue
+        except OSError:  # a directory this process may not look into
+            continue
         fd = _lock(where, cpu)
         if fd is None:
             out.add(cpu)
@@ -115,13 +167,28 @@ def claimed(where: Path | None = None) -> set[int]:
     return out
 
 
-def keep_off_claimed(where: Path | None = None) -> set[int] | None:
-    """Pin the calling thread to the CPUs no process claimed; returns the CPUs it could use
-    before (to restore), or None when nothing changed (no claims, or every CPU claimed)."""
-    before = os.sched_getaffinity(0)
-    free = before - claimed(where)
-    if not free or free == before:
+def keep_off(cpus: set[int]) -> set[int] | None:
+    """Pin the calling thread to the CPUs it may use other than `cpus`; returns the CPUs it could
+    use before (to restore), or None when nothing changed (none of them to keep off, or nothing
+    else left)."""
+    try:
+        before = os.sched_getaffinity(0)
+        free = before - cpus
+        if not free or free == before:
+            return None
+        os.sched_setaffinity(0, free)
+    except OSError as e:
+        log.info("cpu claims: the step loop stays where it is (%s)", e)
         return None
-    os.sched_setaffinity(0, free)
-    log.info("step loop: on CPUs %s, off the ranks' %s", sorted(free), sorted(before - free))
+    log.info("step loop: on CPUs %s, off its ranks' %s", sorted(free), sorted(before & cpus))
     return before
+
+
+def restore(tid: int, cpus: set[int]) -> None:
+    """Give thread `tid` of this process its CPUs back, if it still runs (a thread id of an ended
+    thread may already name another thread, of any process)."""
+    try:
+        if str(tid) in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(tid, cpus)
+    except OSError:
+        pass

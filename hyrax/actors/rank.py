@@ -125,9 +125,23 @@ class RankWorker:
         if self._claims_cpus and self._cpus is None:
             self._cpus = claim(torch.get_num_threads())
 
-    def cpu_claim(self) -> list[int] | None:
-        """The CPUs this rank claimed for itself (cpu_claims.py); None: it runs where the OS puts it."""
-        return list(self._cpus.cpus) if self._cpus else None
+    def pinned_threads(self) -> set[tuple[int, ...]]:
+        """The distinct CPU sets this process's threads may run on (for checks: one set, the
+        claimed CPUs, when the rank claimed some)."""
+        out = set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                out.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+            except OSError:  # a thread that ended meanwhile
+                pass
+        return out
+
+    def cpu_claim(self) -> dict | None:
+        """The CPUs this rank claimed for itself, and its machine's Ray node (cpu_claims.py):
+        {"node", "cpus"}; None: it runs where the OS puts it."""
+        if self._cpus is None:
+            return None
+        return {"node": ray.get_runtime_context().get_node_id(), "cpus": list(self._cpus.cpus)}
 
     def execute(self, plan):
         with self._turn:

@@ -4,18 +4,20 @@ Steps go through a compiled graph over the ranks (step_graph.py) unless it canno
 state moves are plain actor calls."""
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
 from dataclasses import replace
 
 import ray
 
-from hyrax.actors.cpu_claims import keep_off_claimed
+from hyrax.actors.cpu_claims import keep_off, restore
 from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
 from hyrax.actors.step_graph import WITH_RING, CompiledSteps, compile_steps, from_wire
+
+log = logging.getLogger(__name__)
 
 # after one rank raised in a step, how long the others get to answer before the step counts
 # as a rank failure (a rank left waiting in a collective never answers)
@@ -99,10 +101,21 @@ class RayExecutor(RankCalls):
             self._graph_tried = ids
             self._graph, self.step_path = compile_steps(self.ranks, self.timeout_s)
             if self._graph is not None and self.cpu_affinity:
-                before = keep_off_claimed()  # the ranks are set up: their claims are made
-                if before is not None:
-                    self._pinned = (threading.get_native_id(), before)
+                self._keep_off_ranks()  # the ranks claimed their CPUs when they joined the graph
         return self._graph
+
+    def _keep_off_ranks(self) -> None:
+        """Pin the calling thread (the one that steps the graph) off the CPUs this replica's ranks
+        on this machine claimed (cpu_claims.py); CPUs other replicas' ranks claimed stay in use."""
+        try:
+            claims = ray.get([r.cpu_claim.remote() for r in self.ranks], timeout=self.timeout_s)
+            here = ray.get_runtime_context().get_node_id()
+        except Exception as e:  # noqa: BLE001 - a rank that cannot say is one not kept off; its step says the rest
+            log.info("step loop: the ranks' CPU claims are unknown (%s: %s); it stays where it is", type(e).__name__, e)
+            return
+        before = keep_off({cpu for c in claims if c and c["node"] == here for cpu in c["cpus"]})
+        if before is not None:
+            self._pinned = (threading.get_native_id(), before)
 
     def close(self, wait: bool = False) -> None:
         """Tear down the compiled graph (a rank failed, the ranks were replaced, shutdown);
@@ -110,12 +123,9 @@ class RayExecutor(RankCalls):
         if self._graph is not None:
             self._graph.close(wait)
             self._graph = None
-        if self._pinned is not None:  # from any thread: by the pinned thread's id
+        if self._pinned is not None:  # from any thread: by the pinned thread's id, if it still runs
             (tid, cpus), self._pinned = self._pinned, None
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:  # that thread has ended
-                pass
+            restore(tid, cpus)
 
     def collect(self, handle) -> StepResult:
         """Rank 0's result, with every rank's checkpoint checksums. A rank that raised while every rank answered is a StepError (the

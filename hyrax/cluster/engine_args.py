@@ -60,9 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "gpu extra imports; cpu_paged (a C decode kernel built on first use with the "
                         "machine's C compiler) for float32 on the CPU; else torch SDPA (default auto)")
     g.add_argument("--cpu-affinity", choices=AFFINITY_MODES, default="auto",
-                   help="auto (default): each CPU rank runs on CPUs of its own, claimed on its machine (never "
-                        "the first CPU), and the coordinator's step loop keeps off them; off: wherever the OS "
-                        "puts them")
+                   help="auto (default): each CPU rank runs on CPUs of its own where some are free (never "
+                        "the first of its CPUs; none under a cgroup CPU quota), and the coordinator's step loop "
+                        "keeps off its ranks' CPUs while it steps a compiled graph; off: wherever the OS puts them")
     g.add_argument("--captured-decode", choices=CAPTURE_MODES, default="off",
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size; the first decode step compiles it, a minute or more on a "

@@ -133,24 +133,28 @@ def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch, overlap)
 
 
 def test_the_stepping_thread_keeps_off_the_cpus_the_ranks_claimed(tp2_ranks):
-    """A CPU rank claims a CPU of its own where one is free (never the first: cpu_claims.py) and
-    the thread that steps the replica's graph keeps off the claimed CPUs while the graph lasts,
-    so the rank's ring does not wake that thread on the rank's CPU; the thread gets its CPUs
-    back at close. (Which process holds a claim depends on what else runs on the machine: a
-    rank of an earlier test may still hold the only claimable CPU of a 2-CPU machine.)"""
+    """A CPU rank claims a CPU of its own where one is free (never the first of its CPUs:
+    cpu_claims.py) with every thread of its process on it, and the thread that steps the
+    replica's graph keeps off the CPUs this replica's ranks claimed while the graph lasts, so a
+    rank's ring does not wake that thread on the rank's CPU; the thread gets its CPUs back at
+    close. (Whether this pair got a claim depends on what else runs on the machine: a rank of an
+    earlier test may still hold the only claimable CPU of a 2-CPU machine.)"""
     import os
 
     before = os.sched_getaffinity(0)
-    claims = {cpu for c in ray.get([r.cpu_claim.remote() for r in tp2_ranks]) if c for cpu in c}
+    here = ray.get_runtime_context().get_node_id()
+    reports = [c for c in ray.get([r.cpu_claim.remote() for r in tp2_ranks]) if c]
+    assert all(c["node"] == here for c in reports)
+    claims = {cpu for c in reports for cpu in c["cpus"]}
     assert min(before) not in claims
+    pinned = ray.get([r.pinned_threads.remote() for r in tp2_ranks])
+    for report, threads in zip(ray.get([r.cpu_claim.remote() for r in tp2_ranks]), pinned):
+        if report:  # every thread of that rank's process on its claimed CPUs only
+            assert threads == {tuple(report["cpus"])}, threads
     executor = RayExecutor(tp2_ranks, 60.0, compiled=True, cpu_affinity=True)
     try:
         assert _run(_engine(executor)) == reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
-        now = os.sched_getaffinity(0)
-        if executor._pinned is None:  # nothing was claimed when the graph was built
-            assert not claims and now == before
-        else:
-            assert now and now < before and not now & claims, (now, before, claims)
+        assert os.sched_getaffinity(0) == (before - claims if claims else before)
     finally:
         executor.close(wait=True)
     assert os.sched_getaffinity(0) == before

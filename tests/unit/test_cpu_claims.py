@@ -74,26 +74,90 @@ def test_asking_for_every_cpu_claims_none(tmp_path):
     assert cpu_claims.claimed(tmp_path) == set()
 
 
-def test_the_step_loop_thread_keeps_off_claimed_cpus_and_alone(tmp_path):
-    p, _ = _claimer(tmp_path)
+def test_the_step_loop_thread_keeps_off_given_cpus_alone_and_gets_them_back():
     seen = {}
 
     def loop_thread():
-        seen["before"] = cpu_claims.keep_off_claimed(tmp_path)
+        seen["tid"] = threading.get_native_id()
+        seen["before"] = cpu_claims.keep_off({CPUS[1]})
         seen["on"] = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, seen["before"])
+        seen["nothing"] = cpu_claims.keep_off(set(CPUS))  # nothing else left: stays
+        cpu_claims.restore(seen["tid"], seen["before"])
+        seen["back"] = os.sched_getaffinity(0)
 
-    try:
-        t = threading.Thread(target=loop_thread)
-        t.start()
-        t.join()
-        assert seen["before"] == set(CPUS)
-        assert seen["on"] == set(CPUS) - {CPUS[1]}
-        assert os.sched_getaffinity(0) == set(CPUS)  # only the calling thread moved
-    finally:
-        _end(p)
-    assert cpu_claims.keep_off_claimed(tmp_path) is None  # no claims: nothing to keep off
-    assert os.sched_getaffinity(0) == set(CPUS)
+    t = threading.Thread(target=loop_thread)
+    t.start()
+    t.join()
+    assert seen["before"] == set(CPUS)
+    assert seen["on"] == set(CPUS) - {CPUS[1]}
+    assert seen["nothing"] is None
+    assert seen["back"] == set(CPUS)
+    assert os.sched_getaffinity(0) == set(CPUS)  # only the calling thread moved
+    assert cpu_claims.keep_off(set()) is None
+
+
+def test_restore_leaves_alone_a_thread_id_that_is_not_this_processs(monkeypatch):
+    """The pinned thread may have ended before the executor closes, and its id may already name
+    another thread of any process: only a thread of this process gets CPUs back."""
+    calls = []
+    monkeypatch.setattr(cpu_claims.os, "sched_setaffinity", lambda tid, cpus: calls.append(tid))
+    cpu_claims.restore(2**22 + 12345, {CPUS[0]})  # beyond pid_max's default: no thread of this process
+    assert calls == []
+    me = threading.get_native_id()
+    cpu_claims.restore(me, {CPUS[0]})
+    assert calls == [me]
+
+
+def test_a_cgroup_cpu_quota_means_no_claim(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_claims, "cpu_quota", lambda: True)
+    assert cpu_claims.claim(1, tmp_path) is None
+    assert cpu_claims.claimed(tmp_path) == set()
+
+
+def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, monkeypatch):
+    real = cpu_claims.Path
+
+    def fake_root(quota_v2: str | None, quota_v1: str | None):
+        root = tmp_path / "cg"
+        (root / "cpu").mkdir(parents=True, exist_ok=True)
+        for f, v in ((root / "cpu.max", quota_v2), (root / "cpu" / "cpu.cfs_quota_us", quota_v1)):
+            if v is None:
+                f.unlink(missing_ok=True)
+            else:
+                f.write_text(v)
+        return root
+
+    def run(cgroup: str, root: Path) -> bool:
+        (tmp_path / "self-cgroup").write_text(cgroup)
+
+        def path(p, *rest):
+            p = str(p)
+            if p == "/proc/self/cgroup":
+                return real(tmp_path / "self-cgroup")
+            if p == "/sys/fs/cgroup":
+                return real(root)
+            return real(p, *rest)
+        monkeypatch.setattr(cpu_claims, "Path", path)
+        try:
+            return cpu_claims.cpu_quota()
+        finally:
+            monkeypatch.setattr(cpu_claims, "Path", real)
+
+    assert run("0::/\n", fake_root("max 100000", None)) is False
+    assert run("0::/\n", fake_root("200000 100000", None)) is True
+    assert run("3:cpuset:/\n1:cpu:/\n", fake_root(None, "-1")) is False
+    assert run("3:cpuset:/\n1:cpu:/\n", fake_root(None, "150000")) is True
+
+
+def test_a_claims_directory_this_process_may_not_read_means_no_claims_seen(tmp_path, monkeypatch):
+    real_exists = cpu_claims.Path.exists
+
+    def exists(self):
+        if "claims" in str(self):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self)
+    monkeypatch.setattr(cpu_claims.Path, "exists", exists)
+    assert cpu_claims.claimed(tmp_path / "claims") == set()
 
 
 def test_a_claims_directory_that_cannot_be_used_means_no_claims_not_an_error(tmp_path):
@@ -101,5 +165,4 @@ def test_a_claims_directory_that_cannot_be_used_means_no_claims_not_an_error(tmp
     blocked.write_text("")  # a file where the directory should be: mkdir and open fail
     assert cpu_claims.claim(1, blocked / "claims") is None
     assert cpu_claims.claimed(blocked / "claims") == set()
-    assert cpu_claims.keep_off_claimed(blocked / "claims") is None
     assert os.sched_getaffinity(0) == set(CPUS)
