@@ -106,8 +106,16 @@ def _encode(tok, text: str, where: str) -> list[int]:
     return tok.encode(text)
 
 
+# engine options that only Ray replicas use: here they would change nothing, so asking for them is an error
+RAY_ONLY = {"compiled_graph": (True, "--no-compiled-graph"), "cpu_affinity": ("auto", "--cpu-affinity off")}
+
+
 def run(a: argparse.Namespace) -> int:
     apply_torch_threads()
+    given = [flag for key, (default, flag) in RAY_ONLY.items() if getattr(a, key) != default]
+    if given:
+        raise HyraxInputError(f"{', '.join(given)}: applies to a Ray replica's rank actors; hyrax generate runs the "
+                              f"engine in-process, without them")
     config = engine_config_from_args(a)
     path = resolve_model_path(a.model)
     cfg = ModelConfig.from_dir(path)

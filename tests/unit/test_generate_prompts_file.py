@@ -69,3 +69,13 @@ def test_the_cli_answers_with_one_line(tmp_path, capsys):
     assert cli.main(["generate", "--prompts-file", str(f)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [f"hyrax: error: {f}:1: prompt: not valid Unicode (it holds a lone surrogate)"]
+
+
+@pytest.mark.parametrize("flags, named", [(["--cpu-affinity", "off"], "--cpu-affinity off"),
+                                          (["--no-compiled-graph"], "--no-compiled-graph")])
+def test_ray_only_engine_options_are_an_error_not_ignored(capsys, flags, named):
+    """`hyrax generate` runs no rank actors: an option that only they use would change nothing."""
+    assert cli.main(["generate", "--prompt", "hi", "--max-tokens", "2", *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"hyrax: error: {named}: applies to a Ray replica's rank actors; hyrax generate runs the engine in-process, "
+        "without them"]
