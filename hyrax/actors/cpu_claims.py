@@ -58,7 +58,10 @@ def cpu_quota() -> bool:
         return False
     root = Path("/sys/fs/cgroup")
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         rel = path.lstrip("/")
         if controllers == "":  # v2
             candidates = [root / rel / "cpu.max", root / "cpu.max"]
