@@ -105,12 +105,28 @@ def _lock(where: Path, cpu: int) -> int | None:
         return None
 
 
+def _threads() -> list[int]:
+    """The ids of this process's threads (raises OSError where /proc cannot say)."""
+    return [int(t) for t in os.listdir("/proc/self/task")]
+
+
+def thread_cpu_sets() -> set[tuple[int, ...]]:
+    """The distinct CPU sets this process's threads may run on."""
+    out = set()
+    for tid in _threads():
+        try:
+            out.add(tuple(sorted(os.sched_getaffinity(tid))))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
 def _pin_every_thread(cpus: set[int]) -> bool:
     """Pin every thread of this process to `cpus`; twice over, so that a thread started during the
     first pass by a thread not yet pinned is caught. False when a live thread could not be pinned."""
     for _ in range(2):
         try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
+            tids = _threads()
         except OSError:
             return False
         for tid in tids:
@@ -191,7 +207,7 @@ def restore(tid: int, cpus: set[int]) -> None:
     """Give thread `tid` of this process its CPUs back, if it still runs (a thread id of an ended
     thread may already name another thread, of any process)."""
     try:
-        if str(tid) in os.listdir("/proc/self/task"):
+        if tid in _threads():
             os.sched_setaffinity(tid, cpus)
     except OSError:
         pass

@@ -18,7 +18,7 @@ from typing import Callable
 import ray
 import torch
 
-from hyrax.actors.cpu_claims import CpuClaim, claim
+from hyrax.actors.cpu_claims import CpuClaim, claim, thread_cpu_sets
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.memory_budget import measured_capacities
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
@@ -73,7 +73,7 @@ class RankWorker:
         self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend,
                                  config.captured_decode, row_plans=not config.deterministic)
         self._model_dir = model_dir
-        info = {"rank": self.tp.rank, "device": str(self.device), "cpus": list(self._cpus.cpus) if self._cpus else None,
+        info = {"rank": self.tp.rank, "device": str(self.device),
                 "attention_backend": self._model.attention_backend_name, "dtype": str(dtype).removeprefix("torch.")}
         if config.gpu_memory_fraction is None:
             return info | self.allocate(config)
@@ -128,13 +128,7 @@ class RankWorker:
     def pinned_threads(self) -> set[tuple[int, ...]]:
         """The distinct CPU sets this process's threads may run on (for checks: one set, the
         claimed CPUs, when the rank claimed some)."""
-        out = set()
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                out.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
-            except OSError:  # a thread that ended meanwhile
-                pass
-        return out
+        return thread_cpu_sets()
 
     def cpu_claim(self) -> dict | None:
         """The CPUs this rank claimed for itself, and its machine's Ray node (cpu_claims.py):

@@ -74,7 +74,6 @@ class StepBell:
         self._server = socket.create_server((host, 0), family=_family(host), backlog=ranks + 16)
         self.address: tuple[str, int] = (host, self._server.getsockname()[1])
         self._selector = selectors.DefaultSelector()
-        self._conns: list[socket.socket] = []
         self._open: dict[int, socket.socket] = {}  # rank -> its connection, while its bell lasts
         self._pending: dict[int, bytearray] = {}  # rank -> bytes of a ring not yet complete
         self._results: list[dict[int, bytes]] = [{} for _ in range(ranks)]  # per rank: step -> result
@@ -104,7 +103,6 @@ class StepBell:
                 raise ValueError(f"step bell: rank index {index} is not one of {self.ranks} ranks or came twice")
             seen.add(index)
             conn.setblocking(False)
-            self._conns.append(conn)
             self._open[index] = conn
             self._selector.register(conn, selectors.EVENT_READ, index)
         self._server.close()
@@ -188,7 +186,7 @@ class StepBell:
     def wake(self) -> None:
         """Wake every rank parked on this bell (one byte each). A connection that cannot take it
         is the end of that rank's bell: its park step's result, or its error, tells the rest."""
-        for conn in self._conns:
+        for conn in self._open.values():  # an ended bell's connection is closed already
             try:
                 conn.send(WAKE)
             except OSError as e:  # BlockingIOError too: a rank that stopped reading is not parked
@@ -197,9 +195,9 @@ class StepBell:
     def close(self) -> None:
         """Close every connection; a `wait` after this returns at once."""
         self._server.close()
-        for conn in self._conns:
+        for conn in self._open.values():  # an ended bell's connection is closed already
             conn.close()
-        self._conns, self._open = [], {}
+        self._open = {}
         self._selector.close()
         self.rung = [STOPPED] * self.ranks
 
