@@ -78,9 +78,6 @@ class PlanEntry(NamedTuple):
         return self.start + len(self.token_ids)
 
 
-_GREEDY = SamplingSpec(0.0, 1.0, 0, 0, 0)
-
-
 # the fixed columns of `DecodeBlock.ints`, before one per slot component and one per paged one
 START, DRAW, TOP_K, MAX_TOKENS, STOPS, LEFT = range(6)
 _ADVANCE: dict[int, np.ndarray] = {}  # row width -> the row added by one step
@@ -145,16 +142,6 @@ class DecodeBlock:
             step[[START, DRAW, LEFT]] = 1, 1, -1
         return DecodeBlock(self.req_ids, self.ints + step, self.floats, self.tables, self.slot_names, self.seeds,
                            self.logprobs, tokens)
-
-    def specs(self, greedy_below: float) -> list[SamplingSpec]:
-        """The rows' sampling specs (as `SamplingSpec.of` makes them for plain parameters). When
-        every row is greedy (temperature below `greedy_below`) and none asks for logprobs, one
-        shared greedy spec stands for each: a greedy row's draw, seed and filters are never read."""
-        if self.logprobs.count(None) == len(self.logprobs) and bool((self.temperature < greedy_below).all()):
-            return [_GREEDY] * len(self.req_ids)
-        new = tuple.__new__  # a NamedTuple's own __new__ is a Python function: 3x dearer
-        return [new(SamplingSpec, (t, p, k, s, d, lp, None, None)) for (t, p), k, s, d, lp in zip(
-            self.floats.tolist(), self.top_k.tolist(), self.seeds, self.draws.tolist(), self.logprobs)]
 
     def rows(self, keep: np.ndarray) -> DecodeBlock:
         """Rows `keep` (int64 indices, in order); tables keep their width (columns past a row's

@@ -25,7 +25,8 @@ from hyrax.actors.engine.packed_state import HASH_ROW_BYTES, PackedState, Packin
 from hyrax.actors.engine.plan import CheckpointMismatch, StepPlan, StepResult
 from hyrax.actors.engine.prefix_nodes import checkpoint_pool
 from hyrax.actors.engine.pools import PoolSizes, allocate_device_pools
-from hyrax.actors.engine.sampler import GREEDY_BELOW, logprobs_of, sample
+from hyrax.actors.engine.sampler import logprobs_of, sample
+from hyrax.actors.engine.spec_columns import SpecColumns
 from hyrax.actors.engine.state_hash import ROW_WORDS, hasher, with_length
 from hyrax.actors.engine.state_rows import fused_row_moves
 from hyrax.actors.engine.step_groups import length_groups
@@ -130,7 +131,11 @@ class RankRuntime:
         else:
             logits = self._forward_grouped(block, entries, captures, fills)
         sampling = [e for e in entries if e.sample is not None]
-        specs = (block.specs(GREEDY_BELOW) if nb else []) + [e.sample for e in sampling]
+        # the block's rows as the columns they are (no object per row), then the entries' specs
+        specs = SpecColumns.of_block(block) if nb else None
+        if sampling or specs is None:
+            tail = SpecColumns.of([e.sample for e in sampling])
+            specs = tail if specs is None else specs.then(tail)
         if len(sampling) < len(entries):
             ids = ids[:nb] + tuple(e.req_id for e in sampling)
             # the sampling rows' logits: all of them in a decode step (no copy), else one index tensor
@@ -138,21 +143,21 @@ class RankRuntime:
                                                                          if e.sample is not None]))
         picked = logits
         if self.rank == 0:
-            grammars = [s.grammar for s in specs]
-            allowed = self.grammars.allowed(ids, grammars, self.last_token)
-            histories = ([None] * nb + [self._history(e) for e in sampling]) if any(s.process for s in specs) else None
+            grammars = specs.grammars()
+            allowed = self.grammars.allowed(ids, grammars, self.last_token) if grammars is not None else None
+            histories = ([None] * nb + [self._history(e) for e in sampling]) if specs.processed_rows else None
             tokens = sample(picked, specs, histories, self.eos, allowed)
-            if allowed is not None:
+            if grammars is not None:
                 self.grammars.advance(ids, grammars, tokens)
         else:
             tokens = [0] * len(specs)
-        if self.broadcast is not None and specs:
+        if self.broadcast is not None and len(specs):
             tokens = self.broadcast(tokens)
         self.last_token.update(zip(ids, tokens))
         sums = self._write_checkpoints(plan.checkpoints, inside) if plan.checkpoints else {}
         if self.rank != 0:
             return StepResult([], checkpoints=sums)
-        if any(sp.logprobs is not None for sp in specs):
+        if specs.asks_logprobs:
             return StepResult(tokens, logprobs_of(picked, tokens, specs), sums)
         return StepResult(tokens, checkpoints=sums)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hyrax.actors.engine.plan import SamplingSpec
+from hyrax.actors.engine.spec_columns import SpecColumns
 from hyrax.actors.model.batch import upload
 
 
@@ -34,6 +35,31 @@ def uniform(seed: int, draw: int) -> float:
     """The request's random number for output `draw`, in [0, 1): a pure function of
     (seed, draw), 53 bits, whatever else is in the batch."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (draw & _MASK64)) >> 11) * 2.0**-53
+
+
+_U64 = np.uint64
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` of each element of a uint64 array (numpy's uint64 arithmetic wraps)."""
+    x = x + _U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+# below this many rows the scalar function is cheaper than numpy's fixed cost per operation
+UNIFORMS_SCALAR_BELOW = 12
+
+
+def uniforms(seeds: np.ndarray, draws: np.ndarray) -> np.ndarray | list[float]:
+    """`uniform(seed, draw)` of each row: seeds uint64 (R,), draws int64 (R,) >= 0; a float64
+    array, or (below UNIFORMS_SCALAR_BELOW rows) a list of floats."""
+    if len(seeds) < UNIFORMS_SCALAR_BELOW:
+        return list(map(uniform, seeds.tolist(), draws.tolist()))
+    with np.errstate(over="ignore"):
+        bits = _splitmix64_array(_splitmix64_array(seeds.astype(_U64, copy=False)) ^ draws.astype(_U64)) >> _U64(11)
+    return bits.astype(np.float64) * 2.0**-53
 
 
 @dataclass(frozen=True)
@@ -157,15 +183,22 @@ def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: l
     `spec.draw` ids are the outputs.
     """
     rows = [i for i, s in enumerate(specs) if s.process is not None]
+    return _processed(logits, rows, [specs[i] for i in rows], [histories[i] for i in rows], eos)
+
+
+def _processed(logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec], histories: list[Sequence[int]],
+               eos: tuple[int, ...]) -> torch.Tensor:
+    """`process_logits` for the rows `rows` only, with their specs and histories (in that order)."""
     if not rows:
         return logits
-    x = logits.double()
+    # a copy, also of float64 logits: the caller's stay the model's (logprobs are reported from them)
+    x = logits.to(torch.float64, copy=True)
     R, V, dev = len(rows), x.shape[1], x.device
-    procs = [specs[i].process for i in rows]
-    hs = [np.asarray(histories[i], dtype=np.int64) for i in rows]
-    outs = [h[len(h) - specs[i].draw:] for h, i in zip(hs, rows)]
-    banned = [sorted(set(p.suppress) | (set() if p.ignore_eos else set(eos))) if specs[i].draw < p.min_tokens else []
-              for p, i in zip(procs, rows)]
+    procs = [s.process for s in specs]
+    hs = [np.asarray(h, dtype=np.int64) for h in histories]
+    outs = [h[len(h) - s.draw:] for h, s in zip(hs, specs)]
+    banned = [sorted(set(p.suppress) | (set() if p.ignore_eos else set(eos))) if s.draw < p.min_tokens else []
+              for p, s in zip(procs, specs)]
     # every number the processing needs, in one float64 host array (ids and counts are exact
     # there), moved in one copy; positions in the (R, V) rows are flattened to k * V + token
     host = {
@@ -198,49 +231,64 @@ def process_logits(logits: torch.Tensor, specs: list[SamplingSpec], histories: l
     return x.index_copy_(0, idx, sub)
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec], histories: list[Sequence[int] | None] | None = None,
-           eos: tuple[int, ...] = (), allowed: torch.Tensor | None = None) -> list[int]:
-    """logits: (B, V) for the rows that sample; histories as `process_logits` takes them
-    (needed only when some spec has a LogitProcessing); allowed: (B, V) bool, the tokens each
-    row's grammar allows (structured output), applied after the logit processing and before
-    temperature and filtering. One host sync for the batch."""
-    if not specs:
+def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec] | SpecColumns,
+           histories: list[Sequence[int] | None] | None = None, eos: tuple[int, ...] = (),
+           allowed: torch.Tensor | None = None) -> list[int]:
+    """logits: (B, V) for the rows that sample; `specs`: their SamplingSpecs, or the same as
+    `SpecColumns` (what a rank passes: no per-row object for a decode block's rows);
+    histories as `process_logits` takes them (needed only for rows with a LogitProcessing);
+    allowed: (B, V) bool, the tokens each row's grammar allows (structured output), applied
+    after the logit processing and before temperature and filtering. One host sync for the batch."""
+    cols = specs if isinstance(specs, SpecColumns) else SpecColumns.of(specs)
+    if not len(cols):
         return []
-    logits = process_logits(logits, specs, histories or [None] * len(specs), eos)
+    processed = cols.processed_rows
+    if processed:
+        logits = _processed(logits, processed, [cols.extra[k] for k in processed],
+                            [histories[k] for k in processed], eos)
     if allowed is not None:
         logits = logits.masked_fill(~upload(allowed, logits.device), float("-inf"))
     out = torch.argmax(logits, dim=-1)
-    # greedy rows (also temperatures so small the division would overflow) keep the argmax
-    rows = [i for i, s in enumerate(specs) if s.temperature >= GREEDY_BELOW]
+    # greedy rows (also temperatures so small the division would overflow) keep the argmax;
+    # decisions on Python lists (`tolist` is one C call, and numpy's fixed cost per operation
+    # would exceed the per-row work at a few rows), the per-row numbers in arrays
+    temps = cols.temperature.tolist()
+    rows = [i for i, t in enumerate(temps) if t >= GREEDY_BELOW]
     if rows:
         V = logits.shape[-1]
-        chosen = [specs[i] for i in rows]
-        ks = [s.top_k if 0 < s.top_k < V else 0 for s in chosen]
+        if len(rows) == len(temps):
+            temperature, top_k, top_p, seeds, draws = cols.temperature, cols.top_k, cols.top_p, cols.seeds, cols.draws
+        else:
+            take = np.array(rows, dtype=np.int64)
+            temperature, top_k, top_p, seeds, draws = (a[take] for a in (
+                cols.temperature, cols.top_k, cols.top_p, cols.seeds, cols.draws))
+        ks = [k if 0 < k < V else 0 for k in top_k.tolist()]
+        ps = top_p.tolist()
         # one copy for every sampled row's parameters: row, temperature, uniform number, top-k
         # and top-p (float64 holds each exactly), one row each of a (5, R) array
         host = np.empty((5, len(rows)), dtype=np.float64)
-        host[0], host[1], host[3] = rows, [s.temperature for s in chosen], ks
-        host[2], host[4] = [uniform(s.seed, s.draw) for s in chosen], [s.top_p for s in chosen]
-        row, temperature, u, top_k, top_p = upload(torch.from_numpy(host), logits.device).unbind(0)  # (R,) each
-        idx = row.long()
-        filters = RowFilters(top_k.long(), top_p, max(ks), any(s.top_p < 1.0 for s in chosen))
-        if len(rows) == len(specs):  # every row samples: no copy of the logits, no scatter back
+        host[0], host[1], host[2], host[3], host[4] = rows, temperature, uniforms(seeds, draws), ks, ps
+        row, temperature, u, top_k_t, top_p_t = upload(torch.from_numpy(host), logits.device).unbind(0)  # (R,) each
+        filters = RowFilters(top_k_t.long(), top_p_t, max(ks), min(ps) < 1.0)
+        if len(rows) == len(temps):  # every row samples: no copy of the logits, no scatter back
             tok, ok = draw_tokens(logits, temperature, u, filters)
             out = torch.where(ok, tok, out)  # a degenerate distribution: the most likely token
         else:
+            idx = row.long()
             tok, ok = draw_tokens(logits[idx], temperature, u, filters)
             out[idx] = torch.where(ok, tok, out[idx])
     return out.tolist()
 
 
-def logprobs_of(logits: torch.Tensor, tokens: list[int], specs: list[SamplingSpec]) -> dict[int, dict]:
+def logprobs_of(logits: torch.Tensor, tokens: list[int], specs: Sequence[SamplingSpec] | SpecColumns) -> dict[int, dict]:
     """For rows whose spec asks: {row: {"logprob": float, "top": [[token, logprob], ...]}},
     from the model's distribution (before temperature and filtering, as vLLM reports).
     logits: (B, V). One copy in (rows and tokens) and one host read for the batch."""
-    rows = [i for i, s in enumerate(specs) if s.logprobs is not None]
+    asks = specs.logprobs if isinstance(specs, SpecColumns) else [s.logprobs for s in specs]
+    rows = [i for i, n in enumerate(asks) if n is not None]
     if not rows:
         return {}
-    k = max(specs[i].logprobs for i in rows)
+    k = max(asks[i] for i in rows)
     picked = np.array([rows, [tokens[i] for i in rows]], dtype=np.int64)
     idx, tok = upload(torch.from_numpy(picked), logits.device).unbind(0)  # (R,) each
     lp = torch.log_softmax(logits.index_select(0, idx).double(), dim=-1)  # (R, V)
@@ -251,6 +299,6 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], specs: list[SamplingSpe
     read = torch.cat(parts, dim=1).tolist()  # (R, 1 + 2k), the one read
     out: dict[int, dict] = {}
     for i, r in zip(rows, read):
-        n = specs[i].logprobs
+        n = asks[i]
         out[i] = {"logprob": r[0], "top": [[int(t), v] for t, v in zip(r[1:1 + n], r[1 + k:1 + k + n])]}
     return out
