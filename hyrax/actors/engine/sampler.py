@@ -192,7 +192,9 @@ def _processed(logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec],
     if not rows:
         return logits
     # a copy, also of float64 logits: the caller's stay the model's (logprobs are reported from them)
-    x = logits.to(torch.float64, copy=True)
+    x = logits.double()
+    if x is logits:
+        x = x.clone()  # float64 already: a copy all the same
     R, V, dev = len(rows), x.shape[1], x.device
     procs = [s.process for s in specs]
     hs = [np.asarray(h, dtype=np.int64) for h in histories]
