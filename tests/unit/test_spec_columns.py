@@ -15,7 +15,7 @@ import torch
 from hyrax.actors.engine.lane import block_of
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec
 from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.engine.sampler import UNIFORMS_SCALAR_BELOW, logprobs_of, process_logits, sample, uniform, uniforms
+from hyrax.actors.engine.sampler import GREEDY_BELOW, UNIFORMS_SCALAR_BELOW, logprobs_of, process_logits, sample, uniform, uniforms
 from hyrax.actors.engine.spec_columns import SpecColumns, seed_column
 
 V = 40
@@ -83,3 +83,49 @@ def test_columns_of_an_empty_part_leave_the_other_as_it_is():
     cols = SpecColumns.of(tail)
     assert SpecColumns.of([]).then(cols) is cols and cols.then(SpecColumns.of([])) is cols
     assert sample(torch.zeros(0, V), SpecColumns.of([])) == []
+
+
+@pytest.mark.parametrize("penalised", [False, True])
+def test_a_top_k_beyond_any_vocabulary_is_no_top_k(penalised):
+    """A top_k no vocabulary reaches (the API puts no bound on it) means no top-k, as one of the
+    vocabulary's size does: the same tokens as top_k 0, for a plain request (planned in the
+    decode block) and a penalised one (a plan entry), each beside an ordinary request - not an
+    int64 overflow that fails the step, and every request in it, or the engine."""
+    from tests.unit.engine_helpers import HYBRID, make_engine, make_prompts, run_requests, tiny_model
+
+    extra = {"presence_penalty": 0.5} if penalised else {}
+    prompts = make_prompts(2, seed=5)
+    outs = {}
+    for top_k in (0, 10**20, 2**63, 2**64 + 5):
+        engine = make_engine(tiny_model(HYBRID))
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=1),
+                  SamplingParams(max_tokens=6, temperature=1.0, seed=2, top_k=top_k, **extra)]
+        outs[top_k] = run_requests(engine, prompts, params)
+        assert all(r == "length" for r in engine.stats.finished if engine.stats.finished[r]), engine.stats.finished
+    assert all(o == outs[0] for o in outs.values()), outs
+
+
+def test_the_greedy_threshold_and_a_later_rows_top_p():
+    """A temperature of exactly GREEDY_BELOW samples (two tied logits: both tokens come up over
+    seeds, where greedy always takes the first); a row whose top_p < 1 filters also when the
+    first sampled row's top_p is 1 (its nucleus never lets the excluded tokens through)."""
+    tied = torch.zeros(1, V, dtype=torch.float64)
+    tied[0, 3] = tied[0, 9] = 5.0
+    got = {sample(tied, [SamplingSpec(GREEDY_BELOW, 1.0, 0, s, 0)])[0] for s in range(40)}
+    assert got == {3, 9}
+    row = torch.linspace(0, 3, V, dtype=torch.float64)  # token V-1 most likely
+    specs = [SamplingSpec(1.0, 1.0, 0, 7, 0), SamplingSpec(1.0, 0.3, 0, 7, 0)]
+    nucleus = set(range(V - 1, -1, -1)[:_nucleus_size(row, 0.3)])
+    for s in range(60):
+        specs[1] = specs[1]._replace(seed=s)
+        assert sample(torch.stack([row, row]), specs)[1] in nucleus
+
+
+def _nucleus_size(row: torch.Tensor, top_p: float) -> int:
+    p = sorted(torch.softmax(row, -1).tolist(), reverse=True)
+    mass = 0.0
+    for k, x in enumerate(p):
+        mass += x
+        if mass >= top_p:
+            return k + 1
+    return len(p)

@@ -15,6 +15,7 @@ import numpy as np
 from hyrax.actors.engine.grammar import GrammarStep
 
 PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
+TOP_K_OFF_FROM = 2**31  # a top_k this large exceeds every vocabulary: no top-k
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,16 @@ class SamplingSpec(NamedTuple):
         tokens up to this step (prompt + outputs, the in-flight one as a placeholder). They
         travel in the plan only when `p` processes logits, as a compact int32 array (about 10x
         cheaper to pickle than a tuple, and read without a copy on the rank)."""
+        # a top_k past any vocabulary means no top-k (as one of the vocabulary's size does): 0,
+        # so that it fits the int64 columns plans and the sampler keep (the API bounds it only below)
+        top_k = p.top_k if p.top_k < TOP_K_OFF_FROM else 0
         if p.grammar is None and not p.processes_logits:  # the common case: the model's logits as they are
-            return cls(p.temperature, p.top_p, p.top_k, seed, draw, p.logprobs)
+            return cls(p.temperature, p.top_p, top_k, seed, draw, p.logprobs)
         process = None
         if p.processes_logits:
             process = LogitProcessing(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
                                       tuple(p.stop_token_ids), p.min_tokens, p.ignore_eos, array("i", ids))
-        return cls(p.temperature, p.top_p, p.top_k, seed, draw, p.logprobs, process,
+        return cls(p.temperature, p.top_p, top_k, seed, draw, p.logprobs, process,
                    GrammarStep.of(p.grammar, ids, draw))
 
 
