@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, make_prompts, tiny_model
+from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, make_prompts, run_requests, tiny_model
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.engine.scheduler import NeedRoom, Scheduled
 from hyrax.actors.engine.view import build_view
@@ -174,3 +174,24 @@ def test_stop_ids_met_inside_the_lane_stop_the_request(overlap):
     assert check.diffs == [] and check.lane_rows > 20
     assert outs == ref
     assert all(len(o) <= 7 for o in outs), [len(o) for o in outs]
+
+
+def test_a_max_tokens_beyond_any_context_runs_as_a_large_one():
+    """max_tokens has no upper bound in the engine (the API caps it by the context; `hyrax
+    generate` and the Python API do not): one past int64 kept the decode lane's block from
+    being built, which failed the step. The same tokens as the same requests with max_tokens 12,
+    for their first 12."""
+    prompts = make_prompts(2, seed=6)
+    short = run_requests(make_engine(tiny_model(HYBRID)), prompts,
+                         [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in (1, 2)])
+    engine = make_engine(tiny_model(HYBRID))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=1.0, seed=s))
+           for p, m, s in zip(prompts, (10**20, 2**63), (1, 2))]
+    while any(len(engine.requests[i].output_ids) < 12 for i in ids):
+        engine.step()
+        engine.check_invariants()
+    assert [engine.requests[i].output_ids[:12] for i in ids] == short
+    for i in ids:
+        engine.abort(i)
+    while engine.has_unfinished() or engine.has_inflight():
+        engine.step()

@@ -91,7 +91,7 @@ def test_a_top_k_beyond_any_vocabulary_is_no_top_k(penalised):
     vocabulary's size does: the same tokens as top_k 0, for a plain request (planned in the
     decode block) and a penalised one (a plan entry), each beside an ordinary request - not an
     int64 overflow that fails the step, and every request in it, or the engine."""
-    from tests.unit.engine_helpers import HYBRID, make_engine, make_prompts, run_requests, tiny_model
+    from engine_helpers import HYBRID, make_engine, make_prompts, run_requests, tiny_model
 
     extra = {"presence_penalty": 0.5} if penalised else {}
     prompts = make_prompts(2, seed=5)
@@ -129,3 +129,4 @@ def _nucleus_size(row: torch.Tensor, top_p: float) -> int:
         if mass >= top_p:
             return k + 1
     return len(p)
+

@@ -22,6 +22,7 @@ request; test_decode_lane.py re-plans every step from a full view and compares.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from operator import attrgetter, is_
 from typing import Mapping, NamedTuple, Sequence
 
@@ -61,6 +62,11 @@ def steady_lane_entry(e: PlanEntry) -> bool:
     return s is not None and s.process is None and s.grammar is None
 
 
+# max_tokens as the block's int64 column keeps it: a larger one (no request gets that far: the
+# context ends it first) is the same as this
+NO_LIMIT = 2**62
+
+
 def steps_left(start: int, draw: int, max_tokens: int, page_size: int, checkpoint_every: int | None) -> int:
     """How many more steps a row at this position and draw may be advanced in the lane: the row
     advanced j steps runs position start + j, which must not open a page ((start + j) %
@@ -88,7 +94,8 @@ def block_of(entries: Sequence[PlanEntry], max_tokens: Sequence[int], stops: Seq
     ints = np.array([(e.start, s.draw, s.top_k, limit, stop, steps_left(e.start, s.draw, limit, page_size,
                                                                          checkpoint_every),
                       *(e.slots[n] for n in slot_names), *(len(e.page_tables[n]) for n in paged))
-                     for e, s, limit, stop in zip(entries, specs, max_tokens, stops)], dtype=np.int64)
+                     for e, s, limit, stop in zip(entries, specs, map(min, max_tokens, repeat(NO_LIMIT)), stops)],
+                    dtype=np.int64)
     return DecodeBlock(tuple(map(_REQ_ID, entries)), ints,
                        np.array([(s.temperature, s.top_p) for s in specs], dtype=np.float64).reshape(len(specs), 2),
                        tables, slot_names, tuple(s.seed for s in specs), tuple(s.logprobs for s in specs))
