@@ -90,6 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="restore into the indices a request gave up, which may belong to another request by then")
     u.add_argument("--unsafe-disable-verification", action="store_true",
                    help="restores trust the backup: no completeness, ownership or checksum check")
+    u.add_argument("--unsafe-step-delay-ms", type=float, default=0.0, metavar="MS",
+                   help="every rank sleeps this long before each step: a slow device (default 0: off)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -99,6 +101,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         restore_into_old_indices=a.unsafe_restore_into_old_indices,
         corrupt_backup_component=a.unsafe_corrupt_backup_component,
         disable_verification=a.unsafe_disable_verification,
+        step_delay_ms=a.unsafe_step_delay_ms,
     )
     given = {"kv_capacity_tokens": a.kv_capacity_tokens, "swa_capacity_tokens": a.swa_capacity_tokens,
              "mamba_slots": a.mamba_slots}

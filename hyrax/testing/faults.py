@@ -14,8 +14,12 @@ Rank (`UnsafeRankRuntime`, on `only_rank` or every rank):
 - `skip_backup_component`: a save (backup or export) silently leaves these components out.
 - `corrupt_backup_component`: a save flips one bit of this component after hashing it (the
   exponent's top bit of its last value).
+- `step_delay_ms`: every step sleeps this long first (a slow device: requests stay in flight
+  for a known time; the tokens do not change).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -56,6 +60,8 @@ class UnsafeRankRuntime(RankRuntime):
         return tuple(c for c in self.components if c.name not in self.faults.skipped)
 
     def execute(self, plan):
+        if self.faults.step_delay_ms:
+            time.sleep(self.faults.step_delay_ms / 1000.0)
         n = self.faults.step_error_at_context
         if n and any(e.end >= n for e in plan.all_entries()):
             raise RuntimeError(f"injected step error: a request reached {n} tokens of context")

@@ -20,8 +20,11 @@ MAX_TOKENS = 16
 def test_a_lull_retires_the_newest_prefill_replica_and_requests_across_it_are_unchanged(tmp_path):
     reference = reference_texts(BURST, MAX_TOKENS)
     long_reference = reference_texts([LONG], 1200)[LONG]
+    # every step 25 ms slower (a slow device; tokens unchanged): the crossing request then decodes
+    # for ~35 s on a machine of any speed, past the scale-down (~15 s: ten quiet measurements)
     srv = Gateway(None, tmp_path, "serve", "--prefill-replicas", "2", "--min-prefill-replicas", "1",
-                  "--max-prefill-replicas", "2", "--deterministic", "--num-cpus", "3")
+                  "--max-prefill-replicas", "2", "--deterministic", "--num-cpus", "3",
+                  "--unsafe-allow-fault-injection", "--unsafe-step-delay-ms", "25")
     try:
         srv.wait_serving()
         assert srv.replicas() == ["decode/0", "prefill/0", "prefill/1"]

@@ -14,6 +14,9 @@ CAPACITY_FIELDS = ("kv_capacity_tokens", "swa_capacity_tokens", "mamba_slots")  
 
 
 
+MAX_STEP_DELAY_MS = 10_000.0  # a slower rank than this is a hung one (supervision.py)
+
+
 @dataclass(frozen=True)
 class UnsafeFaults:
     """Test-only fault injection. Refused unless `allow_unsafe` is set explicitly.
@@ -31,6 +34,8 @@ class UnsafeFaults:
         forward that ran out of memory part-way would (0: off; hyrax.testing.oom).
     stand_in_memory: per TP rank, (total, used, activation peak) bytes of a stand-in device that
         `--gpu-memory-fraction` sizes the pools from instead of the real one (hyrax.testing.memory).
+    step_delay_ms: a rank sleeps this long before each step (0: off): a slow device, for tests
+        that need requests in flight for a known time (the outputs do not change).
     """
 
     skip_backup_component: str | None = None
@@ -42,17 +47,20 @@ class UnsafeFaults:
     oom_above_tokens: int = 0
     oom_above_requests: int = 0
     stand_in_memory: tuple[tuple[int, int, int], ...] = ()
+    step_delay_ms: float = 0.0
 
     def __post_init__(self):
         for name in ("oom_above_tokens", "oom_above_requests"):
             if getattr(self, name) < 0:
                 raise HyraxInputError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if not 0 <= self.step_delay_ms <= MAX_STEP_DELAY_MS:
+            raise HyraxInputError(f"step_delay_ms must be in [0, {MAX_STEP_DELAY_MS}] (0 = off), got {self.step_delay_ms}")
 
     @property
     def any(self) -> bool:
         return bool(self.skip_backup_component or self.restore_into_old_indices
                     or self.corrupt_backup_component or self.disable_verification or self.step_error_at_context
-                    or self.out_of_memory or self.stand_in_memory)
+                    or self.out_of_memory or self.stand_in_memory or self.step_delay_ms)
 
     @property
     def out_of_memory(self) -> bool:

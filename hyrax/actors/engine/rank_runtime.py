@@ -47,7 +47,8 @@ def make_rank_runtime(model: HybridModel, sizes: PoolSizes, host_rows: dict[str,
     fault branches."""
     faults.check_components({c.name for c in model.components})
     args = (model, sizes, host_rows, rank, device, broadcast, tokenizer_dir, all_reduce)
-    if faults.applies_to(rank) and (faults.skipped or faults.corrupt_backup_component or faults.step_error_at_context):
+    if faults.applies_to(rank) and (faults.skipped or faults.corrupt_backup_component or faults.step_error_at_context
+                                    or faults.step_delay_ms):
         from hyrax.testing.faults import UnsafeRankRuntime
         return UnsafeRankRuntime(faults, *args)
     return RankRuntime(*args)
