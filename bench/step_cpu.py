@@ -124,13 +124,12 @@ def _per_step_cpu(batch: int, steps: int, temperature: float = 0.0) -> tuple[lis
 def run(profile: Profile) -> list[Row]:
     name = (f"coordination: per-step CPU ms excl. forward, {BIG} running vs 1 (scheduler, batch building, "
             f"sampling, streaming)")
-    rows = [_rows(profile, 0.0, name, profile.target("<= 2"))]
     # the same at temperature 1, as most clients sample: the sampler's per-row part shows (info)
-    rows.append(_rows(profile, 1.0, name + ", sampled at temperature 1", ""))
-    return rows
+    return [_row(profile, 0.0, name, profile.target("<= 2")),
+            _row(profile, 1.0, name + ", sampled at temperature 1", "")]
 
 
-def _rows(profile: Profile, temperature: float, name: str, target: str) -> Row:
+def _row(profile: Profile, temperature: float, name: str, target: str) -> Row:
     steps = profile.step_cpu_steps
     rounds = 3 if profile.judge_timing else 1
     per_round: dict[int, list[float]] = {1: [], BIG: []}
@@ -141,8 +140,8 @@ def _rows(profile: Profile, temperature: float, name: str, target: str) -> Row:
                      f"temperature {temperature:g}")
             samples, parts = _per_step_cpu(batch, steps, temperature)
             per_round[batch].append(median(samples) * 1e3)
-            for name_ in PARTS:
-                part_rounds[batch][name_].append(median(parts[name_]) * 1e6)
+            for part in PARTS:
+                part_rounds[batch][part].append(median(parts[part]) * 1e6)
     progress("step cpu: ms per step by round: " + "; ".join(
         f"{b} running {', '.join(f'{x:.2f}' for x in xs)}" for b, xs in per_round.items()))
     # where the difference goes: each part's extra CPU per additional running request (medians)

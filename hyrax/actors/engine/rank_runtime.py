@@ -133,10 +133,9 @@ class RankRuntime:
             logits = self._forward_grouped(block, entries, captures, fills)
         sampling = [e for e in entries if e.sample is not None]
         # the block's rows as the columns they are (no object per row), then the entries' specs
-        specs = SpecColumns.of_block(block) if nb else None
-        if sampling or specs is None:
-            tail = SpecColumns.of([e.sample for e in sampling])
-            specs = tail if specs is None else specs.then(tail)
+        specs = SpecColumns.of_block(block) if nb else SpecColumns.of([])
+        if sampling:
+            specs = specs.then(SpecColumns.of([e.sample for e in sampling]))
         if len(sampling) < len(entries):
             ids = ids[:nb] + tuple(e.req_id for e in sampling)
             # the sampling rows' logits: all of them in a decode step (no copy), else one index tensor

@@ -14,27 +14,24 @@ import numpy as np
 import torch
 
 from hyrax.actors.engine.plan import SamplingSpec
-from hyrax.actors.engine.spec_columns import SpecColumns
+from hyrax.actors.engine.spec_columns import MASK64, SpecColumns
 from hyrax.actors.model.batch import upload
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
-_MASK64 = (1 << 64) - 1
-
-
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
 def uniform(seed: int, draw: int) -> float:
     """The request's random number for output `draw`, in [0, 1): a pure function of
     (seed, draw), 53 bits, whatever else is in the batch."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (draw & _MASK64)) >> 11) * 2.0**-53
+    return (_splitmix64(_splitmix64(seed & MASK64) ^ (draw & MASK64)) >> 11) * 2.0**-53
 
 
 _U64 = np.uint64
