@@ -32,3 +32,22 @@ def test_no_window_page_outlives_its_rows(overlap, prefix_cache):
     engine.step = step
     run_requests(engine, make_prompts(6, seed=2, lo=2, hi=20), greedy(48))
     assert seen == []
+
+
+@pytest.mark.parametrize("keeps", [(7,), (15,), (3, 16), (0, 31, 5)])
+def test_block_rows_that_free_a_page_are_the_scalar_rule(keeps):
+    """The decode block's rows whose step frees a window page (`Results._frees_pages`, one array
+    pass) are exactly those for which the per-row rule (`_frees_page`) holds, for one and for
+    several window lengths, on positions around every page boundary."""
+    import numpy as np
+
+    engine = make_engine(tiny_model(HYBRID), deterministic=False)
+    results = engine.results
+    results._keep = keeps
+    starts = np.arange(0, 4 * results.page_size + 40, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    for order in (starts, rng.permutation(starts)):
+        want = {k for k, s in enumerate(order.tolist()) if results._frees_page(s)}
+        assert want  # the positions cross pages: some rows free one
+        assert set(results._frees_pages(order)) == want
+    assert results._frees_pages(np.array([0, 1], dtype=np.int64)) == ()

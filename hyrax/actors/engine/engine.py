@@ -268,11 +268,16 @@ class Engine:
         done = self.results.apply(plan, result)
         self.caching.commit(plan, result, self.table)
         self.results.release_windows(plan)
-        finishing = {r.id for r, _ in done.stopped}
-        prefill, lps, outputs = self.config.role == "prefill", done.logprobs, self._outputs
-        for rid, toks in done.tokens.items():
-            handoff = self.transfers.offer(rid) if prefill and rid not in finishing else None
-            outputs.append(StepOutput(rid, toks, False, None, handoff, lps.get(rid) if lps else None))
+        lps, outputs, tokens = done.logprobs, self._outputs, done.tokens
+        if self.config.role == "prefill":  # a request that got its first token is offered on
+            finishing = {r.id for r, _ in done.stopped}
+            for rid, toks in tokens.items():
+                handoff = self.transfers.offer(rid) if rid not in finishing else None
+                outputs.append(StepOutput(rid, toks, False, None, handoff, lps.get(rid) if lps else None))
+        elif lps:
+            outputs.extend(StepOutput(rid, toks, False, None, None, lps.get(rid)) for rid, toks in tokens.items())
+        else:  # the common step: no per-request branch
+            outputs.extend(map(StepOutput, tokens, tokens.values(), itertools.repeat(False), itertools.repeat(None)))
         for req, reason in done.stopped:
             self._finish(req, reason)
 

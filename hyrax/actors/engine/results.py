@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from hyrax.actors.engine.executor import StepResult
 from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.plan import StepPlan
@@ -134,7 +136,7 @@ class Results:
         its first live row moves to a new page (`_frees_page`)."""
         get, running, stop = self.table.requests.get, State.RUNNING, self.stop.reason
         eos, max_len = self.stop.eos, self.stop.max_model_len
-        frees_page = self._frees_page if self._keep else None
+        frees = self._frees_pages(block.starts) if self._keep else ()
         generated = 0
         new_tokens, stopped = out.tokens, out.stopped
         for k, (rid, start, tok, draw, limit, stops) in enumerate(zip(
@@ -144,7 +146,7 @@ class Results:
             if req is None or req.state is not running:
                 continue  # aborted or retracted while the step ran
             req.num_computed = start + 1
-            if frees_page is not None and frees_page(start):
+            if k in frees:
                 self._release_window(req)
             req.output_ids.append(tok)
             generated += 1
@@ -178,6 +180,15 @@ class Results:
             keep = self._keep[0]
             return start >= keep and (start + 1 - keep) % ps == 0
         return any(start >= keep and (start + 1 - keep) % ps == 0 for keep in self._keep)
+
+    def _frees_pages(self, starts: np.ndarray) -> set[int] | tuple:
+        """The rows of one-token steps at positions `starts` for which `_frees_page` holds, in
+        a few array operations (one Python test per row cost as much as the rest of a row)."""
+        hit = None
+        for keep in self._keep:
+            at = (starts >= keep) & ((starts + 1 - keep) % self.page_size == 0)
+            hit = at if hit is None else hit | at
+        return set(np.flatnonzero(hit).tolist()) if hit is not None and hit.any() else ()
 
     def _release_window(self, req: Request) -> None:
         """Pages of a window component whose positions all left the window go back."""
