@@ -217,26 +217,31 @@ class EngineLoop:
     def _deliver(self, outs, last: tuple[str, dict] | None = None) -> None:
         """Under the lock: one batch per consumer (step_feed.py) of the items for `outs` and then
         `last`, in order; a stream's last item ends it."""
-        batches: dict[int, tuple[Sink, list]] = {}
-        items = [(o.req_id, self._item(o)) for o in outs if o.req_id in self.streams]
-        for rid, item in items + ([last] if last is not None else []):
-            sink = self.streams.get(rid)
+        streams = self.streams
+        batches: dict[Sink, list] = {}  # a sink is its own key (hashed by identity)
+        items = [(o.req_id, self._item(o)) for o in outs if o.req_id in streams]
+        if last is not None:
+            items.append(last)
+        for rid, item in items:
+            sink = streams.get(rid)
             if sink is None:
                 continue
-            batch = batches.get(id(sink))
+            batch = batches.get(sink)
             if batch is None:
-                batch = batches[id(sink)] = (sink, [])
-            batch[1].append((rid, item))
-            if is_last(item):
-                del self.streams[rid]
+                batch = batches[sink] = []
+            batch.append((rid, item))
+            if item.get("finished") or "handoff" in item:  # is_last, inline: once per item
+                del streams[rid]
                 if sink.on_end is not None:
                     sink.on_end(rid)
-        for sink, batch in batches.values():
+        for sink, batch in batches.items():
             sink.post(batch)
         self.batches_posted += len(batches)
 
     def _item(self, o) -> dict:
         item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
+        if not o.finished and o.handoff is None and not o.logprobs:  # a token of a running stream
+            return item
         if o.handoff is not None:
             item["handoff"] = dict(o.handoff, source=self.source)
         if o.logprobs:
