@@ -187,3 +187,26 @@ def test_rows_with_top_p_1_never_send_the_batch_to_a_sort(monkeypatch):
     kept = filter_logits(x, f) > float("-inf")
     assert kept[1].all() and 0 < int(kept[0].sum()) < 10
     assert looked == [(2, min(WIDE_V // NUCLEUS_FIRST_SHARE, NUCLEUS_FIRST_MAX))], looked  # the first look only, no whole-row sort
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 264), (7, 264), (8, 256), (64, 264), (3, 8192), (0, 300)])
+def test_row_argmax_is_torchs_argmax_with_ties_nan_and_infinities(dtype, shape):
+    """The greedy pick (`row_argmax`: numpy's argmax on the CPU from NUMPY_ARGMAX_FROM elements,
+    torch's below and for bfloat16) answers exactly what torch.argmax answers: the first of tied
+    maxima, the first NaN, the first +inf; on contiguous and strided logits."""
+    from hyrax.actors.engine.sampler import NUMPY_ARGMAX_FROM, row_argmax
+
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    x = torch.randint(-3, 4, shape, generator=g).to(dtype)  # few distinct values: ties in every row
+    if shape[0] >= 3:
+        x[1, shape[1] // 3] = float("nan")
+        x[1, shape[1] // 2] = float("nan")
+        x[2, 5] = float("inf")
+        x[2, 9] = float("inf")
+    want = torch.argmax(x, dim=-1)
+    got = row_argmax(x)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    wide = torch.cat([x, x], dim=1)[:, 1:shape[1] + 1]  # a strided view
+    assert row_argmax(wide).tolist() == torch.argmax(wide, dim=-1).tolist()
+    assert (x.numel() >= NUMPY_ARGMAX_FROM) == (shape[0] * shape[1] >= NUMPY_ARGMAX_FROM)

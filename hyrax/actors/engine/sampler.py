@@ -90,6 +90,21 @@ def _reads_are_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and READ_BACK_ON_CPU
 
 
+_NUMPY_ARGMAX = (torch.float32, torch.float64)
+NUMPY_ARGMAX_FROM = 2048  # elements: below, torch's fixed cost is the smaller (1.9 vs 3.3 us at 1 x 264)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B,) int64: each row's first largest value's index (a NaN counts as largest), as
+    `torch.argmax(x, dim=-1)`. On the CPU, from NUMPY_ARGMAX_FROM elements, through numpy's
+    argmax: the same answer, 3-13x faster on one thread (torch's CPU kernel takes ~0.8 ns an
+    element: 16 vs 5 us at 64 x 264, 476 vs 36 us at 64 x 8,192, measured); elsewhere (and for
+    dtypes numpy lacks) torch's."""
+    if x.numel() >= NUMPY_ARGMAX_FROM and x.device.type == "cpu" and x.dtype in _NUMPY_ARGMAX:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+    return torch.argmax(x, dim=-1)
+
+
 def filter_logits(logits: torch.Tensor, f: RowFilters) -> torch.Tensor:
     """logits: (R, V) float. Returns the logits with the tokens outside each row's top-k
     (every token tied with the k-th value kept) and then outside its nucleus set to -inf.
@@ -247,7 +262,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec] | SpecColumns,
                             [histories[k] for k in processed], eos)
     if allowed is not None:
         logits = logits.masked_fill(~upload(allowed, logits.device), float("-inf"))
-    out = torch.argmax(logits, dim=-1)
+    out = row_argmax(logits)
     # greedy rows (also temperatures so small the division would overflow) keep the argmax;
     # decisions on Python lists (`tolist` is one C call, and numpy's fixed cost per operation
     # would exceed the per-row work at a few rows), the per-row numbers in arrays
