@@ -41,6 +41,8 @@ def test_block_rows_that_free_a_page_are_the_scalar_rule(keeps):
     several window lengths, on positions around every page boundary."""
     import numpy as np
 
+    from hyrax.actors.engine.results import FREES_ARRAY_FROM
+
     engine = make_engine(tiny_model(HYBRID), deterministic=False)
     results = engine.results
     results._keep = keeps
@@ -49,5 +51,9 @@ def test_block_rows_that_free_a_page_are_the_scalar_rule(keeps):
     for order in (starts, rng.permutation(starts)):
         want = {k for k, s in enumerate(order.tolist()) if results._frees_page(s)}
         assert want  # the positions cross pages: some rows free one
-        assert set(results._frees_pages(order)) == want
-    assert results._frees_pages(np.array([0, 1], dtype=np.int64)) == ()
+        assert set(results._frees_pages(order, order.tolist())) == want  # as one array
+        for n in (1, 5, FREES_ARRAY_FROM - 1):  # small blocks: tested row by row
+            part = order[:n]
+            assert set(results._frees_pages(part, part.tolist())) == {k for k in want if k < n}
+    for few in ([0, 1], [0] * FREES_ARRAY_FROM):
+        assert results._frees_pages(np.array(few, dtype=np.int64), few) == ()
