@@ -143,7 +143,10 @@ def _row(profile: Profile, temperature: float, name: str, target: str) -> Row:
             for part in PARTS:
                 part_rounds[batch][part].append(median(parts[part]) * 1e6)
     progress("step cpu: ms per step by round: " + "; ".join(
-        f"{b} running {', '.join(f'{x:.2f}' for x in xs)}" for b, xs in per_round.items()))
+        f"{b} running {', '.join(f'{x:.2f}' for x in xs)}" for b, xs in per_round.items())
+        # each round's pair, measured back to back: how far the machine moved the ratio (the row
+        # stays the quotient of the medians)
+        + "; ratio by round " + ", ".join(f"{b / a:.2f}" for a, b in zip(per_round[1], per_round[BIG])))
     # where the difference goes: each part's extra CPU per additional running request (medians)
     progress("step cpu: us per step by part at 1 / {0} running, and per extra request: ".format(BIG) + "; ".join(
         f"{n} {median(part_rounds[1][n]):.0f} / {median(part_rounds[BIG][n]):.0f}, "
