@@ -274,10 +274,10 @@ class Engine:
             for rid, toks in tokens.items():
                 handoff = self.transfers.offer(rid) if rid not in finishing else None
                 outputs.append(StepOutput(rid, toks, False, None, handoff, lps.get(rid) if lps else None))
-        elif lps:
-            outputs.extend(StepOutput(rid, toks, False, None, None, lps.get(rid)) for rid, toks in tokens.items())
-        else:  # the common step: no per-request branch
-            outputs.extend(map(StepOutput, tokens, tokens.values(), itertools.repeat(False), itertools.repeat(None)))
+        else:  # one map, no per-request branch
+            none = itertools.repeat(None)
+            outputs.extend(map(StepOutput, tokens, tokens.values(), itertools.repeat(False), none, none,
+                               map(lps.get, tokens) if lps else none))
         for req, reason in done.stopped:
             self._finish(req, reason)
 

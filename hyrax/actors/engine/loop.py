@@ -230,7 +230,7 @@ class EngineLoop:
             if batch is None:
                 batch = batches[sink] = []
             batch.append((rid, item))
-            if item.get("finished") or "handoff" in item:  # is_last, inline: once per item
+            if is_last(item):
                 del streams[rid]
                 if sink.on_end is not None:
                     sink.on_end(rid)
@@ -240,8 +240,6 @@ class EngineLoop:
 
     def _item(self, o) -> dict:
         item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
-        if not o.finished and o.handoff is None and not o.logprobs:  # a token of a running stream
-            return item
         if o.handoff is not None:
             item["handoff"] = dict(o.handoff, source=self.source)
         if o.logprobs:

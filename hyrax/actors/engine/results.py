@@ -192,11 +192,10 @@ class Results:
         tests, 0.35 us at one row)."""
         if len(listed) < FREES_ARRAY_FROM:
             return {k for k, s in enumerate(listed) if self._frees_page(s)} or ()
-        hit = None
+        hit = np.zeros(len(listed), dtype=bool)
         for keep in self._keep:
-            at = (starts >= keep) & ((starts + 1 - keep) % self.page_size == 0)
-            hit = at if hit is None else hit | at
-        return set(np.flatnonzero(hit).tolist()) if hit is not None and hit.any() else ()
+            hit |= (starts >= keep) & ((starts + 1 - keep) % self.page_size == 0)
+        return set(np.flatnonzero(hit).tolist()) or ()
 
     def _release_window(self, req: Request) -> None:
         """Pages of a window component whose positions all left the window go back."""
