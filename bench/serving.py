@@ -13,9 +13,10 @@ workload, timing each new token with a streamer, and (b) in static left-padded b
 `target concurrency` requests (a batch decodes until its longest request is done; only the
 requested tokens count).
 
-Rows: output tok/s at each concurrency vs sequential transformers (target >= 3x at
+Rows: output tok/s at each concurrency vs sequential transformers (target >= 5x at
 concurrency 16) and vs static batches; the full stack vs the same workload through an
-in-process engine (no HTTP, no Ray: what the stack costs); TTFT and ITL p50/p99 (client-side,
+in-process engine (no HTTP, no Ray: what the stack costs), split by a run through Ray without
+HTTP (an engine client in this process) after each HTTP run; TTFT and ITL p50/p99 (client-side,
 from SSE chunk arrival) vs transformers' sequential per-request TTFT/ITL.
 
 Repeats: on the shared 2-core VM one run of the same workload moved +-15 % from the next, so
@@ -166,6 +167,38 @@ def _in_process_tps(model_dir: Path, reqs: list[dict], concurrency: int, config)
     return tokens / (time.perf_counter() - t0)
 
 
+def _ray_direct_tps(stack: GatewayStack, reqs: list[dict], concurrency: int) -> float:
+    """The same workload, closed loop, through an engine client over the same Ray deployment
+    from this process (what the gateway calls, without HTTP, the gateway's event loop or the
+    load generator): output tok/s. With the in-process and HTTP runs it splits what the stack
+    costs between Ray and HTTP. A short or failed request raises (no row measures a broken run)."""
+    import asyncio
+
+    from hyrax.cluster.ray_client import client_for
+
+    async def run() -> float:
+        client = client_for(stack.dep, MODEL_NAME)
+        queue, tokens = list(enumerate(reqs))[::-1], [0]
+        tag = f"bench-ray-{time.monotonic_ns()}"
+
+        async def worker() -> None:
+            while queue:
+                i, r = queue.pop()
+                got, last = 0, {}
+                async for item in client.generate(f"{tag}-{i}", r["prompt"], {
+                        "max_tokens": r["max_tokens"], "ignore_eos": True, "temperature": 0.0}):
+                    got, last = got + len(item.get("token_ids") or ()), item
+                if got != r["max_tokens"] or last.get("error"):
+                    raise RuntimeError(f"serving: Ray-direct request {i} got {got} of {r['max_tokens']} tokens "
+                                       f"({last.get('error')})")
+                tokens[0] += got
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return tokens[0] / (time.perf_counter() - t0)
+    return asyncio.run(run())
+
+
 def _summarise(runs: list[dict], c: int) -> tuple[tuple, list[float]]:
     """Runs of one workload at concurrency `c`: ((median output tok/s over the runs, every
     TTFT, every ITL, requests failed or short, requests sent), the TTFTs of the requests after
@@ -203,6 +236,7 @@ def run(profile: Profile) -> list[Row]:
             hf = _Transformers(path)
             hf.run_share(base_reqs, target_c, 0)
             engine_runs: list[float] = []
+            ray_runs: list[float] = []  # the target workload through Ray without HTTP
             warm = [{"prompt": list(range(40)), "max_tokens": 4}]
             measured, joined = {}, {}
             for c in conc:
@@ -219,6 +253,11 @@ def run(profile: Profile) -> list[Row]:
                     progress(f"serving: Hyrax over HTTP, concurrency {c} ({len(reqs)} requests{run_of})")
                     runs.append(_load(stack, reqs, c, warm))
                     warm = []
+                    if c == target_c:
+                        stack.flush_cache()
+                        ray_runs.append(_ray_direct_tps(stack, reqs, c))
+                        progress(f"serving: the concurrency-{c} workload through Ray without HTTP (an engine "
+                                 f"client in this process): {ray_runs[-1]:.1f} output tok/s")
                 if c == target_c:
                     engine_runs.append(_in_process_tps(path, base_reqs, target_c, stack.config))
                 measured[c], joined[c] = _summarise(runs, c)
@@ -243,6 +282,12 @@ def run(profile: Profile) -> list[Row]:
                             static_tps, ratio(tps, static_tps), profile.target(">= 1.5")))
             rows.append(Row(f"serving c={c}: output tok/s, full stack vs in-process engine (no HTTP, no Ray)", tps,
                             engine_tps, ratio(tps, engine_tps), profile.target(">= 0.9")))
+            # the stack's cost split: Ray (coordinator, compiled graph, feed) alone, and HTTP on top
+            ray_tps = median(ray_runs)
+            rows.append(Row(f"serving c={c}: output tok/s, Ray without HTTP (engine client in the bench process) "
+                            f"vs in-process engine", ray_tps, engine_tps, ratio(ray_tps, engine_tps), ""))
+            rows.append(Row(f"serving c={c}: output tok/s, full stack vs Ray without HTTP", tps, ray_tps,
+                            ratio(tps, ray_tps), ""))
             rows.append(_prefill_ceiling(f"serving c={c}", hf))
         for name, xs, ref in (("TTFT", ttft, hf.seq["ttft"]), ("ITL", itl, hf.seq["itl"])):
             for q in (50, 99):
