@@ -22,11 +22,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.feed_registry import FeedRegistry
 from hyrax.actors.engine.gateway_leases import LEASE_EXPIRED, GatewayLeases
 from hyrax.actors.engine.memory_budget import agree, with_capacities
 from hyrax.actors.engine.pools import host_pool_rows, pool_sizes_for
 from hyrax.actors.engine.loop import EngineLoop
-from hyrax.actors.engine.step_feed import Sink
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.hybrid import DTYPES
 from hyrax.actors.model.sharding import TP, check_tp
@@ -76,7 +76,8 @@ class RoleCoordinator:
                                probe=self._probe_ranks, rest=self._rest_ranks,
                                source=ray.get_runtime_context().current_actor, ack=_ack_remote)
         self.gateways = GatewayLeases()
-        self.feeds: dict[str, tuple[Sink, asyncio.Queue]] = {}  # feed id -> its sink and batch queue
+        # one feed per consumer's event loop: its step batches, until it closes or its gateway's lease lapses
+        self.feeds = FeedRegistry(lambda gateway: functools.partial(self.gateways.close, gateway))
         threading.Thread(target=self._expire_gateways, name="hyrax-gateway-leases", daemon=True).start()
 
     # ---- ranks -------------------------------------------------------------------------
@@ -143,36 +144,30 @@ class RoleCoordinator:
             self.executor.rest()
 
     # ---- client API: delegated to the engine loop --------------------------------------
-    def _feed(self, feed_id: str, gateway: str | None) -> tuple[Sink, asyncio.Queue]:
-        """The batches for one gateway's feed (made by whichever of `feed`/`submit` comes first);
-        a stream that ends closes its hold on the gateway's lease."""
-        if feed_id not in self.feeds:
-            q: asyncio.Queue = asyncio.Queue()
-            self.feeds[feed_id] = (Sink(q.put_nowait, on_end=functools.partial(self.gateways.close, gateway)), q)
-        return self.feeds[feed_id]
-
     async def feed(self, feed_id: str, gateway: str | None = None):
         """Streaming generator: one message per engine step for all the streams opened with
         `submit(feed_id, ...)`, a list of (request id, item) in the order the engine made them
-        (batches the gateway has not taken yet go out joined). The gateway fans them out."""
-        _, q = self._feed(feed_id, gateway)
-        while True:
-            batch = await q.get()
-            while not q.empty():
-                batch += q.get_nowait()
+        (batches the gateway has not taken yet go out joined). The gateway fans them out. It
+        ends when the consumer closes the feed (`close_feed`) or its gateway's lease lapses."""
+        async for batch in self.feeds.stream(feed_id, gateway):
             yield batch
+
+    async def close_feed(self, feed_id: str) -> bool:
+        """The consumer of `feed_id` is done with it (its client's feed task ended): the feed's
+        generator returns and nothing of it stays here. False if there was no such feed."""
+        return self.feeds.close(feed_id)
 
     async def submit(self, feed_id: str, request_id: str, prompt_ids: list[int], params: dict,
                      gateway: str | None = None) -> None:
         """Start a request whose items go out on `feed_id` ({"token_ids", "finished",
         "finish_reason"}, ...). `gateway`: the id of the gateway whose lease keeps it alive."""
-        sink, _ = self._feed(feed_id, gateway)
+        sink = self.feeds.sink(feed_id, gateway)
         self.gateways.open(gateway, request_id)
         self.loop.submit(request_id, prompt_ids, params, sink)
 
     async def submit_imported(self, feed_id: str, handoff: dict, gateway: str | None = None) -> None:
         """`submit` for a request handed over by another replica (PD or migration)."""
-        sink, _ = self._feed(feed_id, gateway)
+        sink = self.feeds.sink(feed_id, gateway)
         self.gateways.open(gateway, handoff["request"]["id"])
         self.loop.submit_imported(handoff, sink)
 
@@ -204,6 +199,8 @@ class RoleCoordinator:
         while not self.loop.stopping:
             for rid in self.gateways.expired():
                 self.loop.abort(rid, reason=LEASE_EXPIRED)
+            for gateway in self.gateways.take_lapsed():  # its process is gone: so are its feeds' readers
+                self.feeds.close_gateway_soon(gateway)
             time.sleep(0.25)
 
     def release(self, request_id: str) -> bool:

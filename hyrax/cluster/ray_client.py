@@ -132,6 +132,7 @@ class ReplicaFeed:
         self.ended = False
         self.messages = 0  # batches received
         self.aloop = asyncio.get_running_loop()
+        self.handle = handle
         self._task = asyncio.ensure_future(self._pump(handle.feed.remote(self.id, gateway=gateway)))
 
     async def _pump(self, stream) -> None:
@@ -141,6 +142,10 @@ class ReplicaFeed:
                 self.messages += 1
                 self.fanout.dispatch(batch)
             end: object = error_item("the replica's feed ended")
+        except asyncio.CancelledError:  # this side is done (its event loop is closing): so is the
+            self.ended = True            # feed on the replica, which would otherwise wait on it forever
+            self.handle.close_feed.remote(self.id)
+            raise
         except REPLICA_LOST:
             end = LOST
         except Exception as e:  # noqa: BLE001 - every stream of this feed must end, whatever happened

@@ -28,6 +28,7 @@ class GatewayLeases:
         self._streams: dict[str, set[str]] = {}  # gateway id -> request ids it is streaming
         self.expired_gateways = 0
         self.aborted_streams = 0
+        self._lapsed: list[str] = []  # gateways forgotten by `expired` and not yet taken (take_lapsed)
 
     def renew(self, gateway: str, lease_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -61,8 +62,15 @@ class GatewayLeases:
                 del self._until[gw]
                 ids = self._streams.pop(gw, set())
                 out.extend(ids)
+                self._lapsed.append(gw)
                 self.expired_gateways += 1
                 self.aborted_streams += len(ids)
+        return out
+
+    def take_lapsed(self) -> list[str]:
+        """The gateways `expired` has forgotten since the last call (their feeds end too)."""
+        with self._lock:
+            out, self._lapsed = self._lapsed, []
         return out
 
     def summary(self) -> dict:
