@@ -144,7 +144,10 @@ class ReplicaFeed:
             end: object = error_item("the replica's feed ended")
         except asyncio.CancelledError:  # this side is done (its event loop is closing): so is the
             self.ended = True            # feed on the replica, which would otherwise wait on it forever
-            self.handle.close_feed.remote(self.id)
+            try:
+                self.handle.close_feed.remote(self.id)
+            except Exception as e:  # noqa: BLE001 - Ray already shut down, or the replica gone: nothing to close
+                logging.getLogger("hyrax.gateway").debug("closing feed %s: %s", self.id, e)
             raise
         except REPLICA_LOST:
             end = LOST
