@@ -22,21 +22,24 @@ PROMPT = 200
 
 
 def _decode_batch(engine):
-    """A real decode batch of the engine (every request running, past its first tokens)."""
-    from hyrax.actors.model.batch import build_forward_batch
-
+    """A real decode batch of the engine (every request running, past its first tokens): the
+    one the next step hands the model, run eagerly, with the pools it was run on."""
     rank = engine.executor.rank
+    model = rank.model
+    captured = model.forward  # CapturedDecode
     seen = []
-    inner = rank._forward
-    rank._forward = lambda seqs: (seen.append(seqs), inner(seqs))[1]
+
+    def record(batch, pools, all_logits=False):
+        seen.append(batch)
+        return captured.eager(batch, pools, all_logits)
+    model.forward = record
     try:
         engine.step()
     finally:
-        rank._forward = inner
-    seqs = seen[-1]
-    if len(seqs) != BATCH or any(len(s.token_ids) != 1 for s in seqs):
+        model.forward = captured
+    if not seen or seen[-1].num_seqs != BATCH or seen[-1].max_len != 1:
         raise RuntimeError("captured bench: the step was not a decode step of the whole batch")
-    return build_forward_batch(seqs, rank.components, rank.sizes.page_size, rank.device), rank.pools
+    return seen[-1], rank.pools
 
 
 def run(profile: Profile) -> list[Row]:

@@ -40,7 +40,16 @@ def compiled(request):
     eager = model.forward
     names = tuple(c.name for c in model.components)
     model.forward = CapturedDecode(eager, Counting(CompiledDecode(eager, names, backend=request.param)))
+    torch._dynamo.utils.counters.clear()  # graph breaks are counted from here (no_graph_breaks)
     return model
+
+
+def no_graph_breaks() -> None:
+    """The decode forward compiled as whole graphs: a graph break anywhere in it (an op dynamo
+    cannot trace, inside the layer loop) drops the whole forward to eager, frame by frame, with
+    a recompile per layer, while the tokens stay right - the tests above would still pass."""
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert not breaks, breaks
 
 
 def test_compiled_decode_matches_eager_tokens_across_batch_sizes_and_retraction(compiled):
@@ -55,6 +64,7 @@ def test_compiled_decode_matches_eager_tokens_across_batch_sizes_and_retraction(
     assert runs["compiled"] == runs["eager"]
     sizes = set(compiled.forward.decode.sizes)
     assert len(sizes) >= 3 and 1 in sizes and max(sizes) >= 4, sizes  # sizes crossed, B == 1 included
+    no_graph_breaks()
 
 
 def test_compiled_decode_writes_the_engine_pools_in_place(compiled):

@@ -121,3 +121,21 @@ def test_deterministic_engines_load_without_row_plans():
     assert linear_types(True) == {nn.Linear}
     assert linear_types(False) == {PlannedLinear}
 
+
+
+def test_a_compiled_planned_linear_does_not_specialise_on_its_row_count():
+    """Under torch.compile a planned product runs plain, and the row count is never looked up:
+    a lookup made the decode graph specialise on the batch size (one recompile per size, then
+    eager past dynamo's recompile limit)."""
+    from torch._dynamo.testing import CompileCounter
+
+    lin = nn.Linear(8, 6)
+    plan_rows(lin)
+    lin.row_plan = _forced_plan()
+    counter = CompileCounter()
+    f = torch.compile(lin, backend=counter, dynamic=True)
+    with torch.no_grad():
+        for m in (3, 4, 5, 7, 9):
+            x = torch.randn(m, 8)
+            torch.testing.assert_close(f(x), F.linear(x, lin.weight, lin.bias))
+    assert counter.frame_count == 1

@@ -104,10 +104,14 @@ class SdpaPaged:
             # of 32: 0.65 ms a layer; copying K and V into one (K, D) matrix per head first, as
             # this did before, 3.0 ms
             qg = q.view(B, kvh, H // kvh, D)  # query heads grouped by the K/V head they share
+            heads = [torch.softmax(torch.baddbmm(bias, qg[:, g], kv[:, :, 0, g].transpose(1, 2), alpha=scale),
+                                   dim=-1) for g in range(kvh)]  # (B, R, K) each
+            if torch.compiler.is_compiling():  # `out=` into a view breaks a torch.compile graph (and
+                # with it the whole decode forward, which then ran eager layer by layer): stacked instead
+                return torch.stack([torch.bmm(p, kv[:, :, 1, g]) for g, p in enumerate(heads)], 1).view(B, 1, H, D)
             out = torch.empty_like(qg)
-            for g in range(kvh):
-                s = torch.baddbmm(bias, qg[:, g], kv[:, :, 0, g].transpose(1, 2), alpha=scale)  # (B, R, K)
-                torch.bmm(torch.softmax(s, dim=-1), kv[:, :, 1, g], out=out[:, g])
+            for g, p in enumerate(heads):
+                torch.bmm(p, kv[:, :, 1, g], out=out[:, g])
             return out.view(B, 1, H, D)
         rep = H // kvh
         k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)

@@ -134,10 +134,14 @@ class PlannedLinear(nn.Linear):
     row_plan: RowPlan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # traced first: looking the row count up would make torch.compile specialise the graph
+        # on it (one recompile per batch size, then eager past its recompile limit)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         pieces = self.row_plan.for_rows(m)
-        if pieces is None or torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
+        if pieces is None:
+            return F.linear(x, self.weight, self.bias)
         y = run_pieces(x.reshape(m, x.shape[-1]), self.weight, self.bias, pieces)
         return y.view(*x.shape[:-1], y.shape[-1])
 
