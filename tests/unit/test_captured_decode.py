@@ -142,3 +142,24 @@ def test_captured_decode_mode_is_validated():
         EngineConfig(captured_decode="yes")
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         capture_decode(copy.deepcopy(tiny_model(HYBRID)), "cuda_graphs", "cpu")
+
+
+def test_compiled_decode_calls_the_c_attention_kernel(compiled, monkeypatch):
+    """Traced, decode attention goes through the C kernel as one custom op (`hyrax::paged_decode`),
+    as the eager decode step does, rather than through the SDPA path traced in its place."""
+    from hyrax.actors.model import paged_decode as kernel_module
+
+    if kernel_module.available() is not None or kernel_module.traced_paged_decode is None:
+        pytest.skip(f"no C decode kernel here: {kernel_module.available()}")
+    calls = []
+    inner = kernel_module.paged_decode
+    monkeypatch.setattr(kernel_module, "paged_decode", lambda *a: (calls.append(a[0].shape[0]), inner(*a))[1])
+    e = make_engine(compiled, overlap=False, deterministic=False)
+    for p in make_prompts(3, seed=7):
+        e.add_request(p, greedy(4))
+    decoded = len(compiled.forward.decode.sizes)
+    while e.has_unfinished():
+        e.step()
+    assert len(compiled.forward.decode.sizes) > decoded  # decode steps went through the compiled path
+    assert calls and set(calls) <= set(compiled.forward.decode.sizes)  # ... and called the kernel, once per layer
+    no_graph_breaks()

@@ -59,3 +59,26 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first
                   n_keys.data_ptr(), qpos.data_ptr(), out.data_ptr(), B, H, G, D, page_size, window or 0, scale)
     raise_for(rc, "paged_decode", _ERRORS)
     return out
+
+
+def _register_traced_op():
+    """`paged_decode` as a torch custom op (`hyrax::paged_decode`), so that a torch.compile'd
+    decode forward (captured_decode.py) calls the kernel as one opaque node instead of tracing
+    the SDPA path in its place. None where this torch has no `torch.library.custom_op`."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+
+    @custom_op("hyrax::paged_decode", mutates_args=())
+    def traced(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first: torch.Tensor | None,
+               n_keys: torch.Tensor, qpos: torch.Tensor, page_size: int, window: int, scale: float) -> torch.Tensor:
+        return paged_decode(q, pool, table, first, n_keys, qpos, page_size, window or None, scale)
+
+    @traced.register_fake
+    def _(q, pool, table, first, n_keys, qpos, page_size, window, scale):
+        return q.new_empty(q.shape)
+
+    return traced
+
+
+traced_paged_decode = _register_traced_op()  # same arguments as paged_decode; window 0: none
