@@ -117,8 +117,10 @@ class AttnIndex:
         self._key_pos, self._key_valid = pos, valid
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor the attention may read (the per-key ones derived if they were not given)."""
-        return self.write_rows, self.read_rows, self.pad_keys, self.key_pos, self.key_valid, self.page_table
+        """Every tensor the attention may read (the per-key ones derived if they were not given),
+        the key layout's too (a paged kernel reads the counts and first positions)."""
+        lay = () if self.keys is None else tuple(t for t in (self.keys.first, self.keys.n_keys) if t is not None)
+        return (self.write_rows, self.read_rows, self.pad_keys, self.key_pos, self.key_valid, self.page_table) + lay
 
     def with_keys(self, **tensors: torch.Tensor) -> AttnIndex:
         """A copy with some of read_rows, key_pos, key_valid, pad_keys given (fresh derived tensors)."""
