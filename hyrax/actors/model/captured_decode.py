@@ -93,7 +93,7 @@ def _guard_options() -> dict:
     dynamo spent checking before each compiled decode step (demo, B = 16). The batch's and the
     pools' tensors keep theirs."""
     skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-    return {"guard_filter_fn": skip} if skip is not None else {}
+    return {"guard_filter_fn": skip} if skip is not None else {}  # older torch: no options at all
 
 
 class CompiledDecode:
@@ -104,7 +104,7 @@ class CompiledDecode:
 
     def __init__(self, eager: Forward, names: tuple[str, ...], backend: str = "inductor"):
         self.names = names
-        self.compiled = torch.compile(eager, dynamic=None, backend=backend, options=_guard_options())
+        self.compiled = torch.compile(eager, dynamic=None, backend=backend, options=_guard_options() or None)
 
     def __call__(self, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """batch: decode-only (T == 1), B sequences -> logits (B, vocab)."""
