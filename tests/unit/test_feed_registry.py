@@ -78,3 +78,15 @@ def test_leases_report_each_lapsed_gateway_once():
     assert g.expired(now=2.0) == ["r1"]
     assert g.take_lapsed() == ["gw1"] and g.take_lapsed() == []
     assert g.expired(now=6.0) == [] and g.take_lapsed() == ["gw2"]
+
+
+def test_a_submit_after_the_close_leaves_no_entry():
+    async def main():
+        reg = _registry()
+        reg.sink("f", None)
+        reg.close("f")
+        sink = reg.sink("f", None)  # a request submitted on the closed feed: its batches go nowhere
+        sink.post([("r1", {"token_ids": [1]})])
+        await asyncio.sleep(0)
+        assert len(reg) == 0
+    asyncio.run(main())

@@ -21,6 +21,10 @@ _END = object()  # put on a feed's queue by `close`: its stream returns
 REMEMBER_CLOSED = 4096  # closed feed ids kept, so that a stream opened after its close ends at once
 
 
+def _drop(batch: Batch) -> None:
+    return None
+
+
 class FeedRegistry:
     def __init__(self, on_end: Callable[[str | None], Callable[[str], None]]):
         """on_end(gateway): what a feed's sink runs when one of its streams ended (the lease's close)."""
@@ -40,7 +44,11 @@ class FeedRegistry:
         return self._feeds[feed_id]
 
     def sink(self, feed_id: str, gateway: str | None) -> Sink:
-        """Where the streams submitted on `feed_id` post their batches."""
+        """Where the streams submitted on `feed_id` post their batches. A submit that arrives
+        after its feed was closed gets a sink that drops them (nobody reads that feed any more)
+        rather than a new entry that nothing would ever remove."""
+        if feed_id in self._closed and feed_id not in self._feeds:
+            return Sink(_drop, asyncio.get_running_loop(), self._on_end(gateway))
         return self._entry(feed_id, gateway)[0]
 
     async def stream(self, feed_id: str, gateway: str | None) -> AsyncIterator[Batch]:
