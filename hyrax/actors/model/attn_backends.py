@@ -34,7 +34,7 @@ from hyrax.actors.model.batch import AttnIndex, ForwardBatch
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.paged_decode import available as cpu_paged_unavailable
 from hyrax.actors.model.paged_decode import paged_decode, traced_paged_decode
-from hyrax.actors.model.row_copy import index_copy_rows_, index_select_rows
+from hyrax.actors.model.row_copy import index_copy_rows_, index_select_rows, recorded
 
 BACKENDS = ("auto", "sdpa", "vllm_flash_attn", "cpu_paged")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -123,11 +123,6 @@ class SdpaPaged:
         return None
 
 
-def _recorded(t: torch.Tensor) -> bool:
-    """Whether autograd records work on `t` (the C kernel has no backward)."""
-    return t.requires_grad and torch.is_grad_enabled()
-
-
 class CpuPaged:
     """Decode steps through the C kernel over the pool as it lies (paged_decode.py); anything
     else through `SdpaPaged`. The kernel computes each sequence on its own, so a request's
@@ -141,7 +136,7 @@ class CpuPaged:
     def __call__(self, q, pool, idx, batch, window, scale):
         B, T, H, D = q.shape
         lay = idx.keys
-        if T != 1 or lay is None or _recorded(q) or _recorded(pool):
+        if T != 1 or lay is None or recorded(q) or recorded(pool):
             return self.sdpa(q, pool, idx, batch, window, scale)
         args = (q.view(B, H, D), pool, idx.page_table, lay.first, lay.n_keys, batch.positions[:, 0], lay.page_size)
         if torch.compiler.is_compiling():  # a compiled decode forward: the kernel as one opaque op

@@ -43,11 +43,16 @@ def index_copy_rows_(pool: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
     return pool
 
 
+def recorded(t: torch.Tensor) -> bool:
+    """Whether autograd records work on `t` (a kernel without a backward must not touch it)."""
+    return t.requires_grad and torch.is_grad_enabled()
+
+
 def traced_or_recorded(t: torch.Tensor) -> bool:
     """Whether work on `t` must stay plain torch ops: autograd records it (a view of another
     dtype has no gradient), or a torch.compile graph is being traced (it writes its own loops,
     specialises on host values, and a complex128 view is outside what it lowers)."""
-    return (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
+    return recorded(t) or torch.compiler.is_compiling()
 
 
 def index_select_rows(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
