@@ -7,6 +7,7 @@ a page that is not held, a row past the pool), which it reports without reading 
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
@@ -69,16 +70,17 @@ def _register_traced_op():
     if custom_op is None:
         return None
 
-    @custom_op("hyrax::paged_decode", mutates_args=())
     def traced(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first: torch.Tensor | None,
                n_keys: torch.Tensor, qpos: torch.Tensor, page_size: int, window: int, scale: float) -> torch.Tensor:
         return paged_decode(q, pool, table, first, n_keys, qpos, page_size, window or None, scale)
 
-    @traced.register_fake
-    def _(q, pool, table, first, n_keys, qpos, page_size, window, scale):
-        return q.new_empty(q.shape)
-
-    return traced
+    try:  # a torch that cannot read this signature (postponed annotations) gets no op: traced code uses SDPA
+        op = custom_op("hyrax::paged_decode", mutates_args=())(traced)
+        op.register_fake(lambda q, *rest: q.new_empty(q.shape))
+    except Exception as e:  # noqa: BLE001 - never a failed import over an optional fast path
+        logging.getLogger(__name__).info("paged_decode: no custom op for traced code (%s: %s)", type(e).__name__, e)
+        return None
+    return op
 
 
 traced_paged_decode = _register_traced_op()  # same arguments as paged_decode; window 0: none
