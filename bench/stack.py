@@ -40,6 +40,7 @@ class GatewayStack:
         import httpx
         import uvicorn
 
+        from hyrax import heap
         from hyrax.api.app import GatewaySettings, create_app
         from hyrax.cluster.deployment import Deployment
         from hyrax.cluster.ray_client import client_for
@@ -68,6 +69,7 @@ class GatewayStack:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the benchmark gateway did not become healthy")
             time.sleep(0.1)
+        heap.settle()  # as `hyrax serve` does once its gateway is built (hyrax/heap.py)
 
     def run_clients(self, module: str, job: dict, timeout_s: float = 3600) -> dict:
         """Run `python -m <module>` with `job` (plus url, model, admin token) on stdin; its JSON answer."""

@@ -19,6 +19,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hyrax import heap
 from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
@@ -62,6 +63,7 @@ class RoleCoordinator:
         self.down = False  # its ranks failed again after every restart: it serves nothing any more
         self.last_error: str | None = None
         self.memory: list[str] = []  # what each rank measured (--gpu-memory-fraction), for health
+        self.rank_heaps: list[dict] = []  # each rank's heap (heap.summary) once its pools were allocated
         self._start_ranks()
         config = self.config  # with --gpu-memory-fraction: the capacities the ranks agreed on
         # the ranks resolved `auto` for the device they run on: the pools hold that dtype
@@ -79,6 +81,7 @@ class RoleCoordinator:
         # one feed per consumer's event loop: its step batches, until it closes or its gateway's lease lapses
         self.feeds = FeedRegistry(lambda gateway: functools.partial(self.gateways.close, gateway))
         threading.Thread(target=self._expire_gateways, name="hyrax-gateway-leases", daemon=True).start()
+        heap.settle()  # what the replica keeps for its life: the step loop's collections skip it (heap.py)
 
     # ---- ranks -------------------------------------------------------------------------
     def _rank_name(self, k: int) -> str:
@@ -103,7 +106,9 @@ class RoleCoordinator:
             # pools have the same shapes; replacement ranks are then built with these sizes
             self.memory = [i["memory"] for i in infos]
             self.config = with_capacities(self.config, agree([i["capacities"] for i in infos]))
-            ray.get([r.allocate.remote(self.config) for r in ranks], timeout=max(self.rank_timeout_s, 300))
+            infos = [i | a for i, a in zip(infos, ray.get([r.allocate.remote(self.config) for r in ranks],
+                                                          timeout=max(self.rank_timeout_s, 300)))]
+        self.rank_heaps = [i["heap"] for i in infos]
         self.ranks[:] = ranks
         self.device = infos[0]["device"]
         self.attention_backend = infos[0]["attention_backend"]
@@ -260,7 +265,8 @@ class RoleCoordinator:
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
                 "gateway_leases": self.gateways.summary(),
                 "device": self.device, "attention_backend": self.attention_backend, "memory": self.memory,
-                "step_path": self.executor.step_path}
+                "step_path": self.executor.step_path,
+                "heap": heap.summary(), "rank_heaps": self.rank_heaps}
 
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.loop.stats)

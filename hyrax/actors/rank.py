@@ -18,6 +18,7 @@ from typing import Callable
 import ray
 import torch
 
+from hyrax import heap
 from hyrax.actors.cpu_claims import CpuClaim, claim, thread_cpu_sets
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.memory_budget import measured_capacities
@@ -94,7 +95,11 @@ class RankWorker:
         if config.faults.out_of_memory:  # test-only (allow_unsafe), chosen once here
             from hyrax.testing.oom import with_oom_fault
             self.runtime = with_oom_fault(self.runtime, config.faults, self.tp.rank)
-        return {"pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()}}
+        # the model and its pools are what this process keeps for its life: later full collections
+        # (on the stepping thread) skip them (heap.py)
+        heap.settle()
+        return {"pool_bytes": {n: t.numel() * t.element_size() for n, t in self.runtime.pools.items()},
+                "heap": heap.summary()}
 
     def _join_group(self, dist_address: str) -> None:
         """Join the replica's torch.distributed group. Every socket it listens on is bound to

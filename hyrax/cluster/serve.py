@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from hyrax import heap
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
@@ -377,6 +378,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
               f"  Ray dashboard   {dashboard_url() or 'n/a'}\n"
               f"  admin token     {token.where}", file=sys.stderr, flush=True)
         server = GatewayServer(app, client, a.grace_period, log_level="warning")
+        heap.settle()  # what the gateway keeps for its life: later collections skip it (heap.py)
         try:
             server.run(sockets=[sock])  # the socket bound at the start
         except SystemExit as e:  # uvicorn re-raises SIGTERM/SIGINT after draining; Ray maps it to exit
