@@ -6,7 +6,6 @@ import json
 import sys
 import time
 
-from hyrax import heap
 from hyrax.actors.engine.local import load_engine, run_to_completion
 from hyrax.actors.engine.request import SamplingParams
 from hyrax.actors.model.config import ModelConfig
@@ -125,7 +124,6 @@ def run(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     engine = load_engine(str(path), config, decode=tok.decode)
-    heap.settle()  # the model and pools: later collections skip them (heap.py)
     ids = [engine.add_request(p, params) for p in prompts]  # validates every prompt before running
     t0 = time.perf_counter()
     run_to_completion(engine)
