@@ -71,5 +71,5 @@ def test_the_prefill_chunk_fits_the_step_budget_unless_given_and_never_exceeds_i
     assert engine_config_from_args(parse(tmp_path, "")).prefill_chunk == 256
     assert engine_config_from_args(parse(tmp_path, "max-batch-tokens: 128\n")).prefill_chunk == 128
     assert engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "128")).prefill_chunk == 128
-    with pytest.raises(HyraxInputError, match=r"prefill-chunk \(1024\) must not exceed max-batch-tokens \(512\)"):
+    with pytest.raises(HyraxInputError, match=r"prefill-chunk \(1024\) must not exceed max-batch-tokens \(256\)"):
         engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024"))

@@ -82,11 +82,16 @@ class UnsafeFaults:
         return self.only_rank is None or self.only_rank == rank
 
 
-# The default prefill chunk. Under load a shorter chunk than the 512-token step budget wins:
+# The default prefill chunk. Under load a shorter chunk than a 512-token step budget wins:
 # full stack, the quick bench's c=16 workload, 6 runs each alternating, 256 vs 512: TTFT p50
 # 143-170 vs 163-196 ms, 533-613 vs 449-515 output tok/s (a prompt arriving into a busy
 # replica waits for the steps in flight, each longer with 512-token chunks; docs/architecture.md).
 PREFILL_CHUNK = 256
+# The default token budget of a step: one whole chunk. Against 512-token steps (256-token chunks
+# in both), in-process, the quick c=16 workload, runs alternating in one process: the bench model
+# 1,086 vs 1,019 output tok/s and TTFT p50 60 vs 82 ms (8 rounds; shorter in every round), the
+# large model 50 vs 51 tok/s and 2.99 vs 4.41 s (6 rounds); docs/architecture.md.
+MAX_BATCH_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class EngineConfig:
     swa_capacity_tokens: int | None = None
     mamba_slots: int = 64
     max_running: int = 64
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = MAX_BATCH_TOKENS
     # prompt tokens per request per step; None: PREFILL_CHUNK, or max_batch_tokens if smaller
     prefill_chunk: int | None = None
     # the order prompts are prefilled in (scheduler.prefill_order): "shortest" remaining first
