@@ -24,10 +24,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                  "(keys: metric, hyrax, baseline, ratio, target, passed)")
     p.add_argument("--suite", action="append", metavar="NAME",
                    help="run only this suite (repeatable): serving, coordination, retraction, transfer, memory, "
-                        "prefix, soak, multinode, captured; default: all but soak (10,000 requests under chaos, "
-                        "about 30 minutes; --quick: 1,000), multinode (a multi-node Ray cluster on this machine: "
-                        "decode scaling over 1-3 replicas, recovery from a lost node) and captured (torch.compile "
-                        "of the decode forward vs eager: minutes of compiling)")
+                        "prefix, captured, soak, multinode; default: all but soak (10,000 requests under chaos, "
+                        "about 30 minutes; --quick: 1,000) and multinode (a multi-node Ray cluster on this "
+                        "machine: decode scaling over 1-3 replicas, recovery from a lost node)")
     p.set_defaults(func=run)
     return p
 

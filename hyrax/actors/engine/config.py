@@ -122,7 +122,7 @@ class EngineConfig:
     compiled_graph: bool = False
     attention_backend: str = "auto"  # auto | sdpa | vllm_flash_attn (see model/attn_backends.py)
     # decode-only steps through a captured forward (model/captured_decode.py, docs/captured-steps.md):
-    # off | compile (torch.compile; ~2x the tiny models' CPU decode forward after a minutes-long
+    # off | compile (torch.compile; 1.2-1.4x the bench models' CPU decode forward after a ~6-9 s
     # first compile) | cuda_graphs (not yet run on a GPU). Off by default: the compile is start-up time
     captured_decode: str = "off"
     # auto: a CPU rank claims CPUs of its own and the coordinator's step loop keeps off them
