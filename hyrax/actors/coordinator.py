@@ -65,7 +65,9 @@ class RoleCoordinator:
         self.memory: list[str] = []  # what each rank measured (--gpu-memory-fraction), for health
         self.rank_heaps: list[dict] = []  # each rank's heap (heap.summary) once its pools were allocated
         self._start_ranks()
-        config = self.config  # with --gpu-memory-fraction: the capacities the ranks agreed on
+        # with --gpu-memory-fraction: the capacities the ranks agreed on; a step budget left to the
+        # device: its default for the device the ranks run on
+        config = self.config.for_device(self.device.split(":")[0])
         # the ranks resolved `auto` for the device they run on: the pools hold that dtype
         comps = derive_components(self.cfg, TP(0, tp_size), DTYPES[self.dtype])
         sizes = pool_sizes_for(comps, config)

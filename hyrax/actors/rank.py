@@ -63,6 +63,7 @@ class RankWorker:
         pools wait: the rank measures its device and answers the capacities it could hold
         ("capacities", "memory"); the coordinator agrees on the smallest over its ranks and calls
         `allocate`. Otherwise the pools are allocated now, as `config` sizes them."""
+        config = config.for_device(self.device.type)  # a step budget left to the device (memory profiling)
         allreduce, self._broadcast, self._agree = _identity, None, None
         if self.tp.size > 1:
             self._join_group(dist_address)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from hyrax.actors.cpu_claims import AFFINITY_MODES
-from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, MAX_BATCH_TOKENS, PREFILL_CHUNK,
-                                        PREFILL_ORDERS, EngineConfig, UnsafeFaults)
+from hyrax.actors.engine.config import (ATTENTION_BACKENDS, BACKUP_MODES, CAPTURE_MODES, MAX_BATCH_TOKENS,
+                                        MAX_BATCH_TOKENS_CUDA, PREFILL_CHUNK, PREFILL_ORDERS, EngineConfig,
+                                        UnsafeFaults)
 from hyrax.actors.engine.scheduler import SHORTEST_FIRST_WINDOW_S
 from hyrax.cluster.arg_types import non_negative_float, non_negative_int, positive_int
 
@@ -34,11 +35,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a capacity given explicitly keeps its value (as vLLM's --gpu-memory-utilization; "
                         "CUDA only, 0 < F <= 1)")
     g.add_argument("--max-running", type=positive_int, default=64, help="max concurrently running requests")
-    g.add_argument("--max-batch-tokens", type=positive_int, default=MAX_BATCH_TOKENS,
-                   help="token budget per step (prompt chunks and decode tokens together)")
+    g.add_argument("--max-batch-tokens", type=positive_int, default=None, metavar="N",
+                   help=f"token budget per step, prompt chunks and decode tokens together (default: "
+                        f"{MAX_BATCH_TOKENS} on a CPU, {MAX_BATCH_TOKENS_CUDA} on a GPU, and never below "
+                        f"--prefill-chunk)")
     g.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
-                   help=f"max prompt tokens per request per step, at most --max-batch-tokens (default: "
-                        f"{PREFILL_CHUNK}, or --max-batch-tokens if smaller)")
+                   help=f"max prompt tokens per request per step, at most --max-batch-tokens when that is "
+                        f"given (default: {PREFILL_CHUNK}, or --max-batch-tokens if smaller)")
     g.add_argument("--prefill-order", choices=PREFILL_ORDERS, default="shortest",
                    help=f"which prompts prefill first: shortest: the fewest tokens left first, among those that "
                         f"arrived within {SHORTEST_FIRST_WINDOW_S:g} s of the oldest one still to prefill, admitted "

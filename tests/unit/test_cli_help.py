@@ -38,7 +38,7 @@ def test_every_option_has_help_and_its_default(name):
     ("hyrax serve", "--port", "(default: 8000)"),
     ("hyrax serve", "--max-body-mb", "(default: 4.0)"),
     ("hyrax serve", "--max-running", "(default: 64)"),
-    ("hyrax serve", "--max-batch-tokens", "(default: 256)"),
+    ("hyrax serve", "--max-batch-tokens", "(default: 256 on a CPU, 512 on a GPU"),
     ("hyrax serve", "--prefill-chunk", "(default: 256, or --max-batch-tokens if smaller)"),
     ("hyrax serve", "--prefill-order", "(default: shortest)"),
     ("hyrax serve", "--host-pool-mb", "(default: 256.0)"),

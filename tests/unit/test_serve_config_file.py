@@ -67,9 +67,11 @@ def test_the_cli_answers_a_bad_file_value_with_a_one_line_error(tmp_path, capsys
 
 def test_the_prefill_chunk_fits_the_step_budget_unless_given_and_never_exceeds_it(tmp_path):
     """The default chunk (256) shrinks to a smaller budget given alone; an explicit chunk larger
-    than the budget is an error naming both (it was silently cut to the budget)."""
+    than a budget given is an error naming both (it was silently cut to the budget); a budget
+    left to the device grows to the chunk (test_step_budget_by_device.py)."""
     assert engine_config_from_args(parse(tmp_path, "")).prefill_chunk == 256
     assert engine_config_from_args(parse(tmp_path, "max-batch-tokens: 128\n")).prefill_chunk == 128
     assert engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "128")).prefill_chunk == 128
-    with pytest.raises(HyraxInputError, match=r"prefill-chunk \(1024\) must not exceed max-batch-tokens \(256\)"):
-        engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024"))
+    with pytest.raises(HyraxInputError, match=r"prefill-chunk \(1024\) must not exceed max-batch-tokens \(512\)"):
+        engine_config_from_args(parse(tmp_path, "max-batch-tokens: 512\n", "--prefill-chunk", "1024"))
+    assert engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024")).for_device("cpu").max_batch_tokens == 1024

@@ -1,6 +1,7 @@
 """Engine options, validated once. `hyrax generate` and `hyrax serve` share these names."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 from hyrax.actors.model.attn_backends import BACKENDS as ATTENTION_BACKENDS
@@ -87,11 +88,18 @@ class UnsafeFaults:
 # 143-170 vs 163-196 ms, 533-613 vs 449-515 output tok/s (a prompt arriving into a busy
 # replica waits for the steps in flight, each longer with 512-token chunks; docs/architecture.md).
 PREFILL_CHUNK = 256
-# The default token budget of a step: one whole chunk. Against 512-token steps (256-token chunks
-# in both), in-process, the quick c=16 workload, runs alternating in one process: the bench model
-# 1,086 vs 1,019 output tok/s and TTFT p50 60 vs 82 ms (8 rounds; shorter in every round), the
-# large model 50 vs 51 tok/s and 2.99 vs 4.41 s (6 rounds); docs/architecture.md.
+# The default token budget of a step on a CPU: one whole chunk. Against 512-token steps (256-token
+# chunks in both), in-process, the quick c=16 workload, runs alternating in one process: the bench
+# model 1,086 vs 1,019 output tok/s and TTFT p50 60 vs 82 ms (8 rounds; shorter in every round),
+# the large model 50 vs 51 tok/s and 2.99 vs 4.41 s (6 rounds); docs/architecture.md. On CUDA the
+# budget stays the earlier 512: not measured there (no GPU has run this code yet).
 MAX_BATCH_TOKENS = 256
+MAX_BATCH_TOKENS_CUDA = 512
+
+
+def step_budget_for(device_type: str) -> int:
+    """The default step budget on a device of this type ("cpu", "cuda", ...)."""
+    return MAX_BATCH_TOKENS_CUDA if device_type == "cuda" else MAX_BATCH_TOKENS
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,9 @@ class EngineConfig:
     swa_capacity_tokens: int | None = None
     mamba_slots: int = 64
     max_running: int = 64
-    max_batch_tokens: int = MAX_BATCH_TOKENS
+    # tokens per step (prompt chunks and decodes); None: the device's default (`for_device`), at
+    # least the prefill chunk - what `hyrax serve` passes when --max-batch-tokens is not given
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS
     # prompt tokens per request per step; None: PREFILL_CHUNK, or max_batch_tokens if smaller
     prefill_chunk: int | None = None
     # the order prompts are prefilled in (scheduler.prefill_order): "shortest" remaining first
@@ -151,16 +161,26 @@ class EngineConfig:
             return 0
         return self.mamba_checkpoint_slots or 3 * self.mamba_slots
 
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with a step budget left to the device (None) resolved for `device_type`:
+        its default (`step_budget_for`), or the prefill chunk where that is larger. A config with
+        a budget is returned as it is."""
+        if self.max_batch_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_batch_tokens=max(step_budget_for(device_type), self.prefill_chunk))
+
     def __post_init__(self):
         _check_types(self)
         if self.prefill_chunk is None:
-            object.__setattr__(self, "prefill_chunk", min(PREFILL_CHUNK, self.max_batch_tokens))
+            object.__setattr__(self, "prefill_chunk", min(PREFILL_CHUNK, self.max_batch_tokens or PREFILL_CHUNK))
 
         def positive(name):
             if getattr(self, name) < 1:
                 raise HyraxInputError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for n in ("page_size", "kv_capacity_tokens", "mamba_slots", "max_running", "max_batch_tokens", "prefill_chunk"):
+        for n in ("page_size", "kv_capacity_tokens", "mamba_slots", "max_running", "prefill_chunk"):
             positive(n)
+        if self.max_batch_tokens is not None:
+            positive("max_batch_tokens")
         if self.retraction_backup not in BACKUP_MODES:
             raise HyraxInputError(f"retraction-backup must be one of {', '.join(BACKUP_MODES)}")
         if self.forced_retraction_interval < 0:
@@ -196,7 +216,7 @@ class EngineConfig:
         if unknown:
             raise HyraxInputError(f"fixed_capacities names {', '.join(unknown)}; the capacities are "
                                   f"{', '.join(CAPACITY_FIELDS)}")
-        if self.prefill_chunk > self.max_batch_tokens:
+        if self.max_batch_tokens is not None and self.prefill_chunk > self.max_batch_tokens:
             raise HyraxInputError(f"prefill-chunk ({self.prefill_chunk}) must not exceed max-batch-tokens "
                                   f"({self.max_batch_tokens})")
 

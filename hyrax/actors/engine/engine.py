@@ -50,6 +50,8 @@ class Engine:
     def __init__(self, components: tuple[ComponentSpec, ...], sizes: PoolSizes, host_rows: dict[str, int],
                  executor: Executor, config: EngineConfig, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), decode=None):
+        if config.max_batch_tokens is None:
+            raise ValueError("the step budget is left to the device: pass config.for_device(<its type>)")
         self.components = components
         self.config = config
         self.executor = executor

@@ -22,6 +22,7 @@ def engine_for_model(model: HybridModel, config: EngineConfig, decode=None,
     its query; None: the device's own, CUDA only). `config.captured_decode` is applied to
     `model` here (it must not be captured already)."""
     capture_decode(model, config.captured_decode, device)
+    config = config.for_device(torch.device(device).type)  # a step budget left to the device
     if config.gpu_memory_fraction is not None:
         config, _ = sized_config(model, config, memory, 0, device)
     comps = model.components
