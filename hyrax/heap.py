@@ -82,11 +82,11 @@ def settle() -> int:
 
 
 def summary() -> dict:
-    """Objects frozen and still tracked (what a full collection walks); per generation since
-    `watch()`: collections, their total and longest pause (ms); and what settling took (ms)."""
+    """Objects frozen; per generation since `watch()`: collections, their total and longest
+    pause (ms); and what settling took (ms). O(1): replicas answer it in every health check
+    (counting the objects a collection would walk means listing them, under the GIL)."""
     p = _pauses
     return {"frozen_objects": gc.get_freeze_count(),
-            "tracked_objects": len(gc.get_objects()),
             "collections": list(p.count),
             "pause_ms_total": [round(s * 1e3, 3) for s in p.total_s],
             "pause_ms_max": [round(s * 1e3, 3) for s in p.max_s],
