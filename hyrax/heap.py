@@ -7,7 +7,7 @@ yet every full (generation-2) collection walks them all, and CPython starts one 
 enough objects have survived the younger collections - on whichever thread allocates at that
 moment, which in a replica is the rank's stepping thread or the coordinator's step loop.
 Measured on the 2-core bench machine (quick c=16 serving workload, Ray TP=1, before this): one
-full collection every ~5 runs, 140-170 ms each, in the rank (a step stalled that long: the
+full collection every ~5 runs, 105-170 ms each, in the rank (a step stalled that long: the
 ITL p99) and in the coordinator alike; 20 % of the coordinator loop thread's CPU was the
 collector.
 
