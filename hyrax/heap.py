@@ -56,16 +56,13 @@ class _Pauses:
 
 _pauses = _Pauses()
 _lock = threading.Lock()
-_watching = False
 
 
 def watch() -> None:
     """Count this process's collections from now on (once per process; repeated calls are no-ops)."""
-    global _watching
     with _lock:
-        if not _watching:
+        if _pauses.on_collect not in gc.callbacks:
             gc.callbacks.append(_pauses.on_collect)
-            _watching = True
 
 
 def settle() -> int:

@@ -74,4 +74,5 @@ def test_the_prefill_chunk_fits_the_step_budget_unless_given_and_never_exceeds_i
     assert engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "128")).prefill_chunk == 128
     with pytest.raises(HyraxInputError, match=r"prefill-chunk \(1024\) must not exceed max-batch-tokens \(512\)"):
         engine_config_from_args(parse(tmp_path, "max-batch-tokens: 512\n", "--prefill-chunk", "1024"))
-    assert engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024")).for_device("cpu").max_batch_tokens == 1024
+    auto = engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024"))
+    assert auto.for_device("cpu").max_batch_tokens == 1024

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hyrax.actors.model.row_copy import traced_or_recorded
+
 MAX_ROWS = 16  # row counts planned: 1 .. MAX_ROWS (larger products run plain)
 MARGIN = 0.8  # a plan is used for m rows only if it costs at most this share of the plain product
 PIECE_OVERHEAD_S = 3e-6  # added per extra piece or padding copy when comparing plans (a small op's dispatch)
@@ -136,7 +138,7 @@ class PlannedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # traced first: looking the row count up would make torch.compile specialise the graph
         # on it (one recompile per batch size, then eager past its recompile limit)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad):
+        if traced_or_recorded(self.weight):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         pieces = self.row_plan.for_rows(m)
