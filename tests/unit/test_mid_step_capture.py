@@ -64,9 +64,40 @@ def test_states_at_from_chunk_starts_equal_the_recurrence():
         torch.testing.assert_close(got[i], want[0], rtol=1e-10, atol=1e-10)
 
 
+# float64: the torch path (the scan and the convolution, which record a capture as they pass it);
+# float32: the C Mamba2 step, run pass by pass over the slices cut at their capture points, the
+# state rows copied out between passes (Mamba2Mixer._packed_step). Tolerance: a reference run
+# projects another number of rows (the BLAS picks its kernel by the row count)
+PATHS = {"torch": (torch.float64, 1e-9), "c-step": (torch.float32, 2e-5)}
+
+
+@pytest.fixture
+def c_step_passes(monkeypatch) -> list[int]:
+    """How many passes the C step ran with a capture in its step (each pass one call)."""
+    from hyrax.actors.model import mamba2
+    calls, kernel = [], mamba2.mamba2_packed_rows_
+
+    def counted(*args, out=None, **kwargs):
+        if out is not None:
+            calls.append(args[5].shape[0])  # the pass's sequences
+        return kernel(*args, out=out, **kwargs)
+
+    monkeypatch.setattr(mamba2, "mamba2_packed_rows_", counted)
+    return calls
+
+
+def _model(layout: str, path: str):
+    model = random_model(tiny_config(layout), dtype=PATHS[path][0])
+    mixers = [m for m in model.modules() if hasattr(m, "native_step")]
+    assert mixers and all(m.native_step for m in mixers), "no C step here: the c-step case would test nothing"
+    return model
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout", ["mamba", "full_swa_mamba"])
-def test_captured_rows_equal_the_slots_of_a_run_that_stopped_there(layout):
-    model = random_model(tiny_config(layout))
+def test_captured_rows_equal_the_slots_of_a_run_that_stopped_there(layout, path, c_step_passes):
+    model = _model(layout, path)
+    tol = PATHS[path][1]
     comps = model.components
     slot_comps = [c for c in comps if not c.paged]
     assert slot_comps and captures_mid_step(comps)
@@ -94,13 +125,15 @@ def test_captured_rows_equal_the_slots_of_a_run_that_stopped_there(layout):
             model(build_forward_batch([SeqSlice(prompts[b][:k], 0, pages[b], slots_for(model, 1))], comps, PAGE_SIZE), ref)
             for c in slot_comps:
                 got, want = pools[into[c.name]][:, 3 - b // 2], ref[c.name][:, 1]
-                assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (c.name, b, (got - want).abs().max())
+                assert torch.allclose(got, want, rtol=tol, atol=tol), (c.name, b, (got - want).abs().max())
                 assert got.abs().sum() > 0
     untouched = [r for r in range(pools[into[slot_comps[0].name]].shape[1]) if r not in (3, 2)]
     assert all(pools[into[c.name]][:, untouched].abs().sum() == 0 for c in slot_comps)
+    # per Mamba2 layer: all three rows up to the points, then rows 0 and 2 on
+    assert c_step_passes == ([3, 2] * len(model.cfg.layers_of("mamba2")) if path == "c-step" else [])
 
 
-def _several_captures_equal_stopped_runs(model, vocab: int, seed: int) -> None:
+def _several_captures_equal_stopped_runs(model, vocab: int, seed: int, tol: float = 1e-9) -> None:
     """One row captured at three points of its slice and another at one (the plan's `captures`
     path: a step passing several track boundaries of one prompt), in a batch of mixed lengths:
     every checkpoint row holds the state after exactly its own prefix."""
@@ -128,12 +161,17 @@ def _several_captures_equal_stopped_runs(model, vocab: int, seed: int) -> None:
                                           PAGE_SIZE), ref)
                 for c in slot_comps:
                     got, want = pools[into[c.name]][:, row], ref[c.name][:, 1]
-                    assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (c.name, b, k, (got - want).abs().max())
+                    assert torch.allclose(got, want, rtol=tol, atol=tol), (c.name, b, k, (got - want).abs().max())
                     assert got.abs().sum() > 0
 
 
-def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stopped_there():
-    _several_captures_equal_stopped_runs(random_model(tiny_config("full_swa_mamba")), 60, 2)
+@pytest.mark.parametrize("path", PATHS)
+def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stopped_there(path, c_step_passes):
+    model = _model("full_swa_mamba", path)
+    _several_captures_equal_stopped_runs(model, 60, 2, PATHS[path][1])
+    # per Mamba2 layer: both rows to their first points, then row 0 on through its other two
+    # points and its end (row 1's second run, its end, in the second pass)
+    assert c_step_passes == ([2, 2, 1, 1] * len(model.cfg.layers_of("mamba2")) if path == "c-step" else [])
 
 
 def test_gated_deltanet_captures_inside_a_slice_equal_runs_that_stopped_there(tmp_path):

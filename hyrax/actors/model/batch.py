@@ -161,6 +161,55 @@ class Capture:
         return {t: torch.tensor(ix, dtype=torch.long, device=self.rows.device) for t, ix in by.items()}
 
 
+class Segment(NamedTuple):
+    """One pass of a step kernel that stops at capture points (`capture_segments`): some of the
+    step's sequences, each over a run of its slice's tokens."""
+
+    rows: torch.Tensor  # (m,) long: the sequences, as rows of the whole step
+    starts: torch.Tensor  # (m,) long: where each one's run begins among the step's packed tokens
+    lens: torch.Tensor  # (m,) long: the run's tokens, at least one
+    captures: torch.Tensor | None  # (c,) long: the step's captures (indices into its Capture) whose
+    # point is the end of a run of this pass; None: none
+    captured_rows: torch.Tensor | None  # (c,) long: their sequences, as rows of the whole step
+
+
+def capture_segments(q_lens: Sequence[int], starts: Sequence[int], capture: Capture, row_offset: int = 0,
+                     device: torch.device | str = "cpu") -> list[Segment]:
+    """A step's slices cut at their capture points, as passes: pass i runs each sequence's i-th
+    run (a sequence with no capture point has one run, its whole slice; one with c of them,
+    c + 1), so that a kernel that carries a sequence's state in its rows, run pass after pass,
+    leaves in those rows after every pass the state at each capture point that pass ended at.
+    `capture`'s rows are rows of the step plus `row_offset` (a MixedBatch's slices follow its
+    decode rows)."""
+    cuts: dict[int, list[tuple[int, int]]] = {}  # row -> [(capture point, capture index)]
+    for i, (b, k) in enumerate(zip(capture.rows.tolist(), capture.lens_host)):
+        cuts.setdefault(b + row_offset, []).append((k, i))
+    runs: list[list[tuple[int, int, int, list[int]]]] = []  # pass -> [(row, start, len, captures ending it)]
+    for b, (n, start) in enumerate(zip(q_lens, starts)):
+        ends = sorted(cuts.get(b, ()))
+        done = at = i = 0  # tokens run, capture points passed, runs made
+        while done < n:
+            end = ends[at][0] if at < len(ends) else n
+            ending = []
+            while at < len(ends) and ends[at][0] == end:
+                ending.append(ends[at][1])
+                at += 1
+            if i == len(runs):
+                runs.append([])
+            runs[i].append((b, start + done, end - done, ending))
+            done, i = end, i + 1
+
+    def longs(values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=device)
+
+    def segment(run: list[tuple[int, int, int, list[int]]]) -> Segment:
+        ended = [(c, b) for b, _, _, cs in run for c in cs]
+        return Segment(longs(r[0] for r in run), longs(r[1] for r in run), longs(r[2] for r in run),
+                       longs(c for c, _ in ended) if ended else None, longs(b for _, b in ended) if ended else None)
+
+    return [segment(run) for run in runs]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # (B, T) long, 0 at padding
@@ -225,6 +274,12 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return self.input_ids.shape[0]
 
+    @cached_property
+    def segments(self) -> list[Segment]:
+        """The step's slices cut at its capture points (`capture_segments`), in the packed
+        layout; made once per step for every layer. Only with a capture."""
+        return capture_segments(self.q_lens.tolist(), self.starts.tolist(), self.capture, 0, self.q_lens.device)
+
     @property
     def max_len(self) -> int:
         return self.input_ids.shape[1]
@@ -279,6 +334,13 @@ class MixedBatch:
     @cached_property
     def slots(self) -> dict[str, torch.Tensor]:
         return {name: torch.cat([s, self.chunks.slots[name]]) for name, s in self.decode.slots.items()}
+
+    @cached_property
+    def segments(self) -> list[Segment]:
+        """As `ForwardBatch.segments`, over the decode rows and the slices (whose capture rows
+        count from the first slice)."""
+        return capture_segments(self.q_lens.tolist(), self.starts.tolist(), self.capture, self.num_decode,
+                                self.q_lens.device)
 
     def packed_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         (di, dp), (ci, cp) = self.decode.packed_inputs(), self.chunks.packed_inputs()

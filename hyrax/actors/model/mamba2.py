@@ -107,8 +107,8 @@ class Mamba2Mixer(nn.Module):
         # and every step's convolution through the C one (causal_conv_rows.py)
         self.native_kernels = torch.device(device).type == "cpu" and (scan_unavailable() or conv_unavailable()) is None
         # and, where its norm is one the kernels have, the whole of a step from in_proj's output to
-        # out_proj's input through one C kernel (mamba2_rows.py): every decode step, and every
-        # prefill step without a capture point inside it
+        # out_proj's input through one C kernel (mamba2_rows.py): every decode and prefill step (one
+        # with prefix-cache capture points inside its slices pass by pass, `_packed_step`)
         self.native_step = torch.device(device).type == "cpu" and self._kernel_norm() is not None \
             and step_unavailable() is None
         self._kernel_weights: tuple[tuple, MixerWeights] | None = None  # (parameter versions, weights)
@@ -161,15 +161,36 @@ class Mamba2Mixer(nn.Module):
         (1, N, hidden) through the C step, or None where it does not run (before any work):
         `forward` on the unpacked rows instead."""
         conv_pool, ssm_pool = pools[CONV][self.local_layer], pools[SSM][self.local_layer]
-        if not (self.native_step and batch.capture is None and x.dtype == conv_pool.dtype == ssm_pool.dtype
-                == torch.float32 and rows_on_host(conv_pool, x) and rows_on_host(ssm_pool, x)):
+        if not (self.native_step and x.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32
+                and rows_on_host(conv_pool, x) and rows_on_host(ssm_pool, x)):
             return None
         zxbcdt = self.in_proj(x)
         if self.in_scale is not None:
             zxbcdt = zxbcdt * self.in_scale
-        y = mamba2_packed_rows_(zxbcdt, conv_pool, batch.slots[CONV], ssm_pool, batch.slots[SSM], batch.starts,
-                                batch.q_lens, self.kernel_weights())
-        return self.allreduce(self.out_proj(y))
+        return self.allreduce(self.out_proj(self._packed_step(zxbcdt, batch, pools, batch.starts)))
+
+    def _packed_step(self, zxbcdt: torch.Tensor, batch, pools: dict[str, torch.Tensor],
+                     starts: torch.Tensor) -> torch.Tensor:
+        """The C step over a step's tokens back to back, zxbcdt (1, N, ...), each sequence's from
+        `starts` -> (1, N, inner). With capture points (a prefix-cache checkpoint inside a slice),
+        pass by pass (`batch.segments`): after each pass the state rows of every sequence whose
+        run ended at a capture point are copied into that capture's checkpoint rows."""
+        conv_pool, ssm_pool = pools[CONV][self.local_layer], pools[SSM][self.local_layer]
+        conv_slots, ssm_slots, w = batch.slots[CONV], batch.slots[SSM], self.kernel_weights()
+        cap = batch.capture
+        if cap is None:
+            return mamba2_packed_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, starts, batch.q_lens, w)
+        out = torch.empty(1, zxbcdt.shape[1], self.inner, dtype=torch.float32)
+        conv_into, ssm_into = pools[cap.into[CONV]][self.local_layer], pools[cap.into[SSM]][self.local_layer]
+        for seg in batch.segments:
+            mamba2_packed_rows_(zxbcdt, conv_pool, conv_slots.index_select(0, seg.rows), ssm_pool,
+                                ssm_slots.index_select(0, seg.rows), seg.starts, seg.lens, w, out=out)
+            if seg.captures is not None:
+                conv_into.index_copy_(0, cap.slots[CONV].index_select(0, seg.captures),
+                                      conv_pool.index_select(0, conv_slots.index_select(0, seg.captured_rows)))
+                ssm_into.index_copy_(0, cap.slots[SSM].index_select(0, seg.captures),
+                                     ssm_pool.index_select(0, ssm_slots.index_select(0, seg.captured_rows)))
+        return out
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """x: (B, T, hidden) -> (B, T, hidden); updates this layer's conv and SSM slots."""
@@ -184,10 +205,15 @@ class Mamba2Mixer(nn.Module):
         if self.in_scale is not None:
             zxbcdt = zxbcdt * self.in_scale
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
-        if self.native_step and cap is None and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
+        # with capture points, the C step runs pass by pass over packed tokens: here, where no
+        # slice is padded (the padded and packed layouts are then the same)
+        if self.native_step and (cap is None or batch.token_index.shape[0] == B * T) \
+                and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
                 and rows_on_host(conv_pool, zxbcdt) and rows_on_host(ssm_pool, zxbcdt):
             if T == 1:
                 y = mamba2_decode_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, self.kernel_weights())
+            elif cap is not None:
+                y = self._packed_step(zxbcdt.reshape(1, B * T, -1), batch, pools, batch.starts).view(B, T, -1)
             else:
                 y = mamba2_prefill_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, batch.q_lens,
                                          self.kernel_weights())

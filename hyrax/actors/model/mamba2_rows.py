@@ -144,20 +144,27 @@ def mamba2_prefill_rows_(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_row
 
 def mamba2_packed_rows_(zxbcdt: torch.Tensor, conv_pool: torch.Tensor, conv_rows: torch.Tensor,
                         ssm_pool: torch.Tensor, ssm_rows: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
-                        w: MixerWeights) -> torch.Tensor:
+                        w: MixerWeights, out: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill step in the packed layout: zxbcdt (1, N, H*P + C + H), the step's N tokens back
     to back, sequence b's at rows starts[b] .. starts[b] + q_lens[b] - 1. Returns (1, N, H*P)
-    float32 (rows of no sequence uninitialised)."""
-    return _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w, zero=False)
+    float32 (rows of no sequence uninitialised), written into `out` when given: so a step can
+    run its sequences' tokens in several passes (a pass per capture point) into one output."""
+    return _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w, zero=False, out=out)
 
 
-def _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w: MixerWeights, zero: bool):
+def _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w: MixerWeights, zero: bool,
+             out: torch.Tensor | None = None):
     args, (H, G, P, N) = _checked(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w, conv_rows.shape[0])
     Bsz, rows = conv_rows.shape[0], zxbcdt.shape[1]
     if zxbcdt.shape[0] != 1 or starts.shape != (Bsz,) or q_lens.shape != (Bsz,):
         raise ValueError("mamba2_rows: one start and one length per sequence over one row of tokens")
     starts, q_lens = starts.to(torch.int64).contiguous(), q_lens.to(torch.int64).contiguous()
-    out = (torch.zeros if zero else torch.empty)(1, rows, H * P, dtype=torch.float32)
+    if out is None:
+        out = (torch.zeros if zero else torch.empty)(1, rows, H * P, dtype=torch.float32)
+    elif out.shape != (1, rows, H * P) or out.dtype != torch.float32 or not out.is_contiguous() \
+            or out.device.type != "cpu":
+        raise ValueError(f"mamba2_rows: out must be a contiguous float32 CPU tensor (1, {rows}, {H * P}), "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     rc = _prefill_kernel()(zxbcdt.data_ptr(), zxbcdt.stride(1), starts.data_ptr(), *args, q_lens.data_ptr(),
                            out.data_ptr(), rows, Bsz, H, G, P, N)
     raise_for(rc, "mamba2_rows", _ERRORS)
