@@ -147,16 +147,26 @@ def test_captured_decode_mode_is_validated():
         capture_decode(copy.deepcopy(tiny_model(HYBRID)), "cuda_graphs", "cpu")
 
 
-def test_compiled_decode_calls_the_c_attention_kernel(compiled, monkeypatch):
-    """Traced, decode attention goes through the C kernel as one custom op (`hyrax::paged_decode`),
-    as the eager decode step does, rather than through the SDPA path traced in its place."""
-    from hyrax.actors.model import paged_decode as kernel_module
+# (kernel module, its traced operator, the function the operator calls): the C kernels the eager
+# decode step runs, which a compiled one runs as operators of its graph
+TRACED_KERNELS = {"attention": ("paged_decode", "traced_paged_decode", "paged_decode"),
+                  "mamba2": ("mamba2_rows", "traced_mamba2_decode", "mamba2_decode_rows_")}
 
-    if kernel_module.available() is not None or kernel_module.traced_paged_decode is None:
-        pytest.skip(f"no C decode kernel here: {kernel_module.available()}")
+
+@pytest.mark.parametrize("kernel", TRACED_KERNELS)
+def test_compiled_decode_calls_the_c_kernels(compiled, monkeypatch, kernel):
+    """Traced, decode attention and the Mamba2 step go through their C kernels, each as one
+    operator (`hyrax::paged_decode`, `hyrax::mamba2_decode`; traced_ops.py), as the eager decode
+    step does, rather than through the torch path traced in their place."""
+    import importlib
+
+    module_name, op_name, function_name = TRACED_KERNELS[kernel]
+    kernel_module = importlib.import_module(f"hyrax.actors.model.{module_name}")
+    if kernel_module.available() is not None or getattr(kernel_module, op_name) is None:
+        pytest.skip(f"no C {kernel} kernel or operator here: {kernel_module.available()}")
     calls = []
-    inner = kernel_module.paged_decode
-    monkeypatch.setattr(kernel_module, "paged_decode", lambda *a: (calls.append(a[0].shape[0]), inner(*a))[1])
+    inner = getattr(kernel_module, function_name)
+    monkeypatch.setattr(kernel_module, function_name, lambda *a: (calls.append(a[0].shape[0]), inner(*a))[1])
     e = make_engine(compiled, overlap=False, deterministic=False)
     for p in make_prompts(3, seed=7):
         e.add_request(p, greedy(4))

@@ -23,7 +23,7 @@ from hyrax.actors.model.causal_conv_rows import causal_conv_rows_
 from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
 from hyrax.actors.model.mamba2_rows import available as step_unavailable
 from hyrax.actors.model.mamba2_rows import (MixerWeights, mamba2_decode_rows_, mamba2_packed_rows_,
-                                            mamba2_prefill_rows_, mixer_weights)
+                                            mamba2_prefill_rows_, mixer_weights, traced_mamba2_decode)
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
@@ -205,6 +205,15 @@ class Mamba2Mixer(nn.Module):
         if self.in_scale is not None:
             zxbcdt = zxbcdt * self.in_scale
         cap = batch.capture  # never in a decode step (T == 1): a capture lies inside a slice
+        if T == 1 and self.native_step and traced_mamba2_decode is not None and torch.compiler.is_compiling() \
+                and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
+                and conv_pool.device.type == "cpu":  # a compiled decode forward: the C step as one op
+            mode, group = self._kernel_norm()
+            y = traced_mamba2_decode(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, self.conv1d.weight,
+                                     self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                                     getattr(self.norm, "weight", None), *self.cfg.time_step_limit,
+                                     getattr(self.norm, "eps", 0.0), group, mode)
+            return self.allreduce(self.out_proj(y))
         # with capture points, the C step runs pass by pass over packed tokens: here, where no
         # slice is padded (the padded and packed layouts are then the same)
         if self.native_step and (cap is None or batch.token_index.shape[0] == B * T) \

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hyrax.actors.model.native import ROW_KERNEL_ERRORS, function, raise_for, unavailable
+from hyrax.actors.model.traced_ops import define
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 NORM_MODES = {"gate_then_norm": 0, "norm_then_gate": 1, "gate_only": 2}
@@ -173,3 +174,43 @@ def _prefill(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, starts, q_lens, w
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+# the kernels' parameter layouts for the traced op, by the parameters' identity and version:
+# a compiled forward passes the parameters themselves (their data pointers are unknown while
+# tracing), and the op makes the layout on its first call, not on every step
+_TRACED_WEIGHTS: dict[tuple, MixerWeights] = {}
+_TRACED_WEIGHTS_MAX = 64
+
+
+def _traced_weights(params: tuple, dt_limits: tuple[float, float], eps: float, group: int, mode: str) -> MixerWeights:
+    key = (tuple(None if p is None else (p.data_ptr(), p._version, tuple(p.shape)) for p in params),
+           dt_limits, eps, group, mode)
+    w = _TRACED_WEIGHTS.get(key)
+    if w is None:
+        if len(_TRACED_WEIGHTS) >= _TRACED_WEIGHTS_MAX:  # parameters replaced (a reload): drop the oldest
+            del _TRACED_WEIGHTS[next(iter(_TRACED_WEIGHTS))]
+        w = _TRACED_WEIGHTS[key] = mixer_weights(*params[:5], dt_limits, params[5], eps, group, mode)
+    return w
+
+
+def _traced_decode(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, conv_weight, conv_bias, dt_bias, A_log, D,
+                   norm_weight, dt_lo, dt_hi, eps, group, norm_mode):
+    w = _traced_weights((conv_weight, conv_bias, dt_bias, A_log, D, norm_weight), (dt_lo, dt_hi), eps, group, norm_mode)
+    return mamba2_decode_rows_(zxbcdt, conv_pool, conv_rows, ssm_pool, ssm_rows, w)
+
+
+def _fake_decode(zxbcdt, conv_pool, conv_rows, ssm_pool, *rest):
+    return zxbcdt.new_empty(zxbcdt.shape[0], 1, ssm_pool.shape[1] * ssm_pool.shape[2])
+
+
+# `mamba2_decode_rows_` as an operator (`hyrax::mamba2_decode`, traced_ops.py) that writes the
+# conv and SSM pool rows it is given, so that a torch.compile'd decode forward runs the C step
+# as one node where it would otherwise trace the torch path (some thirty elementwise operations
+# a layer, which inductor fuses but still runs as generated loops); None where this torch cannot
+# define it. Arguments: those of mamba2_decode_rows_, the MixerWeights as the layer's parameters
+traced_mamba2_decode = define(
+    "mamba2_decode", "(Tensor zxbcdt, Tensor(a!) conv_pool, Tensor conv_rows, Tensor(b!) ssm_pool, "
+    "Tensor ssm_rows, Tensor conv_weight, Tensor? conv_bias, Tensor dt_bias, Tensor A_log, Tensor D, "
+    "Tensor? norm_weight, float dt_lo, float dt_hi, float eps, int group, str norm_mode) -> Tensor",
+    _traced_decode, _fake_decode)

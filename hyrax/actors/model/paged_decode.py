@@ -7,11 +7,11 @@ a page that is not held, a row past the pool), which it reports without reading 
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from hyrax.actors.model.native import function, raise_for, unavailable
+from hyrax.actors.model.traced_ops import define
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ERRORS = {-1: "a visible key lies on a page the request does not hold",
@@ -62,25 +62,13 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first
     return out
 
 
-def _register_traced_op():
-    """`paged_decode` as a torch custom op (`hyrax::paged_decode`), so that a torch.compile'd
-    decode forward (captured_decode.py) calls the kernel as one opaque node instead of tracing
-    the SDPA path in its place. None where this torch has no `torch.library.custom_op`."""
-    custom_op = getattr(torch.library, "custom_op", None)
-    if custom_op is None:
-        return None
-
-    def traced(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, first: torch.Tensor | None,
-               n_keys: torch.Tensor, qpos: torch.Tensor, page_size: int, window: int, scale: float) -> torch.Tensor:
-        return paged_decode(q, pool, table, first, n_keys, qpos, page_size, window or None, scale)
-
-    try:  # a torch that cannot read this signature (postponed annotations) gets no op: traced code uses SDPA
-        op = custom_op("hyrax::paged_decode", mutates_args=())(traced)
-        op.register_fake(lambda q, *rest: q.new_empty(q.shape))
-    except Exception as e:  # noqa: BLE001 - never a failed import over an optional fast path
-        logging.getLogger(__name__).info("paged_decode: no custom op for traced code (%s: %s)", type(e).__name__, e)
-        return None
-    return op
+def _traced(q, pool, table, first, n_keys, qpos, page_size, window, scale):
+    return paged_decode(q, pool, table, first, n_keys, qpos, page_size, window or None, scale)
 
 
-traced_paged_decode = _register_traced_op()  # same arguments as paged_decode; window 0: none
+# `paged_decode` as an operator (`hyrax::paged_decode`, traced_ops.py), so that a torch.compile'd
+# decode forward (captured_decode.py) calls the kernel as one node instead of tracing the SDPA
+# path in its place; None where this torch cannot define it. Same arguments; window 0: none
+traced_paged_decode = define(
+    "paged_decode", "(Tensor q, Tensor pool, Tensor table, Tensor? first, Tensor n_keys, Tensor qpos, "
+    "int page_size, int window, float scale) -> Tensor", _traced, lambda q, *rest: q.new_empty(q.shape))
