@@ -19,6 +19,16 @@ becomes a `PlannedLinear` (same parameters, names and state dict) whose forward 
 Products of more than MAX_ROWS rows, GPU models, traced code (torch.compile) and products
 autograd records run plain.
 
+A second library, oneDNN (`torch.ops.mkldnn._linear_pointwise` on the dense weight as it lies:
+no copy, no other layout), runs the same products with its own kernels, and on large weights
+faster at every row count. Measured, same VM, one thread, interleaved medians, MKL time over
+oneDNN time: a (3224, 768) weight 1.14 / 1.36 / 1.10 / 1.17 at 1 / 15 / 16 / 256 rows, (4096,
+768) 1.77 / 1.37 / 1.25 / 1.22, (8192, 768) 1.46 / 1.47 / 1.34 / 1.27; on the demo model's
+small weights its fixed cost per call loses (0.24-0.78 below 16 rows, ~1 at 256). So the plan
+also times oneDNN, at every planned row count and at LARGE_ROWS, and uses it for a row count
+where it costs at most ONEDNN_MARGIN of the best MKL way, and for products of more than
+MAX_ROWS rows where it does at every LARGE_ROWS count.
+
 Each row of the result is computed from its own row of x alone, so a padded or split product
 gives each request the same values a product of that many rows would; which kernel computed
 them (and so the last bits of rounding) depends on the plan, as it already depends on how
@@ -36,21 +46,56 @@ from torch.nn import functional as F
 
 from hyrax.actors.model.row_copy import traced_or_recorded
 
-MAX_ROWS = 16  # row counts planned: 1 .. MAX_ROWS (larger products run plain)
+MAX_ROWS = 16  # row counts planned: 1 .. MAX_ROWS (larger products run plain, or all through oneDNN)
 MARGIN = 0.8  # a plan is used for m rows only if it costs at most this share of the plain product
 PIECE_OVERHEAD_S = 3e-6  # added per extra piece or padding copy when comparing plans (a small op's dispatch)
+LARGE_ROWS = (64, 256)  # the row counts that decide oneDNN for products of more than MAX_ROWS rows
+ONEDNN_MARGIN = 0.9  # oneDNN runs a row count only if it costs at most this share of MKL's best way
 
 Piece = tuple[int, int]  # (rows of x, rows the product runs with: more means zero padding)
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    """pieces[m - 1]: how a product of m rows runs, None where it runs plain."""
+    """pieces[m - 1]: how a product of m rows runs through MKL, None where it runs plain;
+    onednn[m - 1]: whether it runs through oneDNN instead (every m where empty);
+    onednn_above: whether products of more than len(pieces) rows do."""
 
     pieces: tuple[tuple[Piece, ...] | None, ...]
+    onednn: tuple[bool, ...] = ()
+    onednn_above: bool = False
 
     def for_rows(self, m: int) -> tuple[Piece, ...] | None:
         return self.pieces[m - 1] if 0 < m <= len(self.pieces) else None
+
+    def onednn_for(self, m: int) -> bool:
+        if m > len(self.pieces):
+            return self.onednn_above
+        return 0 < m <= len(self.onednn) and self.onednn[m - 1]
+
+
+def _onednn_op():
+    """oneDNN's linear on a dense weight, or None where this torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return None
+    return torch.ops.mkldnn._linear_pointwise
+
+
+_ONEDNN = _onednn_op()
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a 2-D x through oneDNN."""
+    return _ONEDNN(x, weight, bias, "none", [], "")
+
+
+def pieces_seconds(seconds: list[float], pieces: tuple[Piece, ...] | None, m: int,
+                   overhead: float = PIECE_OVERHEAD_S) -> float:
+    """What `best_pieces` counted for m rows run as `pieces` (None: plain)."""
+    if pieces is None:
+        return seconds[m - 1]
+    return sum(seconds[run_as - 1] + (overhead if run_as > rows else 0.0) for rows, run_as in pieces) \
+        + overhead * (len(pieces) - 1)
 
 
 def best_pieces(seconds: list[float], overhead: float = PIECE_OVERHEAD_S,
@@ -74,18 +119,19 @@ def best_pieces(seconds: list[float], overhead: float = PIECE_OVERHEAD_S,
                  for m in range(1, n + 1))
 
 
-def _time_rows(weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> float:
-    """Seconds of one plain product of m rows: the fastest of a few repetitions."""
+def _time_rows(weight: torch.Tensor, bias: torch.Tensor | None, m: int, product=F.linear) -> float:
+    """Seconds of one plain product of m rows (`product`: F.linear, MKL; or onednn_linear): the
+    fastest of a few repetitions."""
     x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
-    F.linear(x, weight, bias)
+    product(x, weight, bias)
     t0 = time.perf_counter()
-    F.linear(x, weight, bias)
+    product(x, weight, bias)
     calls = max(1, int(2e-4 / max(time.perf_counter() - t0, 1e-7)))  # ~0.2 ms a repetition
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(calls):
-            F.linear(x, weight, bias)
+            product(x, weight, bias)
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
 
@@ -103,11 +149,29 @@ def row_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
             b = None if bias is None else torch.randn(bias.shape, dtype=bias.dtype)
             # two passes over the counts, each keeping its fastest: a burst of other load on the
             # machine during one count's timing does not make it look slow
-            seconds = [float("inf")] * MAX_ROWS
+            counts = list(range(1, MAX_ROWS + 1)) + list(LARGE_ROWS)
+            kinds = {"mkl": F.linear} | ({"onednn": onednn_linear} if _ONEDNN is not None and weight.dtype
+                                        == torch.float32 else {})
+            seconds = {kind: [float("inf")] * len(counts) for kind in kinds}
             for _ in range(2):
-                seconds = [min(s, _time_rows(w, b, m)) for m, s in enumerate(seconds, start=1)]
-        _plans[key] = RowPlan(best_pieces(seconds))
+                for kind, product in kinds.items():
+                    seconds[kind] = [min(s, _time_rows(w, b, m, product)) for m, s in zip(counts, seconds[kind])]
+        _plans[key] = _plan_from(seconds)
     return _plans[key]
+
+
+def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
+    """The plan from measured seconds per kind ("mkl", and "onednn" where it ran) at 1 ..
+    MAX_ROWS rows, then at each of LARGE_ROWS."""
+    mkl = seconds["mkl"][:MAX_ROWS]
+    pieces = best_pieces(mkl)
+    dnn = seconds.get("onednn")
+    if dnn is None:
+        return RowPlan(pieces)
+    onednn = tuple(dnn[m - 1] <= ONEDNN_MARGIN * min(mkl[m - 1], pieces_seconds(mkl, pieces[m - 1], m))
+                   for m in range(1, MAX_ROWS + 1))
+    above = all(d <= ONEDNN_MARGIN * k for d, k in zip(dnn[MAX_ROWS:], seconds["mkl"][MAX_ROWS:]))
+    return RowPlan(pieces, onednn, above)
 
 
 def run_pieces(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -141,6 +205,9 @@ class PlannedLinear(nn.Linear):
         if traced_or_recorded(self.weight):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if m and self.row_plan.onednn_for(m):
+            y = onednn_linear(x.reshape(m, x.shape[-1]), self.weight, self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         pieces = self.row_plan.for_rows(m)
         if pieces is None:
             return F.linear(x, self.weight, self.bias)
