@@ -190,3 +190,20 @@ def test_only_float32_weights_are_timed_through_onednn(monkeypatch):
     if gemm_rows._ONEDNN is not None:
         gemm_rows.row_plan(torch.zeros(8, 4), None)
         assert gemm_rows.onednn_linear in timed
+
+
+def test_a_onednn_that_fails_or_differs_gets_no_plan(monkeypatch):
+    from hyrax.actors.model import gemm_rows
+
+    w = torch.randn(8, 4)
+    if gemm_rows._ONEDNN is not None:
+        assert gemm_rows._onednn_serves(w, None)
+
+    def refuses(*a):
+        raise RuntimeError("no dense weights here")
+
+    for op in (refuses, lambda x, w, b, *rest: F.linear(x, w, b) + 1):
+        monkeypatch.setattr(gemm_rows, "_ONEDNN", op)
+        monkeypatch.setattr(gemm_rows, "_plans", {})
+        assert not gemm_rows._onednn_serves(w, None)
+        assert gemm_rows.row_plan(w, None).onednn == ()

@@ -150,14 +150,27 @@ def row_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
             # two passes over the counts, each keeping its fastest: a burst of other load on the
             # machine during one count's timing does not make it look slow
             counts = list(range(1, MAX_ROWS + 1)) + list(LARGE_ROWS)
-            kinds = {"mkl": F.linear} | ({"onednn": onednn_linear} if _ONEDNN is not None and weight.dtype
-                                        == torch.float32 else {})
+            kinds = {"mkl": F.linear} | ({"onednn": onednn_linear} if _onednn_serves(w, b) else {})
             seconds = {kind: [float("inf")] * len(counts) for kind in kinds}
             for _ in range(2):
                 for kind, product in kinds.items():
                     seconds[kind] = [min(s, _time_rows(w, b, m, product)) for m, s in zip(counts, seconds[kind])]
         _plans[key] = _plan_from(seconds)
     return _plans[key]
+
+
+def _onednn_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN runs float32 products with this weight here, and gives F.linear's values
+    (a torch whose operator refuses a dense weight, or computes something else, gets no oneDNN
+    plan rather than an error or a wrong token)."""
+    if _ONEDNN is None or weight.dtype != torch.float32:
+        return False
+    x = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+    try:
+        got = onednn_linear(x, weight, bias)
+    except RuntimeError:
+        return False
+    return got.shape == (3, weight.shape[0]) and torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 
 def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
