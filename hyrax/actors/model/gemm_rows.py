@@ -27,7 +27,9 @@ oneDNN time: a (3224, 768) weight 1.14 / 1.36 / 1.10 / 1.17 at 1 / 15 / 16 / 256
 small weights its fixed cost per call loses (0.24-0.78 below 16 rows, ~1 at 256). So the plan
 also times oneDNN, at every planned row count and at LARGE_ROWS, and uses it for a row count
 where it costs at most ONEDNN_MARGIN of the best MKL way, and for products of more than
-MAX_ROWS rows where it does at every LARGE_ROWS count.
+MAX_ROWS rows where it costs at most LARGE_MARGIN of MKL at the next LARGE_ROWS count (past
+the last, at the last): products that large take milliseconds, so their timings are steadier
+(the large model's 256-token prefill step with every large product through oneDNN: 1.10x).
 
 Each row of the result is computed from its own row of x alone, so a padded or split product
 gives each request the same values a product of that many rows would; which kernel computed
@@ -51,6 +53,7 @@ MARGIN = 0.8  # a plan is used for m rows only if it costs at most this share of
 PIECE_OVERHEAD_S = 3e-6  # added per extra piece or padding copy when comparing plans (a small op's dispatch)
 LARGE_ROWS = (64, 256)  # the row counts that decide oneDNN for products of more than MAX_ROWS rows
 ONEDNN_MARGIN = 0.9  # oneDNN runs a row count only if it costs at most this share of MKL's best way
+LARGE_MARGIN = 0.95  # ... and a count past MAX_ROWS if this share at its LARGE_ROWS count
 
 Piece = tuple[int, int]  # (rows of x, rows the product runs with: more means zero padding)
 
@@ -58,19 +61,23 @@ Piece = tuple[int, int]  # (rows of x, rows the product runs with: more means ze
 @dataclass(frozen=True)
 class RowPlan:
     """pieces[m - 1]: how a product of m rows runs through MKL, None where it runs plain;
-    onednn[m - 1]: whether it runs through oneDNN instead (every m where empty);
-    onednn_above: whether products of more than len(pieces) rows do."""
+    onednn[m - 1]: whether it runs through oneDNN instead (none where empty); onednn_large[i]:
+    whether products of more than len(pieces) rows, up to LARGE_ROWS[i] (past the last: any
+    more), do."""
 
     pieces: tuple[tuple[Piece, ...] | None, ...]
     onednn: tuple[bool, ...] = ()
-    onednn_above: bool = False
+    onednn_large: tuple[bool, ...] = ()
 
     def for_rows(self, m: int) -> tuple[Piece, ...] | None:
         return self.pieces[m - 1] if 0 < m <= len(self.pieces) else None
 
     def onednn_for(self, m: int) -> bool:
         if m > len(self.pieces):
-            return self.onednn_above
+            if not self.onednn_large:
+                return False
+            at = next((i for i, rows in enumerate(LARGE_ROWS) if m <= rows), len(LARGE_ROWS) - 1)
+            return self.onednn_large[at]
         return 0 < m <= len(self.onednn) and self.onednn[m - 1]
 
 
@@ -183,8 +190,8 @@ def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
         return RowPlan(pieces)
     onednn = tuple(dnn[m - 1] <= ONEDNN_MARGIN * min(mkl[m - 1], pieces_seconds(mkl, pieces[m - 1], m))
                    for m in range(1, MAX_ROWS + 1))
-    above = all(d <= ONEDNN_MARGIN * k for d, k in zip(dnn[MAX_ROWS:], seconds["mkl"][MAX_ROWS:]))
-    return RowPlan(pieces, onednn, above)
+    large = tuple(d <= LARGE_MARGIN * k for d, k in zip(dnn[MAX_ROWS:], seconds["mkl"][MAX_ROWS:]))
+    return RowPlan(pieces, onednn, large)
 
 
 def run_pieces(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
