@@ -133,7 +133,8 @@ def test_captured_rows_equal_the_slots_of_a_run_that_stopped_there(layout, path,
     assert c_step_passes == ([3, 2] * len(model.cfg.layers_of("mamba2")) if path == "c-step" else [])
 
 
-def _several_captures_equal_stopped_runs(model, vocab: int, seed: int, tol: float = 1e-9) -> None:
+def _several_captures_equal_stopped_runs(model, vocab: int, seed: int, tol: float = 1e-9,
+                                        want_at: dict | None = None) -> None:
     """One row captured at three points of its slice and another at one (the plan's `captures`
     path: a step passing several track boundaries of one prompt), in a batch of mixed lengths:
     every checkpoint row holds the state after exactly its own prefix."""
@@ -145,7 +146,8 @@ def _several_captures_equal_stopped_runs(model, vocab: int, seed: int, tol: floa
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (14, 9)]
     every = shuffled_pages(model, 8, seed=11)
     pages = [{name: t[4 * b:4 * b + 4] for name, t in every.items()} for b in range(2)]
-    want_at = {0: [(4, 0), (8, 1), (12, 2)], 1: [(5, 3)]}  # row -> (tokens before, checkpoint row)
+    if want_at is None:  # row -> (tokens before, checkpoint row)
+        want_at = {0: [(4, 0), (8, 1), (12, 2)], 1: [(5, 3)]}
     pools = fresh_pools(model)
     for c in slot_comps:
         pools[into[c.name]] = torch.zeros(pools[c.name].shape[0], 4, *pools[c.name].shape[2:],
@@ -172,6 +174,14 @@ def test_several_captures_in_one_slice_each_equal_the_slots_of_a_run_that_stoppe
     # per Mamba2 layer: both rows to their first points, then row 0 on through its other two
     # points and its end (row 1's second run, its end, in the second pass)
     assert c_step_passes == ([2, 2, 1, 1] * len(model.cfg.layers_of("mamba2")) if path == "c-step" else [])
+
+
+def test_captures_at_the_first_tokens_and_next_to_each_other(c_step_passes):
+    """Runs shorter than the convolution's window (1 and 2 tokens: the conv state then mixes the
+    previous run's inputs with the new ones) and a capture after the first token, on the C step."""
+    model = _model("full_swa_mamba", "c-step")
+    _several_captures_equal_stopped_runs(model, 60, 4, PATHS["c-step"][1], {0: [(1, 0), (2, 1), (4, 2)], 1: [(8, 3)]})
+    assert c_step_passes == [2, 2, 1, 1] * len(model.cfg.layers_of("mamba2"))
 
 
 def test_gated_deltanet_captures_inside_a_slice_equal_runs_that_stopped_there(tmp_path):
