@@ -171,6 +171,7 @@ def test_onednn_products_are_the_plain_product(bias, monkeypatch):
     op = gemm_rows._ONEDNN
     monkeypatch.setattr(gemm_rows, "_ONEDNN", lambda *a: (calls.append(a[0].shape[0]), op(*a))[1])
     lin = nn.Linear(96, 80, bias=bias)
+    monkeypatch.setattr(gemm_rows, "_time_rows", lambda *a, **k: 1e-3)  # (no need to time it)
     plan_rows(lin)
     lin.row_plan = RowPlan((None,) * 16, (True,) * 16, (True, True))
     calls.clear()  # (the plan's own timing ran it too)
@@ -187,17 +188,18 @@ def test_only_float32_weights_are_timed_through_onednn(monkeypatch):
     timed = []
     monkeypatch.setattr(gemm_rows, "_time_rows", lambda w, b, m, product=F.linear: timed.append(product) or 1e-3)
     monkeypatch.setattr(gemm_rows, "_plans", {})
-    gemm_rows.row_plan(torch.zeros(8, 4, dtype=torch.float64), None)
+    gemm_rows.row_plan(torch.zeros(512, 256, dtype=torch.float64), None)
+    gemm_rows.row_plan(torch.zeros(256, 128), None)  # float32, but 128 KB: too small to pay oneDNN's call
     assert set(timed) == {F.linear}
     if gemm_rows._ONEDNN is not None:
-        gemm_rows.row_plan(torch.zeros(8, 4), None)
+        gemm_rows.row_plan(torch.zeros(512, 256), None)  # 512 KB
         assert gemm_rows.onednn_linear in timed
 
 
 def test_a_onednn_that_fails_or_differs_gets_no_plan(monkeypatch):
     from hyrax.actors.model import gemm_rows
 
-    w = torch.randn(8, 4)
+    w = torch.randn(512, 256)
     if gemm_rows._ONEDNN is not None:
         assert gemm_rows._onednn_serves(w, None)
 

@@ -54,6 +54,11 @@ PIECE_OVERHEAD_S = 3e-6  # added per extra piece or padding copy when comparing 
 LARGE_ROWS = (64, 256)  # the row counts that decide oneDNN for products of more than MAX_ROWS rows
 ONEDNN_MARGIN = 0.9  # oneDNN runs a row count only if it costs at most this share of MKL's best way
 LARGE_MARGIN = 0.95  # ... and a count past MAX_ROWS if this share at its LARGE_ROWS count
+# weights smaller than this are not timed through oneDNN: measured, its fixed cost per call never
+# paid on the demo model's (~0.3 MB, MKL/oneDNN 0.24-1.06 at 1-256 rows), it always did on the
+# large model's (0.8-25 MB, 1.1-1.8), and at ~1.05 a noisy timing could hand a small weight's
+# prefill products to oneDNN (seen once: the demo's at 256 rows, then slower at 65-255)
+ONEDNN_MIN_WEIGHT_BYTES = 512 * 1024
 
 Piece = tuple[int, int]  # (rows of x, rows the product runs with: more means zero padding)
 
@@ -167,10 +172,11 @@ def row_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
 
 
 def _onednn_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether oneDNN runs float32 products with this weight here, and gives F.linear's values
-    (a torch whose operator refuses a dense weight, or computes something else, gets no oneDNN
-    plan rather than an error or a wrong token)."""
-    if _ONEDNN is None or weight.dtype != torch.float32:
+    """Whether oneDNN is worth timing for this weight (float32, at least ONEDNN_MIN_WEIGHT_BYTES)
+    and runs its products here with F.linear's values (a torch whose operator refuses a dense
+    weight, or computes something else, gets no oneDNN plan rather than an error or a wrong
+    token)."""
+    if _ONEDNN is None or weight.dtype != torch.float32 or weight.numel() * 4 < ONEDNN_MIN_WEIGHT_BYTES:
         return False
     x = torch.randn(3, weight.shape[1], dtype=weight.dtype)
     try:
