@@ -163,24 +163,27 @@ class Capture:
 
 class Segment(NamedTuple):
     """One pass of a step kernel that stops at capture points (`capture_segments`): some of the
-    step's sequences, each over a run of its slice's tokens."""
+    step's sequences, each over a run of its slice's tokens, with the state rows involved made
+    once per step for every layer."""
 
     rows: torch.Tensor  # (m,) long: the sequences, as rows of the whole step
     starts: torch.Tensor  # (m,) long: where each one's run begins among the step's packed tokens
     lens: torch.Tensor  # (m,) long: the run's tokens, at least one
-    captures: torch.Tensor | None  # (c,) long: the step's captures (indices into its Capture) whose
-    # point is the end of a run of this pass; None: none
-    captured_rows: torch.Tensor | None  # (c,) long: their sequences, as rows of the whole step
+    slots: dict[str, torch.Tensor]  # slot component -> (m,) long: the sequences' rows of it
+    # the captures whose point ends a run of this pass (none: both empty): per slot component, the
+    # checkpoint rows they write and the slot rows they copy, (c,) long each
+    into: dict[str, torch.Tensor]
+    sources: dict[str, torch.Tensor]
 
 
-def capture_segments(q_lens: Sequence[int], starts: Sequence[int], capture: Capture, row_offset: int = 0,
-                     device: torch.device | str = "cpu") -> list[Segment]:
+def capture_segments(q_lens: Sequence[int], starts: Sequence[int], capture: Capture,
+                     slots: Mapping[str, torch.Tensor], row_offset: int = 0) -> list[Segment]:
     """A step's slices cut at their capture points, as passes: pass i runs each sequence's i-th
     run (a sequence with no capture point has one run, its whole slice; one with c of them,
     c + 1), so that a kernel that carries a sequence's state in its rows, run pass after pass,
     leaves in those rows after every pass the state at each capture point that pass ended at.
     `capture`'s rows are rows of the step plus `row_offset` (a MixedBatch's slices follow its
-    decode rows)."""
+    decode rows); `slots`: the step's rows of each slot component."""
     cuts: dict[int, list[tuple[int, int]]] = {}  # row -> [(capture point, capture index)]
     for i, (b, k) in enumerate(zip(capture.rows.tolist(), capture.lens_host)):
         cuts.setdefault(b + row_offset, []).append((k, i))
@@ -198,14 +201,21 @@ def capture_segments(q_lens: Sequence[int], starts: Sequence[int], capture: Capt
                 runs.append([])
             runs[i].append((b, start + done, end - done, ending))
             done, i = end, i + 1
+    device = capture.rows.device
 
     def longs(values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=device)
 
     def segment(run: list[tuple[int, int, int, list[int]]]) -> Segment:
+        rows = longs(r[0] for r in run)
         ended = [(c, b) for b, _, _, cs in run for c in cs]
-        return Segment(longs(r[0] for r in run), longs(r[1] for r in run), longs(r[2] for r in run),
-                       longs(c for c, _ in ended) if ended else None, longs(b for _, b in ended) if ended else None)
+        into, sources = {}, {}
+        if ended:
+            which, seqs = longs(c for c, _ in ended), longs(b for _, b in ended)
+            into = {name: capture.slots[name].index_select(0, which) for name in slots}
+            sources = {name: s.index_select(0, seqs) for name, s in slots.items()}
+        return Segment(rows, longs(r[1] for r in run), longs(r[2] for r in run),
+                       {name: s.index_select(0, rows) for name, s in slots.items()}, into, sources)
 
     return [segment(run) for run in runs]
 
@@ -278,7 +288,7 @@ class ForwardBatch:
     def segments(self) -> list[Segment]:
         """The step's slices cut at its capture points (`capture_segments`), in the packed
         layout; made once per step for every layer. Only with a capture."""
-        return capture_segments(self.q_lens.tolist(), self.starts.tolist(), self.capture, 0, self.q_lens.device)
+        return capture_segments(self.q_lens.tolist(), self.starts.tolist(), self.capture, self.slots)
 
     @property
     def max_len(self) -> int:
@@ -339,8 +349,8 @@ class MixedBatch:
     def segments(self) -> list[Segment]:
         """As `ForwardBatch.segments`, over the decode rows and the slices (whose capture rows
         count from the first slice)."""
-        return capture_segments(self.q_lens.tolist(), self.starts.tolist(), self.capture, self.num_decode,
-                                self.q_lens.device)
+        return capture_segments(self.q_lens.tolist(), self.starts.tolist(), self.capture, self.slots,
+                                self.num_decode)
 
     def packed_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         (di, dp), (ci, cp) = self.decode.packed_inputs(), self.chunks.packed_inputs()

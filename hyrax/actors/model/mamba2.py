@@ -176,20 +176,18 @@ class Mamba2Mixer(nn.Module):
         pass by pass (`batch.segments`): after each pass the state rows of every sequence whose
         run ended at a capture point are copied into that capture's checkpoint rows."""
         conv_pool, ssm_pool = pools[CONV][self.local_layer], pools[SSM][self.local_layer]
-        conv_slots, ssm_slots, w = batch.slots[CONV], batch.slots[SSM], self.kernel_weights()
-        cap = batch.capture
+        w, cap = self.kernel_weights(), batch.capture
         if cap is None:
-            return mamba2_packed_rows_(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, starts, batch.q_lens, w)
+            return mamba2_packed_rows_(zxbcdt, conv_pool, batch.slots[CONV], ssm_pool, batch.slots[SSM], starts,
+                                       batch.q_lens, w)
         out = torch.empty(1, zxbcdt.shape[1], self.inner, dtype=torch.float32)
-        conv_into, ssm_into = pools[cap.into[CONV]][self.local_layer], pools[cap.into[SSM]][self.local_layer]
+        into = {name: pools[cap.into[name]][self.local_layer] for name in (CONV, SSM)}
         for seg in batch.segments:
-            mamba2_packed_rows_(zxbcdt, conv_pool, conv_slots.index_select(0, seg.rows), ssm_pool,
-                                ssm_slots.index_select(0, seg.rows), seg.starts, seg.lens, w, out=out)
-            if seg.captures is not None:
-                conv_into.index_copy_(0, cap.slots[CONV].index_select(0, seg.captures),
-                                      conv_pool.index_select(0, conv_slots.index_select(0, seg.captured_rows)))
-                ssm_into.index_copy_(0, cap.slots[SSM].index_select(0, seg.captures),
-                                     ssm_pool.index_select(0, ssm_slots.index_select(0, seg.captured_rows)))
+            mamba2_packed_rows_(zxbcdt, conv_pool, seg.slots[CONV], ssm_pool, seg.slots[SSM], seg.starts, seg.lens,
+                                w, out=out)
+            if seg.into:  # some sequences' runs ended at capture points: their states, as they are now
+                for name, pool in ((CONV, conv_pool), (SSM, ssm_pool)):
+                    into[name].index_copy_(0, seg.into[name], pool.index_select(0, seg.sources[name]))
         return out
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
