@@ -153,12 +153,26 @@ def test_onednn_runs_the_counts_where_it_is_clearly_cheaper_than_mkls_best_way()
     assert plan.onednn == (True,) * 9 + (False,) * 7
     assert plan.pieces == best_pieces(mkl)
     assert plan.onednn_large == (True, True)
-    assert all(plan.onednn_for(m) for m in (17, 64, 65, 256, 300)) and not plan.onednn_for(12)
+    assert all(plan.onednn_for(m) for m in (64, 65, 256, 300)) and not plan.onednn_for(12)
+    assert not any(plan.onednn_for(m) for m in (17, 40, 63))  # padded to few shapes, these would cost most
     assert LARGE_ROWS == (64, 256)
     mixed = _plan_from({"mkl": mkl + [5e-3, 20e-3], "onednn": dnn + [4.9e-3, 18e-3]})  # 64 rows: within the margin
     assert mixed.onednn_large == (False, True)
     assert [mixed.onednn_for(m) for m in (17, 64, 65, 256, 1000)] == [False, False, True, True, True]
     assert _plan_from({"mkl": mkl + [5e-3, 20e-3]}) == RowPlan(best_pieces(mkl))  # no oneDNN here: MKL only
+
+
+def test_onednn_meets_few_shapes():
+    """oneDNN builds a kernel per shape: past 16 rows its products run on rows rounded up to
+    multiples of 16 (to 256) and of 64 (beyond), never fewer than asked."""
+    from hyrax.actors.model.gemm_rows import onednn_rows
+
+    rows = [onednn_rows(m) for m in range(1, 4097)]
+    assert rows[:16] == list(range(1, 17))
+    assert all(r >= m for m, r in enumerate(rows, start=1))
+    assert all(r % 16 == 0 and r - m < 16 for m, r in enumerate(rows[16:256], start=17))
+    assert all(r % 64 == 0 and r - m < 64 for m, r in enumerate(rows[256:], start=257))
+    assert len(set(rows)) == 16 + 15 + 60
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -175,11 +189,13 @@ def test_onednn_products_are_the_plain_product(bias, monkeypatch):
     plan_rows(lin)
     lin.row_plan = RowPlan((None,) * 16, (True,) * 16, (True, True))
     calls.clear()  # (the plan's own timing ran it too)
-    for shape in [(1, 96), (5, 96), (3, 4, 96), (16, 96), (40, 96), (2, 150, 96)]:
+    for shape in [(1, 96), (5, 96), (3, 4, 96), (16, 96), (40, 96), (2, 150, 96), (64, 96), (5, 61, 96)]:
         x = torch.randn(shape)
         with torch.inference_mode():
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 5, 12, 16, 40, 300]
+            y = lin(x)
+            assert y.shape == (*shape[:-1], 80)
+            torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 5, 12, 16, 320, 64, 320]  # 40 rows: MKL; 300 and 305 padded to 320
 
 
 def test_only_float32_weights_are_timed_through_onednn(monkeypatch):

@@ -26,10 +26,16 @@ oneDNN time: a (3224, 768) weight 1.14 / 1.36 / 1.10 / 1.17 at 1 / 15 / 16 / 256
 768) 1.77 / 1.37 / 1.25 / 1.22, (8192, 768) 1.46 / 1.47 / 1.34 / 1.27; on the demo model's
 small weights its fixed cost per call loses (0.24-0.78 below 16 rows, ~1 at 256). So the plan
 also times oneDNN, at every planned row count and at LARGE_ROWS, and uses it for a row count
-where it costs at most ONEDNN_MARGIN of the best MKL way, and for products of more than
-MAX_ROWS rows where it costs at most LARGE_MARGIN of MKL at the next LARGE_ROWS count (past
-the last, at the last): products that large take milliseconds, so their timings are steadier
-(the large model's 256-token prefill step with every large product through oneDNN: 1.10x).
+where it costs at most ONEDNN_MARGIN of the best MKL way, and for products of LARGE_ROWS[0] rows
+or more where it costs at most LARGE_MARGIN of MKL at the next LARGE_ROWS count (past the last,
+at the last): products that large take milliseconds, so their timings are steadier (the large
+model's 256-token prefill step with every large product through oneDNN: 1.10x).
+
+oneDNN builds a kernel for every shape it meets (its primitive cache keeps 1,024): measured, the
+first product of a (3224, 768) weight at a new row count cost 0.5-6 ms more than the next ones,
+and a prefill step's row count takes hundreds of values. So past MAX_ROWS its products run on
+rows padded to `onednn_rows` (multiples of 16 up to 256, of 64 beyond): a few dozen shapes a
+weight, built once; 17 .. LARGE_ROWS[0] - 1 rows, where that padding would cost most, stay MKL.
 
 Each row of the result is computed from its own row of x alone, so a padded or split product
 gives each request the same values a product of that many rows would; which kernel computed
@@ -79,7 +85,7 @@ class RowPlan:
 
     def onednn_for(self, m: int) -> bool:
         if m > len(self.pieces):
-            if not self.onednn_large:
+            if not self.onednn_large or m < LARGE_ROWS[0]:
                 return False
             at = next((i for i, rows in enumerate(LARGE_ROWS) if m <= rows), len(LARGE_ROWS) - 1)
             return self.onednn_large[at]
@@ -99,6 +105,15 @@ _ONEDNN = _onednn_op()
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for a 2-D x through oneDNN."""
     return _ONEDNN(x, weight, bias, "none", [], "")
+
+
+def onednn_rows(m: int) -> int:
+    """The rows a oneDNN product of m rows runs on: m up to MAX_ROWS, then m rounded up to a
+    multiple of 16 (up to 256) or of 64 (beyond), so that it meets few shapes."""
+    if m <= MAX_ROWS:
+        return m
+    step = 16 if m <= 256 else 64
+    return -(-m // step) * step
 
 
 def pieces_seconds(seconds: list[float], pieces: tuple[Piece, ...] | None, m: int,
@@ -232,8 +247,9 @@ class PlannedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if m and self.row_plan.onednn_for(m):
-            y = onednn_linear(x.reshape(m, x.shape[-1]), self.weight, self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
+            x2, rows = x.reshape(m, x.shape[-1]), onednn_rows(m)
+            y = onednn_linear(F.pad(x2, (0, 0, 0, rows - m)) if rows > m else x2, self.weight, self.bias)
+            return (y[:m] if rows > m else y).view(*x.shape[:-1], y.shape[-1])
         pieces = self.row_plan.for_rows(m)
         if pieces is None:
             return F.linear(x, self.weight, self.bias)
