@@ -209,3 +209,27 @@ def test_the_cpu_route_of_the_step_metadata_equals_the_packed_route(monkeypatch)
     for name in host:
         assert cpu[name].dtype == packed[name].dtype and cpu[name].shape == packed[name].shape, name
         assert torch.equal(cpu[name], packed[name]), name
+
+
+def test_a_cpu_step_of_several_slices_attends_one_sequence_at_a_time(monkeypatch):
+    """On the CPU, SDPA runs a step of several slices per sequence (no query or key padded to
+    the longest; the test above checks its values against dense attention); the padded batch
+    is left to single sequences, decode steps and devices whose lengths the host cannot read."""
+    from hyrax.actors.model.attn_backends import SdpaPaged
+
+    attn, model = attention_layer("swa")
+    padded = []
+    inner = SdpaPaged._padded
+    monkeypatch.setattr(SdpaPaged, "_padded", lambda self, q, *a: (padded.append(tuple(q.shape[:2])),
+                                                                    inner(self, q, *a))[1])
+    g = torch.Generator().manual_seed(6)
+    lens = [9, 4, 12]
+    xs = [torch.randn(n, model.cfg.hidden_size, dtype=torch.float64, generator=g) for n in lens]
+    pages = shuffled_pages(model, 12, seed=7)[attn.component]
+    seqs = [SeqSlice([0] * n, 0, {attn.component: pages[4 * b:4 * b + 4]}, {}) for b, n in enumerate(lens)]
+    got = paged(attn, model, fresh_pools(model), xs, seqs)
+    assert padded == []
+    for b, x in enumerate(xs):
+        torch.testing.assert_close(got[b, :len(x)], dense(attn, model, x), atol=TOL, rtol=0)
+    paged(attn, model, fresh_pools(model), xs[:1], seqs[:1])  # one sequence: the padded batch is itself
+    assert padded == [(1, 9)]

@@ -73,7 +73,8 @@ def visible_mask(positions: torch.Tensor, q_valid: torch.Tensor, idx: AttnIndex,
 class SdpaPaged:
     """Gathers each request's visible K/V rows (one `index_select` over the pool's first dim:
     advanced indexing with a (B, K) index takes ~60x longer on CPU), zeroes the padding keys
-    in place through their host-computed flat indices, and attends: a decode step (T == 1)
+    in place through their host-computed flat indices, and attends (on the CPU, a step of
+    several slices one sequence at a time: `_per_sequence`): a decode step (T == 1)
     with batched matmuls per K/V head over strided views of the gathered rows (no K/V copy at
     all, none per query head; an additive mask, as einsum's planning and a masked_fill per
     layer cost more than the math at this size), a longer step with torch
@@ -84,14 +85,43 @@ class SdpaPaged:
 
     def __call__(self, q, pool, idx, batch, window, scale):
         B, T, H, D = q.shape
+        if T > 1 and B > 1 and q.device.type == "cpu" and idx.keys is not None:
+            return self._per_sequence(q, pool, idx, batch, window, scale)
+        return self._padded(q, pool, idx, batch, window, scale)
+
+    def _per_sequence(self, q, pool, idx, batch, window, scale):
+        """A step of several slices, on the CPU (their lengths known to the host for free): one
+        SDPA per sequence over its own queries and keys, none padded to the step's longest.
+        Measured, one thread, the quick c=16 workload's 32 prompts prefilled in 256-token steps
+        (a step's slices padded to the longest, keys to the longest context), interleaved A/B:
+        0.610 -> 0.577 s for the whole prefill. Padding queries' rows are zeros."""
+        B, T, H, D = q.shape
+        mask = self._visible(idx, batch, window)
+        out = q.new_zeros(B, T, H, D)
+        for b, (n, k) in enumerate(zip(batch.q_lens.tolist(), idx.keys.n_keys.tolist())):
+            kv = index_select_rows(pool, idx.read_rows[b, :k])  # (k, 2, KVH, D): its keys only
+            rep = H // kv.shape[2]
+            keys, values = (kv[:, i].repeat_interleave(rep, dim=1).transpose(0, 1)[None] for i in (0, 1))
+            o = nn.functional.scaled_dot_product_attention(q[b:b + 1, :n].transpose(1, 2), keys, values,
+                                                           attn_mask=mask[b:b + 1, None, :n, :k], scale=scale)
+            out[b, :n] = o[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _visible(idx, batch, window) -> torch.Tensor:
+        mask = idx.derived.get(("visible", window))
+        if mask is None:
+            mask = idx.derived[("visible", window)] = visible_mask(batch.positions, batch.q_valid, idx, window)
+        return mask
+
+    def _padded(self, q, pool, idx, batch, window, scale):
+        B, T, H, D = q.shape
         K = idx.read_rows.shape[1]
         kv = index_select_rows(pool, idx.read_rows.view(-1))  # (B * K, 2, KVH, D)
         # padding keys point at row 0, which may belong to another request: never let its bytes in
         kv.view(B * K, -1).index_fill_(0, idx.pad_keys, 0)
         kv = kv.view(B, K, *pool.shape[1:])
-        mask = idx.derived.get(("visible", window))
-        if mask is None:
-            mask = idx.derived[("visible", window)] = visible_mask(batch.positions, batch.q_valid, idx, window)
+        mask = self._visible(idx, batch, window)
         kvh = kv.shape[3]
         if T == 1:
             bias = idx.derived.get(("bias", window))  # (B, 1, K): 0 where visible, -inf elsewhere
