@@ -99,9 +99,8 @@ class SdpaPaged:
         mask = self._visible(idx, batch, window)
         out = q.new_zeros(B, T, H, D)
         for b, (n, k) in enumerate(zip(batch.q_lens.tolist(), idx.keys.n_keys.tolist())):
-            kv = index_select_rows(pool, idx.read_rows[b, :k])  # (k, 2, KVH, D): its keys only
-            rep = H // kv.shape[2]
-            keys, values = (kv[:, i].repeat_interleave(rep, dim=1).transpose(0, 1)[None] for i in (0, 1))
+            kv = index_select_rows(pool, idx.read_rows[b, :k])[None]  # (1, k, 2, KVH, D): its keys only
+            keys, values = _per_query_head(kv, H)
             o = nn.functional.scaled_dot_product_attention(q[b:b + 1, :n].transpose(1, 2), keys, values,
                                                            attn_mask=mask[b:b + 1, None, :n, :k], scale=scale)
             out[b, :n] = o[0].transpose(0, 1)
@@ -143,14 +142,19 @@ class SdpaPaged:
             for g, p in enumerate(heads):
                 torch.bmm(p, kv[:, :, 1, g], out=out[:, g])
             return out.view(B, 1, H, D)
-        rep = H // kvh
-        k = kv[:, :, 0].repeat_interleave(rep, dim=2).transpose(1, 2)  # (B, H, K, D)
-        v = kv[:, :, 1].repeat_interleave(rep, dim=2).transpose(1, 2)
+        k, v = _per_query_head(kv, H)
         out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale)
         return out.transpose(1, 2)
 
     def check_page_size(self, page_size: int) -> None:
         return None
+
+
+def _per_query_head(kv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered rows (B, K, 2, KVH, D) -> keys and values (B, heads, K, D) each, every K/V head
+    repeated for the query heads that share it (what SDPA takes)."""
+    rep = heads // kv.shape[3]
+    return tuple(kv[:, :, i].repeat_interleave(rep, dim=2).transpose(1, 2) for i in (0, 1))
 
 
 class CpuPaged:

@@ -23,7 +23,8 @@ from hyrax.actors.model.causal_conv_rows import causal_conv_rows_
 from hyrax.actors.model.conv import capture_conv_states, causal_conv_step
 from hyrax.actors.model.mamba2_rows import available as step_unavailable
 from hyrax.actors.model.mamba2_rows import (MixerWeights, mamba2_decode_rows_, mamba2_packed_rows_,
-                                            mamba2_prefill_rows_, mixer_weights, traced_mamba2_decode)
+                                            mamba2_prefill_rows_, mixer_weights, params_key,
+                                            traced_mamba2_decode)
 from hyrax.actors.model.norm import AllReduce, GatedGroupRMSNorm, SiluGate
 from hyrax.actors.model.row_copy import index_copy_rows_, traced_or_recorded
 from hyrax.actors.model.sharding import TP
@@ -134,11 +135,16 @@ class Mamba2Mixer(nn.Module):
             return None
         return ("norm_then_gate" if n.norm_first else "gate_then_norm"), n.group_size
 
+    def _kernel_params(self) -> tuple:
+        """(conv weight, conv bias, dt_bias, A_log, D, norm weight or None): what the step kernels
+        read, in `mixer_weights`' order (eagerly, and as the traced operator's arguments)."""
+        return (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                getattr(self.norm, "weight", None))
+
     def kernel_weights(self) -> MixerWeights:
         """The parameters as the step kernels read them, remade when one of them changed."""
-        params = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D,
-                  getattr(self.norm, "weight", None))
-        key = tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
+        params = self._kernel_params()
+        key = params_key(params)
         if self._kernel_weights is None or self._kernel_weights[0] != key:
             mode, group = self._kernel_norm()
             w = mixer_weights(*params[:5], self.cfg.time_step_limit, params[5], getattr(self.norm, "eps", 0.0),
@@ -207,10 +213,8 @@ class Mamba2Mixer(nn.Module):
                 and zxbcdt.dtype == conv_pool.dtype == ssm_pool.dtype == torch.float32 \
                 and conv_pool.device.type == "cpu":  # a compiled decode forward: the C step as one op
             mode, group = self._kernel_norm()
-            y = traced_mamba2_decode(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, self.conv1d.weight,
-                                     self.conv1d.bias, self.dt_bias, self.A_log, self.D,
-                                     getattr(self.norm, "weight", None), *self.cfg.time_step_limit,
-                                     getattr(self.norm, "eps", 0.0), group, mode)
+            y = traced_mamba2_decode(zxbcdt, conv_pool, conv_slots, ssm_pool, ssm_slots, *self._kernel_params(),
+                                     *self.cfg.time_step_limit, getattr(self.norm, "eps", 0.0), group, mode)
             return self.allreduce(self.out_proj(y))
         # with capture points, the C step runs pass by pass over packed tokens: here, where no
         # slice is padded (the padded and packed layouts are then the same)

@@ -183,9 +183,14 @@ _TRACED_WEIGHTS: dict[tuple, MixerWeights] = {}
 _TRACED_WEIGHTS_MAX = 64
 
 
+def params_key(params: tuple) -> tuple:
+    """What identifies a layer's parameters as they are now (each tensor's storage and version):
+    the kernels' layout of them is remade when it changes."""
+    return tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
+
+
 def _traced_weights(params: tuple, dt_limits: tuple[float, float], eps: float, group: int, mode: str) -> MixerWeights:
-    key = (tuple(None if p is None else (p.data_ptr(), p._version, tuple(p.shape)) for p in params),
-           dt_limits, eps, group, mode)
+    key = (params_key(params), dt_limits, eps, group, mode)
     w = _TRACED_WEIGHTS.get(key)
     if w is None:
         if len(_TRACED_WEIGHTS) >= _TRACED_WEIGHTS_MAX:  # parameters replaced (a reload): drop the oldest
