@@ -18,6 +18,9 @@ MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+# digits of a logit_bias key: any vocabulary fits, and int() of it is always cheap and safe
+# (Python refuses int() of over 4,300 digits)
+MAX_TOKEN_ID_DIGITS = 10
 
 # Accepted and without effect; each says so in its field description and in docs/api.md.
 NO_OP_FIELDS = ("user",)
@@ -202,9 +205,13 @@ class _Sampling(Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, v):
+        """A key is a token id in canonical decimal: "1" and "01" would name one token twice."""
         for k in v or {}:
-            if not (k.isascii() and k.isdigit()):
-                raise ValueError(f"logit_bias keys are token ids as strings, got {k!r}")
+            canonical = k.isascii() and k.isdigit() and (k == "0" or not k.startswith("0"))
+            if not canonical or len(k) > MAX_TOKEN_ID_DIGITS:
+                shown = repr(k) if len(k) <= 24 else f"{k[:20]!r}... ({len(k)} characters)"
+                raise ValueError(f"logit_bias keys are token ids as decimal strings without leading zeros "
+                                 f"(at most {MAX_TOKEN_ID_DIGITS} digits), got {shown}")
         return v
 
     def stop_list(self) -> tuple[str, ...]:

@@ -201,6 +201,20 @@ def test_bad_token_sampling_field_is_400(local, no_generation, path, patch, para
     assert err["param"].split(".")[0] == param, err
 
 
+@pytest.mark.parametrize("path", GEN)
+@pytest.mark.parametrize("key", ["9" * 4301, "0" * 4400 + "1", "1" * 11, "01", "00"])
+def test_a_logit_bias_key_that_is_not_a_canonical_short_token_id_is_400(local, no_generation, path, key):
+    """int() of over 4,300 digits raised in the route (a 500); a zero-padded id would name the
+    same token as its plain form, so keys are canonical decimal of at most 10 digits."""
+    err = assert_error(post(local.url, path, {**BASE[path], "logit_bias": {key: 1}}), 400, code="invalid_value",
+                       param="logit_bias")
+    assert "without leading zeros" in err["message"] and len(err["message"]) < 300, err
+
+
+def test_logit_bias_key_zero_is_a_token_id(local):
+    assert post(local.url, "/v1/completions", {**COMPLETION, "logit_bias": {"0": -100}}).status_code == 200
+
+
 def test_logit_bias_and_stop_token_ids_reach_the_sampler(local):
     """Greedy decoding with +100 on one token picks it every time; a stop token id ends it."""
     tok = local.client.model.tokenizer
