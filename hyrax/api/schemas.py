@@ -167,7 +167,7 @@ class _Sampling(Body):
         default=None, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end the completion")
     n: StrictInt = Field(default=1, ge=1, le=16)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
     ignore_eos: bool = False
     presence_penalty: Penalty = Field(default=0.0, description="subtracted once from every token already generated")
     frequency_penalty: Penalty = Field(default=0.0, description="subtracted per occurrence in the generated tokens")
@@ -191,6 +191,13 @@ class _Sampling(Body):
             raise ValueError("stop strings must be non-empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
         return v
 
     @field_validator("min_tokens")

@@ -75,6 +75,15 @@ def test_null_for_an_optional_field_means_its_default(local, path):
 
 
 @pytest.mark.parametrize("path", GEN)
+@pytest.mark.parametrize("stream", [{}, {"stream": False}, {"stream": None}])
+def test_stream_options_without_streaming_is_400(local, no_generation, path, stream):
+    """It was silently ignored; OpenAI and vLLM refuse it too."""
+    body = {**BASE[path], **stream, "stream_options": {"include_usage": True}}
+    err = assert_error(post(local.url, path, body), 400, code="invalid_value", param="stream_options")
+    assert "stream" in err["message"]
+
+
+@pytest.mark.parametrize("path", GEN)
 def test_documented_no_op_field_user_is_accepted(local, path):
     assert post(local.url, path, {**BASE[path], "user": "alice"}).status_code == 200
     assert_error(post(local.url, path, {**BASE[path], "user": 5}), 400, param="user")
