@@ -14,6 +14,8 @@ from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator,
 )
 
+from hyrax.actors.engine.request import SEED_MAX, SEED_MIN
+
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
@@ -160,7 +162,8 @@ class _Sampling(Body):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(default=0, ge=-1, description="0 or -1: off")
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX,
+                                   description="a signed 64-bit integer; choice k of n uses seed + k")
     stop: Union[Text, list[Text], None] = Field(
         default=None, description=f"up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
     stop_token_ids: list[StrictInt] | None = Field(

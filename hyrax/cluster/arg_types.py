@@ -38,6 +38,11 @@ non_negative_float = _ranged(float, lambda v: math.isfinite(v) and v >= 0, "a fi
 fraction = _ranged(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fails the comparison
 
 
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An int in [lo, hi]."""
+    return _ranged(int, lambda v: lo <= v <= hi, f"an int in [{lo}, {hi}]")
+
+
 def is_bearer_token(text: str) -> bool:
     """Whether `text` can travel as `Authorization: Bearer <text>` and match as it is: printable
     ASCII (what a header holds) that neither starts nor ends with a space (the gateway strips the

@@ -26,7 +26,7 @@ FALLBACK_HELP = {
     "--temperature": "sampling temperature; 0 is greedy",
     "--top-p": "nucleus sampling: keep the most likely tokens up to this probability mass (1 = off)",
     "--top-k": "keep only the k most likely tokens (0 = off)",
-    "--seed": "sampling seed (default: a random one per request)",
+    "--seed": "sampling seed, a signed 64-bit integer (default: a random one per request)",
     "--ignore-eos": "keep generating past the end-of-sequence token",
     # train-demo
     "--batch-size": "sequences per optimizer step",

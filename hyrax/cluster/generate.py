@@ -7,13 +7,13 @@ import sys
 import time
 
 from hyrax.actors.engine.local import load_engine, run_to_completion
-from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.engine.request import SEED_MAX, SEED_MIN, SamplingParams
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.env import apply_torch_threads
-from hyrax.cluster.arg_types import fraction, non_negative_float, non_negative_int, positive_int
+from hyrax.cluster.arg_types import fraction, int_in, non_negative_float, non_negative_int, positive_int
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=fraction, default=1.0)
     p.add_argument("--top-k", type=non_negative_int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int_in(SEED_MIN, SEED_MAX), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")

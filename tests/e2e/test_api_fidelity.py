@@ -204,6 +204,7 @@ def test_text_parts_are_joined_as_the_content(local):
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5}, "min_tokens"),
     ({"min_tokens": 1, "stop": "x"}, "min_tokens"), ({"min_tokens": 1, "stop": ["x"]}, "min_tokens"),
     ({"stop_token_ids": [264]}, "stop_token_ids"), ({"stop_token_ids": ["1"]}, "stop_token_ids"),
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"seed": 5 + 2**64}, "seed"),
 ])
 def test_bad_token_sampling_field_is_400(local, no_generation, path, patch, param):
     err = assert_error(post(local.url, path, {**BASE[path], **patch}), 400)  # max_tokens 4 < min_tokens 5
@@ -218,6 +219,13 @@ def test_a_logit_bias_key_that_is_not_a_canonical_short_token_id_is_400(local, n
     err = assert_error(post(local.url, path, {**BASE[path], "logit_bias": {key: 1}}), 400, code="invalid_value",
                        param="logit_bias")
     assert "without leading zeros" in err["message"] and len(err["message"]) < 300, err
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
+def test_a_seed_at_either_end_of_the_signed_64_bit_range_is_accepted(local, seed):
+    """As vLLM bounds it; the sampler reduces seeds modulo 2**64, so any wider range would give
+    one sampling stream two names (5 and 5 + 2**64 gave the same text)."""
+    assert post(local.url, "/v1/completions", {**COMPLETION, "seed": seed, "n": 2}).status_code == 200
 
 
 def test_logit_bias_key_zero_is_a_token_id(local):

@@ -37,6 +37,7 @@ REFUSED = [
     ("generate", "--max-tokens", "0"), ("generate", "--temperature", "nan"), ("generate", "--temperature", "-1"),
     ("generate", "--temperature", "inf"), ("generate", "--top-p", "0"), ("generate", "--top-p", "nan"),
     ("generate", "--top-p", "1.5"), ("generate", "--top-k", "-1"),
+    ("generate", "--seed", str(2**63)), ("generate", "--seed", str(-2**63 - 1)), ("generate", "--seed", "1.5"),
     # eval, train-demo, admin
     ("eval", "--limit", "0"), ("eval", "--concurrency", "-2"),
     ("train-demo", "--steps", "0"), ("train-demo", "--batch-size", "0"), ("train-demo", "--threads", "0"),
@@ -66,6 +67,7 @@ def test_a_negative_forced_retraction_interval_is_refused(capsys):
     ["serve", "--grace-period", "0", "--placement-wait", "0", "--host-pool-mb", "0", "--cache-route-margin", "-1",
      "--forced-retraction-interval", "0", "--mamba-checkpoint-slots", "0"],
     ["generate", "--temperature", "0", "--top-p", "1", "--top-k", "0", "--seed", "-7"],
+    ["generate", "--seed", str(2**63 - 1)], ["generate", f"--seed={-2**63}"],
     ["train-demo", "--eval-n", "0", "--lr", "1e-3"],
     ["admin", "forced-retraction", "0"],
 ])

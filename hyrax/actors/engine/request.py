@@ -11,6 +11,10 @@ from hyrax.actors.engine.grammar import GrammarSpec
 from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.model.errors import HyraxInputError
 
+# A client's seed (API `seed`, `hyrax generate --seed`): a signed 64-bit integer, as vLLM takes
+# it. The sampler reduces seeds modulo 2**64, so a wider range would give one stream two names.
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
