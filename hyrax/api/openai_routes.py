@@ -265,6 +265,16 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
             "usage": _usage(choices, body.n)}
 
 
+def _chat_max_tokens(body: ChatRequest) -> int | None:
+    """max_completion_tokens (OpenAI's current name) or max_tokens (its older one); both only
+    when they agree."""
+    given = {v for v in (body.max_tokens, body.max_completion_tokens) if v is not None}
+    if len(given) > 1:
+        raise APIError(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens ({body.max_completion_tokens}) "
+                            "disagree; give one of them", param="max_tokens", code="invalid_value")
+    return given.pop() if given else None
+
+
 @router.post("/v1/chat/completions")
 async def chat(body: ChatRequest, request: Request, response: Response):
     _check_model(request, body.model)
@@ -286,7 +296,7 @@ async def chat(body: ChatRequest, request: Request, response: Response):
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
         raise APIError(400, template_error(e), param="messages", code="invalid_value") from None
     ids = info.tokenizer.encode(prompt)
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = _chat_max_tokens(body)
     choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
                        (body.top_logprobs or 0) if want_lp else None, tools.grammar or grammar, prompt_param="messages")
     parsers = {c.index: tools.parser() for c in choices} if tools.parses else {}

@@ -136,6 +136,8 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
     if not body.tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+        if body.parallel_tool_calls is not None:  # OpenAI refuses it too
+            raise APIError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls", code="invalid_value")
         return ToolPlan()
     choice = choice or "auto"
     if choice == "none":

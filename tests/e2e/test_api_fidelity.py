@@ -83,6 +83,21 @@ def test_stream_options_without_streaming_is_400(local, no_generation, path, str
     assert "stream" in err["message"]
 
 
+def test_max_tokens_and_max_completion_tokens_that_differ_are_400_naming_max_tokens(local, no_generation):
+    """max_completion_tokens silently won over max_tokens."""
+    err = assert_error(post(local.url, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 3}), 400,
+                       code="invalid_value", param="max_tokens")
+    assert "max_completion_tokens" in err["message"]
+
+
+@pytest.mark.parametrize("limits", [{"max_tokens": 3, "max_completion_tokens": 3}, {"max_completion_tokens": 3},
+                                    {"max_tokens": 3}])
+def test_chat_takes_either_token_limit_or_both_when_equal(local, limits):
+    body = {**{k: v for k, v in CHAT.items() if k != "max_tokens"}, **limits, "ignore_eos": True}
+    r = post(local.url, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
 @pytest.mark.parametrize("path", GEN)
 def test_documented_no_op_field_user_is_accepted(local, path):
     assert post(local.url, path, {**BASE[path], "user": "alice"}).status_code == 200

@@ -93,6 +93,8 @@ def test_structured_outputs_regex_and_choice_as_vllm_names_them(local, oai):
     ("structured_outputs", {"regex": "[a-"}, "invalid regex"),
     ("structured_outputs", {"regex": "a", "choice": ["a"]}, "exactly one"),
     ("tool_choice", "required", "tool_choice needs tools"),
+    ("parallel_tool_calls", True, "parallel_tool_calls needs tools"),
+    ("parallel_tool_calls", False, "parallel_tool_calls needs tools"),
 ])
 def test_bad_structured_output_requests_are_400_naming_the_field(local, oai, field, value, needle):
     with pytest.raises(BadRequestError) as e:
