@@ -2,6 +2,8 @@
 padded and split products from measured times, and that every plan computes the same product."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from torch import nn
@@ -202,11 +204,13 @@ def test_only_float32_weights_are_timed_through_onednn(monkeypatch):
     from hyrax.actors.model import gemm_rows
 
     timed = []
-    monkeypatch.setattr(gemm_rows, "_time_rows", lambda w, b, m, product=F.linear: timed.append(product) or 1e-3)
+    monkeypatch.setattr(gemm_rows, "_time_rows",
+                        lambda w, b, m, product=F.linear, others=(): timed.append(product) or 1e-3)
     monkeypatch.setattr(gemm_rows, "_plans", {})
     gemm_rows.row_plan(torch.zeros(512, 256, dtype=torch.float64), None)
-    gemm_rows.row_plan(torch.zeros(256, 128), None)  # float32, but 128 KB: too small to pay oneDNN's call
     assert set(timed) == {F.linear}
+    gemm_rows.row_plan(torch.zeros(256, 128), None)  # float32, but 128 KB: too small to pay oneDNN's call
+    assert gemm_rows.onednn_linear not in timed
     if gemm_rows._ONEDNN is not None:
         gemm_rows.row_plan(torch.zeros(512, 256), None)  # 512 KB
         assert gemm_rows.onednn_linear in timed
@@ -227,3 +231,121 @@ def test_a_onednn_that_fails_or_differs_gets_no_plan(monkeypatch):
         monkeypatch.setattr(gemm_rows, "_plans", {})
         assert not gemm_rows._onednn_serves(w, None)
         assert gemm_rows.row_plan(w, None).onednn == ()
+
+
+def _native_or_skip():
+    from hyrax.actors.model import gemm_rows
+
+    if not gemm_rows._native_serves(torch.randn(4, 8), None):
+        pytest.skip("the native kernel cannot be built here (no C compiler)")
+    return gemm_rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_kernel_is_the_plain_product(bias):
+    """Every tile shape and remainder: rows 1-17 (threes, twos, a last one), outputs 1-9 and 37
+    (fours and single rows of the weight), inner sizes 1, 7, 8, 9 and 77 (whole vectors and a
+    tail)."""
+    gemm_rows = _native_or_skip()
+    g = torch.Generator().manual_seed(0)
+    for m in range(1, 18):
+        for n in (*range(1, 10), 37):
+            for k in (1, 7, 8, 9, 77):
+                x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+                b = torch.randn(n, generator=g) if bias else None
+                torch.testing.assert_close(gemm_rows.native_linear(x, w, b), F.linear(x, w, b),
+                                           rtol=1e-5, atol=1e-5, msg=lambda s: f"m={m} n={n} k={k}: {s}")
+
+
+def test_a_native_row_does_not_depend_on_the_rows_beside_it():
+    """Each output is summed in one order whatever the row count: any subset of rows gives
+    exactly the values those rows get in the full product (a BLAS gives no such promise)."""
+    gemm_rows = _native_or_skip()
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(16, 203, generator=g), torch.randn(45, 203, generator=g)
+    full = gemm_rows.native_linear(x, w, None)
+    for lo in range(16):
+        for hi in range(lo + 1, 17):
+            assert torch.equal(gemm_rows.native_linear(x[lo:hi].contiguous(), w, None), full[lo:hi]), (lo, hi)
+
+
+def test_planned_linear_runs_the_native_kernel_where_its_plan_says(monkeypatch):
+    gemm_rows = _native_or_skip()
+    calls = []
+    kernel = gemm_rows._NATIVE
+    monkeypatch.setattr(gemm_rows, "_NATIVE", lambda *a: (calls.append(a[4]), kernel(*a))[1])
+    lin = nn.Linear(40, 24)
+    monkeypatch.setattr(gemm_rows, "_time_rows", lambda *a, **k: 1e-3)  # (no need to time it)
+    plan_rows(lin)
+    lin.row_plan = RowPlan((None,) * 16, (), (), tuple(m % 2 == 0 for m in range(1, 17)))  # even counts
+    calls.clear()
+    for shape in [(1, 40), (2, 40), (3, 2, 40), (16, 40), (5, 40), (20, 40), (2, 3, 40)]:
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            y = lin(x)
+        assert y.shape == (*shape[:-1], 24)
+        torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [2, 6, 16, 6]
+    with torch.inference_mode():  # a view whose rows are not contiguous runs on a contiguous copy
+        x = torch.randn(40, 4).t()
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [2, 6, 16, 6, 4]
+
+
+def test_the_native_kernel_runs_the_counts_where_it_beats_the_best_other_way():
+    """At most 0.9 of the best other way at that count: MKL's (padded plans included) or
+    oneDNN's where oneDNN won."""
+    from hyrax.actors.model.gemm_rows import _plan_from
+
+    mkl = _mkl_like()  # 10-15 rows best padded to 16 (1.7 ms)
+    dnn = [0.85 * s for s in mkl[:9]] + [1.6e-3] * 7  # oneDNN: 1-9 rows
+    native = [0.8 * s for s in mkl[:4]] + [0.85 * s for s in dnn[4:9]] + [1.55e-3] * 6 + [1.0e-3]
+    plan = _plan_from({"mkl": mkl + [5e-3, 20e-3], "onednn": dnn + [4e-3, 18.5e-3], "native": native})
+    # 1-4: 0.8 of MKL but 0.94 of oneDNN (which won there); 5-9: 0.85 of oneDNN; 10-15: 1.55 vs
+    # MKL padded to 16, 1.7 (0.91); 16: 1.0 vs 1.7
+    assert plan.native == (False,) * 4 + (True,) * 5 + (False,) * 6 + (True,)
+    assert plan.onednn == (True,) * 9 + (False,) * 7  # oneDNN's own choice is unchanged
+    assert [plan.native_for(m) for m in (0, 5, 16, 17, 64)] == [False, True, True, False, False]
+    assert _plan_from({"mkl": mkl, "native": [1.0] * 16}) == RowPlan(best_pieces(mkl), native=(False,) * 16)
+
+
+def test_a_native_kernel_that_differs_or_is_missing_gets_no_plan(monkeypatch):
+    gemm_rows = _native_or_skip()
+    w = torch.randn(64, 32)
+    kernel = gemm_rows._NATIVE
+
+    def off_by_one(x, w_, b, y, m, n, k):  # the first output one too large
+        kernel(x, w_, b, y, m, n, k)
+        ctypes.c_float.from_address(y).value += 1.0
+
+    monkeypatch.setattr(gemm_rows, "_NATIVE", off_by_one)
+    monkeypatch.setattr(gemm_rows, "_plans", {})
+    assert not gemm_rows._native_serves(w, None)
+    assert gemm_rows.row_plan(w, None).native == ()
+    monkeypatch.setattr(gemm_rows, "_NATIVE", False)  # could not be built here
+    monkeypatch.setattr(gemm_rows, "_plans", {})
+    assert gemm_rows.row_plan(w, None).native == ()
+    assert not gemm_rows._native_serves(torch.randn(64, 32, dtype=torch.float64), None)  # float32 only
+    monkeypatch.setattr(gemm_rows, "_NATIVE", kernel)
+    assert not gemm_rows._native_serves(torch.randn(32, 64).t(), None)  # a weight that is not contiguous
+
+
+def test_a_model_larger_than_the_cache_is_planned_with_weights_out_of_it(monkeypatch):
+    """Decode steps of a model whose linear weights exceed the last-level cache read every
+    weight from memory; its plans are timed so (products cycling through copies spanning 1.5x
+    the cache), a model that fits is timed with its weight in the cache."""
+    from hyrax.actors.model import gemm_rows
+
+    seen = []
+    monkeypatch.setattr(gemm_rows, "_time_rows",
+                        lambda w, b, m, product=F.linear, others=(): seen.append((w.shape, len(others))) or 1e-3)
+    for llc, cold in ((1 << 20, False), (8 << 10, True)):
+        monkeypatch.setattr(gemm_rows, "last_level_cache_bytes", lambda llc=llc: llc)
+        monkeypatch.setattr(gemm_rows, "_plans", {})
+        seen.clear()
+        assert plan_rows(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64))) == 2  # 16 KB of weights
+        # 8 KB weights: 1.5 x 8 KB = 12 KB is the weight and one copy
+        assert {n for _, n in seen} == ({1} if cold else {0})
+    copies = gemm_rows._cold_copies(torch.zeros(10, 10))  # 400 bytes against 1.5 x 8 KB
+    assert len(copies) == 30 and all(c.shape == (10, 10) for c in copies)
+    assert len({c.data_ptr() for c in copies}) == 30

@@ -37,6 +37,16 @@ and a prefill step's row count takes hundreds of values. So past MAX_ROWS its pr
 rows padded to `onednn_rows` (multiples of 16 up to 256, of 64 beyond): a few dozen shapes a
 weight, built once; 17 .. LARGE_ROWS[0] - 1 rows, where that padding would cost most, stay MKL.
 
+A third way is Hyrax's own kernel (kernels/gemm_rows.c, built like the other native kernels):
+a BLAS packs the weight into its own layout on every call, which at 2-16 rows costs about as
+much as the arithmetic; the kernel reads the weight where it lies, each vector of it serving
+three rows of x at once. Measured, 2-core AVX2 VM (Zen 3), one thread, weights out of cache,
+GFLOP/s MKL / kernel: a (3224, 768) weight 7 / 15, 23 / 40, 35 / 45 at 2 / 8 / 16 rows, 53 / 53
+at 32, 64 / 56 at 64; (8192, 768) 22 / 41 at 8 rows, 36 / 50 at 16. The plan times it at every
+planned row count and runs it where it costs at most NATIVE_MARGIN of the best other way (MKL
+as planned, or oneDNN where that won). Its sums run in one order for every row count (native
+rows are batch-invariant, unlike a BLAS's).
+
 Each row of the result is computed from its own row of x alone, so a padded or split product
 gives each request the same values a product of that many rows would; which kernel computed
 them (and so the last bits of rounding) depends on the plan, as it already depends on how
@@ -44,14 +54,17 @@ many requests share the step.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hyrax.actors.model.native import NativeUnavailable, function
 from hyrax.actors.model.row_copy import traced_or_recorded
 
 MAX_ROWS = 16  # row counts planned: 1 .. MAX_ROWS (larger products run plain, or all through oneDNN)
@@ -60,6 +73,8 @@ PIECE_OVERHEAD_S = 3e-6  # added per extra piece or padding copy when comparing 
 LARGE_ROWS = (64, 256)  # the row counts that decide oneDNN for products of more than MAX_ROWS rows
 ONEDNN_MARGIN = 0.9  # oneDNN runs a row count only if it costs at most this share of MKL's best way
 LARGE_MARGIN = 0.95  # ... and a count past MAX_ROWS if this share at its LARGE_ROWS count
+NATIVE_MARGIN = 0.9  # the native kernel runs a row count only if it costs at most this share of the best other way
+LLC_GUESS_BYTES = 32 << 20  # the last-level cache where the system does not say
 # weights smaller than this are not timed through oneDNN: measured, its fixed cost per call never
 # paid on the demo model's (~0.3 MB, MKL/oneDNN 0.24-1.06 at 1-256 rows), it always did on the
 # large model's (0.8-25 MB, 1.1-1.8), and at ~1.05 a noisy timing could hand a small weight's
@@ -74,11 +89,12 @@ class RowPlan:
     """pieces[m - 1]: how a product of m rows runs through MKL, None where it runs plain;
     onednn[m - 1]: whether it runs through oneDNN instead (none where empty); onednn_large[i]:
     whether products of more than len(pieces) rows, up to LARGE_ROWS[i] (past the last: any
-    more), do."""
+    more), do; native[m - 1]: whether it runs through the native kernel instead of either."""
 
     pieces: tuple[tuple[Piece, ...] | None, ...]
     onednn: tuple[bool, ...] = ()
     onednn_large: tuple[bool, ...] = ()
+    native: tuple[bool, ...] = ()  # native[m - 1]: whether m rows run through the native kernel (first)
 
     def for_rows(self, m: int) -> tuple[Piece, ...] | None:
         return self.pieces[m - 1] if 0 < m <= len(self.pieces) else None
@@ -90,6 +106,9 @@ class RowPlan:
             at = next((i for i, rows in enumerate(LARGE_ROWS) if m <= rows), len(LARGE_ROWS) - 1)
             return self.onednn_large[at]
         return 0 < m <= len(self.onednn) and self.onednn[m - 1]
+
+    def native_for(self, m: int) -> bool:
+        return 0 < m <= len(self.native) and self.native[m - 1]
 
 
 def _onednn_op():
@@ -105,6 +124,43 @@ _ONEDNN = _onednn_op()
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for a 2-D x through oneDNN."""
     return _ONEDNN(x, weight, bias, "none", [], "")
+
+
+def _native_kernel():
+    """The native kernel's entry point, or None where it cannot be built here."""
+    try:
+        return function("gemm_rows", "hyrax_gemm_rows_f32", [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
+    except NativeUnavailable:
+        return None
+
+
+# the kernel, built when a plan first asks for it (`_native_serves`); False: it cannot be built here
+_NATIVE = None
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (m, in) through the native kernel: x, weight and bias
+    float32 and contiguous (`_native_serves` and the caller check)."""
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    _NATIVE(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            x.shape[0], weight.shape[0], weight.shape[1])
+    return y
+
+
+def _native_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the native kernel is worth timing for this weight (float32, contiguous, the
+    kernel built here) and gives F.linear's values on a trial (a kernel that computes something
+    else gets no plan rather than a wrong token)."""
+    global _NATIVE
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return False
+    if _NATIVE is None:
+        _NATIVE = _native_kernel() or False
+    if _NATIVE is False:
+        return False
+    x = torch.randn(5, weight.shape[1], dtype=weight.dtype)
+    got = native_linear(x, weight, bias)
+    return bool(torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))
 
 
 def onednn_rows(m: int) -> int:
@@ -146,49 +202,79 @@ def best_pieces(seconds: list[float], overhead: float = PIECE_OVERHEAD_S,
                  for m in range(1, n + 1))
 
 
-def _time_rows(weight: torch.Tensor, bias: torch.Tensor | None, m: int, product=F.linear) -> float:
-    """Seconds of one plain product of m rows (`product`: F.linear, MKL; or onednn_linear): the
-    fastest of a few repetitions."""
+def _time_rows(weight: torch.Tensor, bias: torch.Tensor | None, m: int, product=F.linear,
+               others: tuple[torch.Tensor, ...] = ()) -> float:
+    """Seconds of one plain product of m rows (`product`: F.linear, MKL; onednn_linear; or
+    native_linear): the fastest of a few repetitions. `others`: more weights of the same shape,
+    the products cycling through them all (weights that do not stay in the cache)."""
     x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
+    weights = (weight, *others)
     product(x, weight, bias)
     t0 = time.perf_counter()
     product(x, weight, bias)
-    calls = max(1, int(2e-4 / max(time.perf_counter() - t0, 1e-7)))  # ~0.2 ms a repetition
+    calls = max(len(weights), int(2e-4 / max(time.perf_counter() - t0, 1e-7)))  # ~0.2 ms a repetition
     best = float("inf")
-    for _ in range(3):
+    for _ in range(1 if others else 3):  # cold: a repetition already averages several weights
         t0 = time.perf_counter()
-        for _ in range(calls):
-            product(x, weight, bias)
+        for i in range(calls):
+            product(x, weights[i % len(weights)], bias)
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
 
 
-_plans: dict[tuple, RowPlan] = {}  # (out, in, dtype, has bias) -> plan, measured once per process
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (Linux sysfs), else LLC_GUESS_BYTES."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=LLC_GUESS_BYTES)
 
 
-def row_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
+def _cold_copies(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """More weights of `weight`'s shape (views of one buffer) such that all of them together span
+    1.5 times the last-level cache: a product cycling through them reads its weight from memory,
+    as a decode step over a model larger than the cache does."""
+    n = max(1, -(-3 * last_level_cache_bytes() // (2 * weight.numel() * weight.element_size())) - 1)
+    buf = torch.full((n, *weight.shape), 0.01, dtype=weight.dtype)  # any normal value times the same
+    return tuple(buf.unbind(0))
+
+
+_plans: dict[tuple, RowPlan] = {}  # (out, in, dtype, has bias, cold) -> plan, measured once per process
+
+
+def row_plan(weight: torch.Tensor, bias: torch.Tensor | None, cold: bool = False) -> RowPlan:
     """The plan for products with a weight of this shape, dtype and bias (measured with a
-    random weight of the same kind the first time it is asked for)."""
-    key = (*weight.shape, weight.dtype, bias is not None)
+    random weight of the same kind the first time it is asked for). `cold`: timed with the
+    weight read from memory (`_cold_copies`), as in a model whose weights do not fit in the
+    cache, where a BLAS's packing of the weight costs most; else with it in the cache."""
+    key = (*weight.shape, weight.dtype, bias is not None, cold)
     if key not in _plans:
         with torch.inference_mode():
             w = torch.randn(weight.shape, dtype=weight.dtype)
             b = None if bias is None else torch.randn(bias.shape, dtype=bias.dtype)
+            others = _cold_copies(w) if cold else ()
             # MKL: two passes over the small counts, each keeping its fastest, so that a burst of
             # other load during one count's timing does not make it look slow. oneDNN: one pass
             # (a burst there only keeps MKL), and the large counts (asked only where oneDNN is
             # timed: milliseconds a product) once per kind. The large model loads in 2.9 s so,
             # 4.0 s with two passes of everything, 1.4-1.5 s with MKL's timing alone
-            kinds = {"mkl": F.linear} | ({"onednn": onednn_linear} if _onednn_serves(w, b) else {})
+            # the native kernel: one pass over the small counts, as oneDNN
+            kinds = {"mkl": F.linear} | ({"onednn": onednn_linear} if _onednn_serves(w, b) else {}) \
+                | ({"native": native_linear} if _native_serves(w, b) else {})
             seconds = {kind: [float("inf")] * MAX_ROWS for kind in kinds}
-            for k in range(2):
+            for k in range(1 if cold else 2):
                 for kind, product in kinds.items():
                     if k == 0 or kind == "mkl":
-                        seconds[kind] = [min(s, _time_rows(w, b, m, product))
+                        seconds[kind] = [min(s, _time_rows(w, b, m, product, others))
                                          for m, s in enumerate(seconds[kind], 1)]
-            if len(kinds) > 1:
-                for kind, product in kinds.items():
-                    seconds[kind] += [_time_rows(w, b, m, product) for m in LARGE_ROWS]
+            if "onednn" in kinds:
+                for kind in ("mkl", "onednn"):
+                    # (hot: products this large are bound by their arithmetic, not by the weight's reads)
+                    seconds[kind] += [_time_rows(w, b, m, kinds[kind]) for m in LARGE_ROWS]
         _plans[key] = _plan_from(seconds)
     return _plans[key]
 
@@ -209,17 +295,21 @@ def _onednn_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
-    """The plan from measured seconds per kind ("mkl", and "onednn" where it ran) at 1 ..
-    MAX_ROWS rows, then (with "onednn") at each of LARGE_ROWS."""
+    """The plan from measured seconds per kind ("mkl"; "onednn" and "native" where they ran) at
+    1 .. MAX_ROWS rows, then (with "onednn", for MKL and oneDNN) at each of LARGE_ROWS."""
     mkl = seconds["mkl"][:MAX_ROWS]
     pieces = best_pieces(mkl)
+    best = [min(mkl[m - 1], pieces_seconds(mkl, pieces[m - 1], m)) for m in range(1, MAX_ROWS + 1)]
+    onednn, large = (), ()
     dnn = seconds.get("onednn")
-    if dnn is None:
-        return RowPlan(pieces)
-    onednn = tuple(dnn[m - 1] <= ONEDNN_MARGIN * min(mkl[m - 1], pieces_seconds(mkl, pieces[m - 1], m))
-                   for m in range(1, MAX_ROWS + 1))
-    large = tuple(d <= LARGE_MARGIN * k for d, k in zip(dnn[MAX_ROWS:], seconds["mkl"][MAX_ROWS:]))
-    return RowPlan(pieces, onednn, large)
+    if dnn is not None:
+        onednn = tuple(dnn[m - 1] <= ONEDNN_MARGIN * best[m - 1] for m in range(1, MAX_ROWS + 1))
+        large = tuple(d <= LARGE_MARGIN * k for d, k in zip(dnn[MAX_ROWS:], seconds["mkl"][MAX_ROWS:]))
+        best = [min(b, d) if use else b for b, d, use in zip(best, dnn, onednn)]
+    native = seconds.get("native")
+    if native is None:
+        return RowPlan(pieces, onednn, large)
+    return RowPlan(pieces, onednn, large, tuple(t <= NATIVE_MARGIN * b for t, b in zip(native, best)))
 
 
 def run_pieces(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -253,6 +343,9 @@ class PlannedLinear(nn.Linear):
         if traced_or_recorded(self.weight):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if m and self.row_plan.native_for(m) and x.dtype is self.weight.dtype and self.weight.is_contiguous():
+            y = native_linear(x.reshape(m, x.shape[-1]).contiguous(), self.weight, self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if m and self.row_plan.onednn_for(m):
             x2, rows = x.reshape(m, x.shape[-1]), onednn_rows(m)
             y = onednn_linear(F.pad(x2, (0, 0, 0, rows - m)) if rows > m else x2, self.weight, self.bias)
@@ -265,15 +358,16 @@ class PlannedLinear(nn.Linear):
 
 
 def plan_rows(model: nn.Module) -> int:
-    """Give every `nn.Linear` of a CPU model its row plan; returns how many were planned."""
-    n = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu":
-            plan = row_plan(module.weight, module.bias)
-            module.__class__ = PlannedLinear  # same object, parameters and state dict; a new forward
-            module.row_plan = plan
-            n += 1
-    return n
+    """Give every `nn.Linear` of a CPU model its row plan; returns how many were planned. The
+    plans are timed with weights out of the cache where the model's linear weights together
+    are larger than the last-level cache (a step then reads each from memory)."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
+    cold = sum(m.weight.numel() * m.weight.element_size() for m in linears) > last_level_cache_bytes()
+    for module in linears:
+        plan = row_plan(module.weight, module.bias, cold)
+        module.__class__ = PlannedLinear  # same object, parameters and state dict; a new forward
+        module.row_plan = plan
+    return len(linears)
 
 
 @contextmanager
