@@ -258,11 +258,11 @@ def row_plan(weight: torch.Tensor, bias: torch.Tensor | None, cold: bool = False
             b = None if bias is None else torch.randn(bias.shape, dtype=bias.dtype)
             others = _cold_copies(w) if cold else ()
             # MKL: two passes over the small counts, each keeping its fastest, so that a burst of
-            # other load during one count's timing does not make it look slow. oneDNN: one pass
-            # (a burst there only keeps MKL), and the large counts (asked only where oneDNN is
-            # timed: milliseconds a product) once per kind. The large model loads in 2.9 s so,
-            # 4.0 s with two passes of everything, 1.4-1.5 s with MKL's timing alone
-            # the native kernel: one pass over the small counts, as oneDNN
+            # other load during one count's timing does not make it look slow. oneDNN and the
+            # native kernel: one pass (a burst there only keeps MKL), and the large counts (asked
+            # only where oneDNN is timed: milliseconds a product) once per kind. Cold, one pass of
+            # each (a cold repetition cycles through several weights): ~1-2 s a large weight shape
+            # where a hot plan takes ~0.2-0.4 s; the large model loads in ~6 s so, ~3 s hot
             kinds = {"mkl": F.linear} | ({"onednn": onednn_linear} if _onednn_serves(w, b) else {}) \
                 | ({"native": native_linear} if _native_serves(w, b) else {})
             seconds = {kind: [float("inf")] * MAX_ROWS for kind in kinds}
