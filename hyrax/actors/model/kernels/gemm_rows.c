@@ -27,7 +27,12 @@ static inline float lanes_sum(__m256 v) {
 }
 
 /* y[i][j] for i < MR, j < NR from rows x[i] and w[j]; `ahead`: the next tile's w rows, fetched
-   into the cache while this one computes (NULL: none) */
+   into the cache while this one computes (NULL: none).
+   KEEP: each vector of x and of w is loaded once and kept in a register for all the products
+   that use it (the empty asm statements make the compiler materialise it): left alone, GCC
+   folds the loads into the multiply-adds as memory operands, loading each vector once per
+   product (15 loads for 12 products instead of 7), and the tile ran 10-20 % slower with its
+   operands in the cache (2-core Zen 3, 16 rows). */
 #define TILE(MR, NR)                                                                            \
     static void tile_##MR##_##NR(const float *x, const float *w, const float *b, float *y,     \
                                  int64_t N, int64_t K, const float *ahead) {                   \
@@ -39,9 +44,13 @@ static inline float lanes_sum(__m256 v) {
             if (ahead)                                                                          \
                 for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(ahead + j * K + k), _MM_HINT_T0); \
             __m256 xv[MR];                                                                      \
-            for (int i = 0; i < MR; i++) xv[i] = _mm256_loadu_ps(x + i * K + k);                \
+            for (int i = 0; i < MR; i++) {                                                      \
+                xv[i] = _mm256_loadu_ps(x + i * K + k);                                         \
+                __asm__("" : "+x"(xv[i])); /* in a register: see KEEP */                        \
+            }                                                                                   \
             for (int j = 0; j < NR; j++) {                                                      \
                 __m256 wv = _mm256_loadu_ps(w + j * K + k);                                     \
+                __asm__("" : "+x"(wv));                                                         \
                 for (int i = 0; i < MR; i++) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]); \
             }                                                                                   \
         }                                                                                       \
