@@ -43,6 +43,13 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
     return _ranged(int, lambda v: lo <= v <= hi, f"an int in [{lo}, {hi}]")
 
 
+def non_empty(text: str) -> str:
+    """A name that must be given when the option is (an empty one would silently mean the default)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be non-empty, got ''")
+    return text
+
+
 def is_bearer_token(text: str) -> bool:
     """Whether `text` can travel as `Authorization: Bearer <text>` and match as it is: printable
     ASCII (what a header holds) that neither starts nor ends with a space (the gateway strips the

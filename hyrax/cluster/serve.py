@@ -19,7 +19,7 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
-from hyrax.cluster.arg_types import (OneLineParser, bearer_token, is_bearer_token, non_negative_float,
+from hyrax.cluster.arg_types import (OneLineParser, bearer_token, is_bearer_token, non_empty, non_negative_float,
                                       positive_float, positive_int)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
@@ -39,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file whose keys are these options' long names (CLI flags win)")
     p.add_argument("--model", default="demo", help="checkpoint directory, a Hugging Face repo id in the local cache "
                    "(org/name[@revision], never downloaded), or 'demo' (default)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one on 127.0.0.1)")
     p.add_argument("--deployment", default="hyrax",
@@ -304,7 +304,7 @@ def validate(a) -> tuple:
     if not a.address:
         check_fits(roles, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles))  # more than it holds
         local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment
-    name = a.served_model_name or default_served_name(a.model)
+    name = default_served_name(a.model) if a.served_model_name is None else a.served_model_name
     return config, path, cfg, roles, name
 
 

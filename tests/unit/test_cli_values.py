@@ -23,6 +23,8 @@ REFUSED = [
     ("serve", "--placement-wait", "nan"), ("serve", "--placement-wait", "-1"),
     ("serve", "--hung-replica-timeout", "nan"), ("serve", "--hung-replica-timeout", "inf"),
     ("serve", "--num-cpus", "0"), ("serve", "--max-inflight", "0"),
+    # serve: an empty served name silently became the default one
+    ("serve", "--served-model-name", ""),
     # serve: deployment shape (0 replicas silently became 1)
     ("serve", "--decode-replicas", "0"), ("serve", "--prefill-replicas", "0"), ("serve", "--prefill-tp", "0"),
     ("serve", "--decode-tp", "-1"), ("serve", "--replicas", "0"), ("serve", "--tp", "0"),
@@ -133,6 +135,16 @@ def test_a_usage_error_is_one_line_and_exit_code_2(argv, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("hyrax") and "error:" in err and "--help" in err, err
+
+
+def test_an_empty_served_model_name_is_a_one_line_error(capsys, monkeypatch):
+    """It was silently replaced by the default name; now argument parsing refuses it."""
+    from hyrax.cluster import serve
+
+    monkeypatch.setattr(serve, "validate", lambda a: pytest.fail("serve started with an empty served name"))
+    assert cli.main(["serve", "--served-model-name", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyrax serve: error: argument --served-model-name: must be") and err.count("\n") == 1, err
 
 
 def test_a_config_flag_without_its_file_is_one_line_naming_serve(capsys):

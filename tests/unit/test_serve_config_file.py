@@ -49,6 +49,7 @@ def test_a_value_the_flag_would_refuse_is_an_error_naming_it(tmp_path, text, nam
     ("decode-replicas: 0\n", "--config: decode-replicas must be an int >= 1, got '0'"),
     ("host-pool-mb: .inf\n", "--config: host-pool-mb must be a finite number >= 0, got 'inf'"),
     ('api-key: ""\n', "--config: api-key must be"),
+    ('served-model-name: ""\n', "--config: served-model-name must be"),
 ])
 def test_a_value_out_of_the_flags_range_is_an_error_naming_it(tmp_path, text, says):
     with pytest.raises(HyraxInputError) as e:
