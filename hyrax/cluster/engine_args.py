@@ -71,7 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size >= 2, one for 1; the first decode step of each compiles it, "
                         "seconds on a small CPU: 6-9 s on a 2-core VM, for 1.2-1.35x), cuda_graphs = a CUDA "
-                        "graph per batch size (sdpa attention; not yet run on a GPU). Prefill stays eager "
+                        "graph per batch size (CUDA and --attention-backend sdpa only; not yet run on a GPU). "
+                        "Prefill stays eager "
                         "(default off)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: outputs independent of batch composition")

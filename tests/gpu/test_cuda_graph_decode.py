@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpu_helpers import demo_greedy
+from hyrax.actors.model.errors import HyraxInputError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -23,6 +24,6 @@ def test_cuda_graph_decode_gives_the_eager_tokens_with_retraction():
 
 def test_cuda_graph_decode_refuses_the_flash_backend():
     pytest.importorskip("vllm_flash_attn")
-    with pytest.raises(ValueError, match="needs the sdpa attention backend"):
+    with pytest.raises(HyraxInputError, match="needs --attention-backend sdpa"):
         demo_greedy("cuda", (5,), dtype="bfloat16", attention_backend="vllm_flash_attn",
                     captured_decode="cuda_graphs")

@@ -143,7 +143,7 @@ def test_engine_config_captures_its_model_once():
 def test_captured_decode_mode_is_validated():
     with pytest.raises(HyraxInputError, match="captured-decode must be one of off, compile, cuda_graphs, got 'yes'"):
         EngineConfig(captured_decode="yes")
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+    with pytest.raises(HyraxInputError, match="^--captured-decode cuda_graphs needs a CUDA device; this rank runs on cpu"):
         capture_decode(copy.deepcopy(tiny_model(HYBRID)), "cuda_graphs", "cpu")
 
 

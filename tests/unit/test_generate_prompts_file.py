@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import resolve_model_path
@@ -79,3 +80,11 @@ def test_ray_only_engine_options_are_an_error_not_ignored(capsys, flags, named):
     assert capsys.readouterr().err.splitlines() == [
         f"hyrax: error: {named}: applies to a Ray replica's rank actors; hyrax generate runs the engine in-process, "
         "without them"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="hyrax generate runs on the CPU; the check is for no CUDA")
+def test_cuda_graphs_on_the_cpu_is_a_one_line_error(capsys):
+    """CudaGraphDecode raised a ValueError: a 21-line traceback."""
+    assert cli.main(["generate", "--prompt", "hi", "--captured-decode", "cuda_graphs", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("hyrax: error: --captured-decode cuda_graphs needs a CUDA device"), err

@@ -26,6 +26,7 @@ import torch
 
 from hyrax.actors.model.batch import AttnIndex, ForwardBatch
 from hyrax.actors.model.captured_decode import layer_views, pad_key_columns
+from hyrax.actors.model.errors import HyraxInputError
 
 MIN_KEY_BUCKET = 64
 
@@ -68,11 +69,15 @@ class CudaGraphDecode:
     captured on first use; batches above `max_graph_batch` run eager."""
 
     def __init__(self, model, eager, names: tuple[str, ...], device: torch.device, max_graph_batch: int = 128):
+        # HyraxInputError: an option this rank cannot honour, one line on the CLI (under `hyrax
+        # serve` when the replica starts, as an attention backend its device cannot run)
         if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+            raise HyraxInputError(f"--captured-decode cuda_graphs needs a CUDA device; this rank runs on "
+                                  f"{device.type} (use compile, or off)")
         others = {b.name for b in model.attention_backends} - {"sdpa"}
         if others:
-            raise ValueError(f"CUDA graph decode needs the sdpa attention backend, not {', '.join(sorted(others))}")
+            raise HyraxInputError(f"--captured-decode cuda_graphs needs --attention-backend sdpa, not "
+                                  f"{', '.join(sorted(others))}")
         self.eager, self.names, self.max_graph_batch = eager, names, max_graph_batch
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = None  # one memory pool shared by every captured graph
