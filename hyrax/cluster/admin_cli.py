@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
                        description="Inspect and control a running Hyrax server through its admin API.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     p.add_argument("--token-file", default=None,
-                   help=f"file holding the admin token (default: $HYRAX_ADMIN_TOKEN, else {DEFAULT_TOKEN_FILE})")
+                   help=f"file holding the admin token (default: $HYRAX_ADMIN_TOKEN, else {DEFAULT_TOKEN_FILE}); "
+                        f"a server started while another held that file wrote {DEFAULT_TOKEN_FILE.name}.<port> "
+                        f"beside it (<port>: its --port; its banner names the file): pass that file here")
     acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     acts.add_parser("requests", help="list requests with state, indices and checksums")
     acts.add_parser("pools", help="pool usage per replica and component")

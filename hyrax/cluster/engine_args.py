@@ -13,9 +13,19 @@ from hyrax.cluster.arg_types import non_negative_float, non_negative_int, positi
 
 KV_DEFAULT = EngineConfig.kv_capacity_tokens  # the dataclass defaults
 SLOTS_DEFAULT = EngineConfig.mamba_slots
+# engine options that only a Ray replica's rank actors use, as dest -> (default, the flag that
+# changes it): `hyrax generate` runs the engine in-process, where they would change nothing, so
+# it refuses them when given and its help says they do not apply
+RAY_ONLY = {"compiled_graph": (True, "--no-compiled-graph"), "cpu_affinity": ("auto", "--cpu-affinity off")}
+NOT_IN_PROCESS = ("does not apply to hyrax generate, which runs the engine in-process without a Ray replica's rank "
+                  "actors: a value other than the default (%(default)s) is an error")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, in_process: bool = False) -> None:
+    """`in_process`: for `hyrax generate`, whose help says that the RAY_ONLY options do not apply."""
+    def replica_help(text: str) -> str:
+        return NOT_IN_PROCESS if in_process else text
+
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
                    help="model dtype; auto = float32 on the CPU, bfloat16 on CUDA (float16 on GPUs before "
@@ -55,18 +65,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-overlap", action="store_true",
                    help="do not plan step N+1 while step N runs (overlap scheduling is on by default)")
     g.add_argument("--compiled-graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="send each step to a replica's ranks through a Ray Compiled Graph (~1 ms less per "
+                   help=replica_help("send each step to a replica's ranks through a Ray Compiled Graph (~1 ms less per "
                         "step than plain actor calls; an idle replica parks its ranks, which then use no CPU). "
                         "--no-compiled-graph: plain actor calls, as also where no graph can be built "
-                        "(default on)")
+                        "(default on)"))
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto = vllm_flash_attn on CUDA with float16/bfloat16 when the "
                         "gpu extra imports; cpu_paged (a C decode kernel built on first use with the "
                         "machine's C compiler) for float32 on the CPU; else torch SDPA (default auto)")
     g.add_argument("--cpu-affinity", choices=AFFINITY_MODES, default="auto",
-                   help="auto (default): each CPU rank runs on CPUs of its own where some are free (never "
+                   help=replica_help("auto (default): each CPU rank runs on CPUs of its own where some are free (never "
                         "the first of its CPUs; none under a cgroup CPU quota), and the coordinator's step loop "
-                        "keeps off its ranks' CPUs while it steps a compiled graph; off: wherever the OS puts them")
+                        "keeps off its ranks' CPUs while it steps a compiled graph; off: wherever the OS puts them"))
     g.add_argument("--captured-decode", choices=CAPTURE_MODES, default="off",
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size >= 2, one for 1; the first decode step of each compiles it, "

@@ -14,7 +14,7 @@ from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.env import apply_torch_threads
 from hyrax.cluster.arg_types import fraction, int_in, non_negative_float, non_negative_int, positive_int
-from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
+from hyrax.cluster.engine_args import RAY_ONLY, add_engine_args, engine_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object with outputs and stats")
-    add_engine_args(p)
+    add_engine_args(p, in_process=True)
     p.set_defaults(func=run)
 
 
@@ -104,10 +104,6 @@ def _encode(tok, text: str, where: str) -> list[int]:
     except UnicodeEncodeError:
         raise HyraxInputError(f"{where}: not valid Unicode (it holds a lone surrogate)") from None
     return tok.encode(text)
-
-
-# engine options that only Ray replicas use: here they would change nothing, so asking for them is an error
-RAY_ONLY = {"compiled_graph": (True, "--no-compiled-graph"), "cpu_affinity": ("auto", "--cpu-affinity off")}
 
 
 def run(a: argparse.Namespace) -> int:

@@ -76,7 +76,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                             "on other replicas)")
     gw = p.add_argument_group("gateway")
     gw.add_argument("--admin-token-file", default=None,
-                    help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE})")
+                    help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE}; while another "
+                         f"running hyrax serve holds that default file, {DEFAULT_TOKEN_FILE.name}.<port> beside it, "
+                         f"<port> being --port; a given file that a running server holds is an error; nothing is "
+                         f"written when HYRAX_ADMIN_TOKEN is set)")
     gw.add_argument("--api-key", type=bearer_token, action="append", default=[],
                     help="require this API key on /v1 (repeatable)")
     gw.add_argument("--max-inflight", type=positive_int, default=1024, help="queued + running requests before 503")

@@ -51,6 +51,9 @@ def test_every_option_has_help_and_its_default(name):
     ("hyrax generate", "--seed", "random"),
     ("hyrax admin forced-retraction", "interval", "0 turns forced retraction off"),
     ("hyrax doctor", "--json", "one JSON object per check"),
+    # a second server on another port writes the per-port file (README, serve.resolve_admin_token)
+    ("hyrax serve", "--admin-token-file", "admin_token.<port>"),
+    ("hyrax admin", "--token-file", "admin_token.<port>"),
 ])
 def test_help_text_names_the_default(cmd, flag, says):
     parser = COMMANDS[cmd]
@@ -64,3 +67,16 @@ def test_every_command_help_starts_with_a_description(name):
     parser = COMMANDS[name]
     assert parser.description, f"{name} --help has no description"
     assert " ".join(parser.description.split()) in " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize("flag", ["--no-compiled-graph", "--cpu-affinity"])
+def test_generate_help_says_the_ray_only_engine_options_do_not_apply(flag):
+    """The shared engine options described what they do to a Ray replica's ranks, which
+    `hyrax generate` (in-process, no ranks) refuses; `hyrax serve` keeps the description."""
+    def shown(cmd: str) -> str:
+        parser = COMMANDS[cmd]
+        action = next(a for a in parser._actions if flag in a.option_strings)
+        return " ".join(parser._get_formatter()._expand_help(action).split())
+
+    assert "does not apply to hyrax generate" in shown("hyrax generate")
+    assert "rank" in shown("hyrax serve") and "does not apply" not in shown("hyrax serve")
