@@ -86,10 +86,10 @@ def check_cpu_kernels(m: Machine) -> Check:
     """The CPU's C kernels build here (native.py), and the decode attention kernel (cpu_paged)
     decodes the demo model as SDPA does."""
     from hyrax.actors.engine import state_rows
-    from hyrax.actors.model import causal_conv_rows, mamba2_rows, paged_decode, ssd_scan
+    from hyrax.actors.model import causal_conv_rows, gemm_rows, mamba2_rows, paged_decode, ssd_scan
 
     kernels = {"paged_decode": paged_decode, "ssd_scan": ssd_scan, "causal_conv": causal_conv_rows,
-               "mamba2_rows": mamba2_rows, "state_rows": state_rows}
+               "mamba2_rows": mamba2_rows, "state_rows": state_rows, "gemm_rows": gemm_rows}
     missing = {name: module.available() for name, module in kernels.items() if module.available()}
     if missing:
         return Check("cpu kernels", WARN, "not built, torch runs instead: "

@@ -25,7 +25,7 @@ def test_without_cuda_it_runs_what_it_can_skips_the_rest_and_exits_0(capsys):
     if cpu_paged_unavailable() is None:
         assert checks["cpu kernels"]["status"] == "ok", checks["cpu kernels"]
         assert checks["cpu kernels"]["detail"].endswith("48/48 tokens through cpu_paged equal to sdpa")
-        assert checks["cpu kernels"]["detail"].startswith("paged_decode, ssd_scan, causal_conv, mamba2_rows, state_rows built")
+        assert checks["cpu kernels"]["detail"].startswith("paged_decode, ssd_scan, causal_conv, mamba2_rows, state_rows, gemm_rows built")
     assert checks["backup round trip"]["status"] == "ok" and "checksums match" in checks["backup round trip"]["detail"]
     skipped = {n: c["detail"] for n, c in checks.items() if c["status"] == "skip"}
     assert skipped == {"flash vs sdpa": "no CUDA device", "nccl": "needs 2 GPUs, found 0",

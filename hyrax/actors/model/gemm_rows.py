@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hyrax.actors.model.native import NativeUnavailable, function
+from hyrax.actors.model.native import NativeUnavailable, function, unavailable
 from hyrax.actors.model.row_copy import traced_or_recorded
 
 MAX_ROWS = 16  # row counts planned: 1 .. MAX_ROWS (larger products run plain, or all through oneDNN)
@@ -124,6 +124,11 @@ _ONEDNN = _onednn_op()
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for a 2-D x through oneDNN."""
     return _ONEDNN(x, weight, bias, "none", [], "")
+
+
+def available() -> str | None:
+    """None when the native kernel builds and loads here, else why not."""
+    return unavailable("gemm_rows")
 
 
 def _native_kernel():
