@@ -93,6 +93,10 @@ def test_structured_outputs_regex_and_choice_as_vllm_names_them(local, oai):
     ("structured_outputs", {"regex": "[a-"}, "invalid regex"),
     ("structured_outputs", {"regex": "a", "choice": ["a"]}, "exactly one"),
     ("tool_choice", "required", "tool_choice needs tools"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "not": {"type": "string"}}}}, "keyword 'not'"),
+    ("structured_outputs", {"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+     "keyword 'uniqueItems'"),
     ("parallel_tool_calls", True, "parallel_tool_calls needs tools"),
     ("parallel_tool_calls", False, "parallel_tool_calls needs tools"),
 ])
@@ -101,6 +105,29 @@ def test_bad_structured_output_requests_are_400_naming_the_field(local, oai, fie
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                     extra_body={field: value})
     assert needle in e.value.body["message"] and e.value.body["param"] == field, e.value.body
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+def test_a_tool_schema_the_grammar_engine_would_not_enforce_is_400_naming_the_keyword(local, oai, choice):
+    """A forced call's arguments are constrained to the tool's parameters, through the same check."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+        "required": ["ids"]}}}
+    with pytest.raises(BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                    tools=[tool], tool_choice=choice)
+    assert "keyword 'uniqueItems' at " in e.value.body["message"] and e.value.body["param"] == "tools", e.value.body
+
+
+def test_schema_annotations_are_accepted(local, oai):
+    schema = {"type": "object", "title": "T", "description": "d", "$comment": "c", "examples": [{"n": 1}],
+              "properties": {"n": {"type": "integer", "default": 1, "deprecated": False}}, "required": ["n"],
+              "additionalProperties": False}
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30, seed=1,
+                                    response_format={"type": "json_schema", "json_schema": {"name": "t",
+                                                                                            "schema": schema}})
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_tool_choice_auto_without_a_tool_format_in_the_template_is_a_clear_400(local, oai):

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from hyrax.actors.engine.schema_keywords import check_schema
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class GrammarSpec:
         _check(self)
 
     def _check(self) -> None:
+        if self.kind == GrammarKind.JSON_SCHEMA:  # xgrammar drops keywords it does not implement
+            check_schema(json.loads(self.source), self._strict)
         if self.kind == GrammarKind.CHOICE:
             options = json.loads(self.source)
             if not options or not all(isinstance(o, str) and o for o in options):
