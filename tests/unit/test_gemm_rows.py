@@ -290,6 +290,15 @@ def test_planned_linear_runs_the_native_kernel_where_its_plan_says(monkeypatch):
         x = torch.randn(40, 4).t()
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert calls == [2, 6, 16, 6, 4]
+    with torch.inference_mode():  # a weight that is a strided view (a shard) runs through the BLAS
+        wide = nn.Parameter(torch.randn(24, 80), requires_grad=False)
+        lin.weight = nn.Parameter(wide[:, ::2], requires_grad=False)
+        x = torch.randn(2, 40)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight = nn.Parameter(torch.randn(24, 40), requires_grad=False)  # and so does a strided bias
+        lin.bias = nn.Parameter(torch.randn(48)[::2], requires_grad=False)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [2, 6, 16, 6, 4]
 
 
 def test_the_native_kernel_runs_the_counts_where_it_beats_the_best_other_way():

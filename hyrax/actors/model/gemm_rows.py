@@ -348,7 +348,8 @@ class PlannedLinear(nn.Linear):
         if traced_or_recorded(self.weight):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if m and self.row_plan.native_for(m) and x.dtype is self.weight.dtype and self.weight.is_contiguous():
+        if m and self.row_plan.native_for(m) and x.dtype is self.weight.dtype and self.weight.is_contiguous() \
+                and (self.bias is None or self.bias.is_contiguous()):  # (a shard may be a strided view)
             y = native_linear(x.reshape(m, x.shape[-1]).contiguous(), self.weight, self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         if m and self.row_plan.onednn_for(m):
