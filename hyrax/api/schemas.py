@@ -45,6 +45,8 @@ UNSUPPORTED_FIELDS = {
     "store": "stored completions",
     "metadata": "stored completions",
     "service_tier": "service tiers",
+    "add_special_tokens": "add_special_tokens (the checkpoint's special tokens are always added)",
+    "return_token_strs": "token strings in /tokenize answers",
 }
 
 

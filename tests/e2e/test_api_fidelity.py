@@ -315,6 +315,10 @@ def test_tokenize_and_detokenize_in_vllms_shape_agree_with_generation(local):
     assert_error(post(local.url, "/v1/tokenize", {"model": "gpt-4", "prompt": "x"}), 404, code="model_not_found")
     assert_error(post(local.url, "/v1/tokenize", {"prompt": "x", "messages": CHAT["messages"]}), 400)
     assert_error(post(local.url, "/v1/detokenize", {"tokens": [info.vocab_size]}), 400, param="tokens")
+    for field in ("add_special_tokens", "return_token_strs"):  # vLLM's, not implemented: said so
+        assert_error(post(local.url, "/tokenize", {"prompt": "x", field: True}), 400, param=field,
+                     code="unsupported_parameter")
+        assert post(local.url, "/tokenize", {"prompt": "x", field: None}).status_code == 200
 
 
 # ---- documentation ----------------------------------------------------------------------------------
