@@ -1,7 +1,8 @@
 """The large model's decode step with row-planned linear layers vs plain ones (one process).
 
 `hyrax/actors/model/gemm_rows.py` runs a CPU product of few rows padded or split where the
-BLAS runs that row count slowly, or through oneDNN where its kernels are clearly faster. A decode step has one row per running request; with 15
+BLAS runs that row count slowly, through oneDNN where its kernels are clearly faster, or through
+Hyrax's own kernel for few rows (`kernels/gemm_rows.c`) where that beats both. A decode step has one row per running request; with 15
 running (one short of MKL's 16-row kernel) the step's linear layers are where it shows.
 Same engine, same requests, the plans switched off and on in alternation (`plain_products`),
 so both sides see the same context lengths and machine load. Informational: the plans are
