@@ -358,3 +358,4 @@ def test_a_model_larger_than_the_cache_is_planned_with_weights_out_of_it(monkeyp
     copies = gemm_rows._cold_copies(torch.zeros(10, 10))  # 400 bytes against 1.5 x 8 KB
     assert len(copies) == 30 and all(c.shape == (10, 10) for c in copies)
     assert len({c.data_ptr() for c in copies}) == 30
+    assert gemm_rows._cold_copies(torch.zeros(64, 64)) == ()  # 16 KB: past the cache alone, no copy

@@ -243,7 +243,9 @@ def _cold_copies(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """More weights of `weight`'s shape (views of one buffer) such that all of them together span
     1.5 times the last-level cache: a product cycling through them reads its weight from memory,
     as a decode step over a model larger than the cache does."""
-    n = max(1, -(-3 * last_level_cache_bytes() // (2 * weight.numel() * weight.element_size())) - 1)
+    n = -(-3 * last_level_cache_bytes() // (2 * weight.numel() * weight.element_size())) - 1
+    if n < 1:  # the weight alone is that large: it is read from memory on every product as it is
+        return ()
     buf = torch.full((n, *weight.shape), 0.01, dtype=weight.dtype)  # any normal value times the same
     return tuple(buf.unbind(0))
 
