@@ -55,6 +55,7 @@ many requests share the step.
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,9 +164,19 @@ def _native_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         _NATIVE = _native_kernel() or False
     if _NATIVE is False:
         return False
-    x = torch.randn(5, weight.shape[1], dtype=weight.dtype)
-    got = native_linear(x, weight, bias)
-    return bool(torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))
+    return _computes_linear(native_linear, weight, bias)
+
+
+def _computes_linear(product, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 5) -> bool:
+    """Whether `product` gives F.linear's values for `rows` random rows with this weight and bias
+    (an error raised, or another shape or values: no)."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    try:
+        got = product(x, weight, bias)
+    except RuntimeError:
+        return False
+    return got.shape == (rows, weight.shape[0]) and torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4,
+                                                                   atol=1e-4)
 
 
 def onednn_rows(m: int) -> int:
@@ -227,8 +238,9 @@ def _time_rows(weight: torch.Tensor, bias: torch.Tensor | None, m: int, product=
     return best
 
 
+@functools.lru_cache(maxsize=None)
 def last_level_cache_bytes() -> int:
-    """The CPU's largest cache (Linux sysfs), else LLC_GUESS_BYTES."""
+    """The CPU's largest cache (Linux sysfs, read once a process), else LLC_GUESS_BYTES."""
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
@@ -293,12 +305,7 @@ def _onednn_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     token)."""
     if _ONEDNN is None or weight.dtype != torch.float32 or weight.numel() * 4 < ONEDNN_MIN_WEIGHT_BYTES:
         return False
-    x = torch.randn(3, weight.shape[1], dtype=weight.dtype)
-    try:
-        got = onednn_linear(x, weight, bias)
-    except RuntimeError:
-        return False
-    return got.shape == (3, weight.shape[0]) and torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    return _computes_linear(onednn_linear, weight, bias, rows=3)
 
 
 def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
