@@ -77,6 +77,26 @@ def test_a_row_given_twice_to_a_scatter_shows_in_its_hash(unit, dtype):
     assert _hash(raw, src) == state_hash(pool.index_select(1, idx))
 
 
+def test_scatters_with_and_without_a_twice_given_row_each_hash_what_their_rows_hold():
+    """Distinct rows are read back right after each write; a call with a row given twice (anywhere
+    in a long list, the last row repeating the first or two neighbours the same) reads each layer
+    back after all of its writes. The kernel's record of the rows a call gave is per call: calls
+    after a twice-given row still write and hash right."""
+    layers, rows, unit, dtype = 2, 5000, (32,), torch.complex128
+    pool, g = _pool(layers, rows, unit, dtype, 8)
+    for k, dup in enumerate([None, (0, 199), None, (57, 58), None]):
+        idx = torch.randperm(rows, generator=g)[:200]
+        if dup is not None:
+            idx[dup[1]] = idx[dup[0]]
+        src, _ = _pool(layers, 200, unit, dtype, 20 + k)
+        want = pool.clone()
+        want.index_copy_(1, idx, src)
+        raw = MOVES.scatter(pool.view(layers, rows, -1), idx, src.reshape(layers, 200, -1))
+        assert torch.equal(_bytes(pool), _bytes(want))
+        assert _hash(raw, src) == state_hash(pool.index_select(1, idx))
+        assert (_hash(raw, src) == state_hash(src)) == (dup is None)
+
+
 @pytest.mark.parametrize("bad", [-1, 10])
 def test_a_row_outside_the_pool_is_refused_before_anything_is_written(bad):
     pool, _ = _pool(2, 10, (4,), torch.int64, 6)
@@ -91,6 +111,33 @@ def test_a_row_outside_the_pool_is_refused_before_anything_is_written(bad):
     assert not out.any()
 
 
+def test_many_moves_in_one_call_are_each_the_single_move():
+    """gather_many / scatter_many: each move's bytes and hash as the single call gives them; a bad
+    row in any move is refused before any move writes."""
+    pools = [_pool(*shape, 30 + k)[0] for k, shape in enumerate(SHAPES)]
+    g = torch.Generator().manual_seed(9)
+    idxs = [torch.randperm(p.shape[1], generator=g)[:3] for p in pools]
+    views = [p.view(p.shape[0], p.shape[1], -1) for p in pools]
+    sizes = [p.shape[0] * 3 * v.shape[2] * p.element_size() for p, v in zip(pools, views)]
+    outs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    raws = MOVES.gather_many([(v, i, o.data_ptr()) for v, i, o in zip(views, idxs, outs)])
+    for v, i, o, raw in zip(views, idxs, outs, raws):
+        single = torch.zeros_like(o)
+        assert MOVES.gather(v, i, single.data_ptr()) == raw
+        assert torch.equal(single, o)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    before = [p.clone() for p in pools]
+    bad = [i.clone() for i in idxs]
+    bad[-1][1] = pools[-1].shape[1]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        MOVES.scatter_many([(v, i, s) for v, i, s in zip(views, bad, srcs)])
+    assert all(torch.equal(_bytes(p), _bytes(b)) for p, b in zip(pools, before))
+    raws = MOVES.scatter_many([(v, i, s) for v, i, s in zip(views, idxs, srcs)])
+    for p, i, s, raw in zip(pools, idxs, srcs, raws):
+        assert torch.equal(_bytes(p.index_select(1, i)), s)
+        assert _hash(raw, s) == state_hash(s)
+
+
 def test_arguments_that_do_not_fit_are_refused():
     pool, _ = _pool(2, 10, (4,), torch.int64, 7)
     with pytest.raises(ValueError, match="do not fit"):
@@ -102,14 +149,15 @@ def test_arguments_that_do_not_fit_are_refused():
 
 
 def test_a_cpu_rank_backs_up_and_restores_through_the_fused_moves(monkeypatch):
-    """The engine's CPU rank takes this path (one call per component and side), and its hashes
-    are the ones the torch path gives for the same request."""
+    """The engine's CPU rank takes this path (one kernel call per side for all components), and
+    its hashes are the ones the torch path gives for the same request."""
     from tests.unit.test_state_hash import _retract, _running_engine
 
     calls = []
-    for name in ("gather", "scatter"):
+    for name in ("gather_many", "scatter_many"):
         real = getattr(type(MOVES), name)
-        monkeypatch.setattr(type(MOVES), name, lambda self, *a, _r=real, _n=name: calls.append(_n) or _r(self, *a))
+        monkeypatch.setattr(type(MOVES), name,
+                            lambda self, moves, _r=real, _n=name: calls.append((_n, len(moves))) or _r(self, moves))
     e, [rid, _] = _running_engine(torch.float32)
     rank = e.executor.rank
     assert rank.fused is not None
@@ -117,7 +165,7 @@ def test_a_cpu_rank_backs_up_and_restores_through_the_fused_moves(monkeypatch):
     fused_sums = {n: r.checksums for n, r in e.requests[rid].backup.manifest.components.items()}
     assert e.resume([rid])[rid].value == "verified"
     n = len(rank.components)
-    assert calls == ["gather"] * n + ["scatter"] * n
+    assert calls == [("gather_many", n), ("scatter_many", n)]
     rank.fused = None  # the torch path, same request, same rows
     _retract(e, rid)
     assert {n: r.checksums for n, r in e.requests[rid].backup.manifest.components.items()} == fused_sums

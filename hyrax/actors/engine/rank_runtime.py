@@ -337,8 +337,8 @@ class RankRuntime:
         words = self.lane.device_words(packing.rows)
         if self.fused is not None:  # hashes each part's bytes alone: the padding between parts is never read
             at = words.data_ptr()
-            sums = [self.fused.gather(self._row_pools[p.name], idx[p.name], at + p.first * HASH_ROW_BYTES)
-                    for p in packing.parts]
+            sums = self.fused.gather_many([(self._row_pools[p.name], idx[p.name], at + p.first * HASH_ROW_BYTES)
+                                           for p in packing.parts])
             return PackedState(words, packing, packing.views(words)), sums
         packing.clear_padding(words)  # the row sums read the whole buffer: its padding must be zero
         parts = self._gather_into(words, packing, self._row_pools, idx)
@@ -387,8 +387,8 @@ class RankRuntime:
         data = saved.parts if words is saved.words else saved.packing.views(words)
         idx = {c.name: self._idx(rows[c.name]) for c in self.components if c.name in saved.parts}
         if self.fused is not None:  # each component written and its written rows hashed, in one pass
-            hashes = saved.packing.read_parts({n: self.fused.scatter(self._row_pools[n], i, data[n])
-                                               for n, i in idx.items()})
+            sums = self.fused.scatter_many([(self._row_pools[n], i, data[n]) for n, i in idx.items()])
+            hashes = saved.packing.read_parts(dict(zip(idx, sums)))
         else:
             for name, i in idx.items():
                 self._row_pools[name].index_copy_(1, i, data[name])
@@ -416,8 +416,8 @@ class RankRuntime:
         views = {c.name: shard.tensor(c.name) for c in saving}
         if self.fused is not None:  # gathered into the shard and hashed in one pass
             f = self.fused
-            sums = {n: with_length(f.gather(self._row_pools[n], idx[n], t.data_ptr()), parts[n].nbytes)
-                    for n, t in views.items()}
+            raw = f.gather_many([(self._row_pools[n], idx[n], t.data_ptr()) for n, t in views.items()])
+            sums = {n: with_length(h, parts[n].nbytes) for n, h in zip(views, raw)}
         else:
             hashed = [self._gather(self.pools[c.name], idx[c.name], views[c.name]) for c in saving]
             sums = dict(zip(views, self.hash.many(hashed)))
