@@ -231,3 +231,37 @@ def test_a_changed_parameter_reaches_the_kernel():
         mixer.D.add_(1.0)
     again = mixer.kernel_weights()
     assert again is not first and torch.equal(again.D, mixer.D.float())
+
+
+def test_the_traced_operator_s_weights_are_not_taken_from_other_parameters_at_the_same_address():
+    """The compiled decode's operator keeps the kernels' layout of each layer's parameters across
+    steps, found by the parameters' addresses and versions. New parameters can sit where freed
+    ones sat, with the same version (here: tensors over one reused buffer, its bytes rewritten
+    outside torch, as an allocator hands freed memory to the next model loaded in a process):
+    their values must be the ones the kernel reads, not the freed parameters' layout."""
+    import gc
+
+    from hyrax.actors.model import mamba2_rows
+
+    H, C, K = 4, 12, 4
+    sizes = [C * K, C, H, H, H, C]  # conv weight, conv bias, dt_bias, A_log, D, norm weight (bf16)
+    buf = bytearray(2 * sum(sizes))
+
+    def params(fill: float) -> tuple:
+        values = torch.full((sum(sizes),), fill, dtype=torch.bfloat16)
+        buf[:] = values.view(torch.uint8).numpy().tobytes()  # written outside torch: no version bump
+        flat = torch.frombuffer(buf, dtype=torch.bfloat16)
+        parts = list(flat.split(sizes))
+        parts[0] = parts[0].view(C, 1, K)
+        return tuple(parts)
+
+    first = params(0.5)
+    w1 = mamba2_rows._traced_weights(first, (0.0, float("inf")), 1e-5, C, "gate_then_norm")
+    assert torch.equal(w1.D, torch.full((H,), 0.5))
+    del first, w1
+    gc.collect()
+    second = params(0.25)
+    w2 = mamba2_rows._traced_weights(second, (0.0, float("inf")), 1e-5, C, "gate_then_norm")
+    assert torch.equal(w2.D, torch.full((H,), 0.25))
+    assert torch.equal(w2.taps, torch.full_like(w2.taps, 0.25))
+    assert mamba2_rows._traced_weights(second, (0.0, float("inf")), 1e-5, C, "gate_then_norm") is w2  # kept

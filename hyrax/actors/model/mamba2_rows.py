@@ -16,6 +16,7 @@ rows and lengths it is given and writes nothing when one is out of range.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -178,8 +179,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 # the kernels' parameter layouts for the traced op, by the parameters' identity and version:
 # a compiled forward passes the parameters themselves (their data pointers are unknown while
-# tracing), and the op makes the layout on its first call, not on every step
-_TRACED_WEIGHTS: dict[tuple, MixerWeights] = {}
+# tracing), and the op makes the layout on its first call, not on every step. An entry keeps
+# weak references to the parameters it was made from and serves only those same tensors: a
+# parameter freed (a model dropped) and another made where it was, at the same version, has
+# the same key but is not the tensor the entry was made from.
+_TRACED_WEIGHTS: dict[tuple, tuple[tuple, MixerWeights]] = {}
 _TRACED_WEIGHTS_MAX = 64
 
 
@@ -189,13 +193,20 @@ def params_key(params: tuple) -> tuple:
     return tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
 
 
+def _same_tensors(refs: tuple, params: tuple) -> bool:
+    return all((r is None) if p is None else (r is not None and r() is p) for r, p in zip(refs, params))
+
+
 def _traced_weights(params: tuple, dt_limits: tuple[float, float], eps: float, group: int, mode: str) -> MixerWeights:
     key = (params_key(params), dt_limits, eps, group, mode)
-    w = _TRACED_WEIGHTS.get(key)
-    if w is None:
-        if len(_TRACED_WEIGHTS) >= _TRACED_WEIGHTS_MAX:  # parameters replaced (a reload): drop the oldest
-            del _TRACED_WEIGHTS[next(iter(_TRACED_WEIGHTS))]
-        w = _TRACED_WEIGHTS[key] = mixer_weights(*params[:5], dt_limits, params[5], eps, group, mode)
+    hit = _TRACED_WEIGHTS.get(key)
+    if hit is not None and _same_tensors(hit[0], params):
+        return hit[1]
+    _TRACED_WEIGHTS.pop(key, None)
+    if len(_TRACED_WEIGHTS) >= _TRACED_WEIGHTS_MAX:  # parameters replaced (a reload): drop the oldest
+        del _TRACED_WEIGHTS[next(iter(_TRACED_WEIGHTS))]
+    w = mixer_weights(*params[:5], dt_limits, params[5], eps, group, mode)
+    _TRACED_WEIGHTS[key] = (tuple(None if p is None else weakref.ref(p) for p in params), w)
     return w
 
 
