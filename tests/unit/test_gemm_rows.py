@@ -301,6 +301,33 @@ def test_planned_linear_runs_the_native_kernel_where_its_plan_says(monkeypatch):
     assert calls == [2, 6, 16, 6, 4]
 
 
+def _native_everywhere(monkeypatch) -> nn.Linear:
+    """A (24, 40) float32 layer planned to run every count 1..16 through the native kernel."""
+    gemm_rows = _native_or_skip()
+    monkeypatch.setattr(gemm_rows, "_time_rows", lambda *a, **k: 1e-3)  # (no need to time it)
+    lin = nn.Linear(40, 24)
+    plan_rows(lin)
+    lin.row_plan = RowPlan((None,) * 16, (), (), (True,) * 16)
+    return lin
+
+
+def test_a_native_plan_runs_only_float32_products_of_the_weight_s_inner_size(monkeypatch):
+    """The kernel reads x, the weight and the bias as float32 of the weight's shape: rows of
+    another length are F.linear's error (not a read past x), and a layer whose dtype changed
+    after planning, or a bias that is not one value per output, gets F.linear's values."""
+    lin = _native_everywhere(monkeypatch)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError):  # 2 x 30 floats: the kernel read 2 x 40
+            lin(torch.randn(2, 30))
+        lin.bias = nn.Parameter(torch.randn(1), requires_grad=False)  # broadcast by F.linear
+        x = torch.randn(3, 40)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.bias = nn.Parameter(torch.randn(24), requires_grad=False)
+        lin.double()  # (to float16 the kernel wrote twice the output's bytes)
+        x = x.double()
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_the_native_kernel_runs_the_counts_where_it_beats_the_best_other_way():
     """At most 0.9 of the best other way at that count: MKL's (padded plans included) or
     oneDNN's where oneDNN won."""

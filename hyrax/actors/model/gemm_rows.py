@@ -153,6 +153,15 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
+def native_reads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel reads x (..., in), weight (out, in) and bias (out,) as F.linear does:
+    all float32 (a layer's dtype may change after planning), weight and bias contiguous (a shard
+    may be a strided view), x's rows as long as the weight's and one bias value per output
+    (else F.linear's error or broadcast)."""
+    return x.dtype is weight.dtype is torch.float32 and weight.is_contiguous() and x.shape[-1] == weight.shape[1] \
+        and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.shape == weight.shape[:1]))
+
+
 def _native_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the native kernel is worth timing for this weight (float32, contiguous, the
     kernel built here) and gives F.linear's values on a trial (a kernel that computes something
@@ -357,8 +366,7 @@ class PlannedLinear(nn.Linear):
         if traced_or_recorded(self.weight):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if m and self.row_plan.native_for(m) and x.dtype is self.weight.dtype and self.weight.is_contiguous() \
-                and (self.bias is None or self.bias.is_contiguous()):  # (a shard may be a strided view)
+        if m and self.row_plan.native_for(m) and native_reads(x, self.weight, self.bias):
             y = native_linear(x.reshape(m, x.shape[-1]).contiguous(), self.weight, self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         if m and self.row_plan.onednn_for(m):
