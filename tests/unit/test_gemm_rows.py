@@ -328,6 +328,22 @@ def test_a_native_plan_runs_only_float32_products_of_the_weight_s_inner_size(mon
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_planned_product_autograd_records_keeps_its_gradient(monkeypatch):
+    """Frozen weights with an input or a bias that trains (bias-only fine-tuning): autograd
+    records the product, so it runs plain and its gradients reach x and the bias."""
+    lin = _native_everywhere(monkeypatch)
+    lin.weight.requires_grad_(False)
+    for x_grad, bias_grad in ((True, False), (False, True)):
+        lin.bias.requires_grad_(bias_grad)
+        lin.bias.grad = None
+        x = torch.randn(3, 40, requires_grad=x_grad)
+        lin(x).sum().backward()
+        if x_grad:
+            torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(3, 40))
+        else:
+            torch.testing.assert_close(lin.bias.grad, torch.full((24,), 3.0))
+
+
 def test_the_native_kernel_runs_the_counts_where_it_beats_the_best_other_way():
     """At most 0.9 of the best other way at that count: MKL's (padded plans included) or
     oneDNN's where oneDNN won."""

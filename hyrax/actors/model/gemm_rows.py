@@ -66,7 +66,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyrax.actors.model.native import NativeUnavailable, function, unavailable
-from hyrax.actors.model.row_copy import traced_or_recorded
+from hyrax.actors.model.row_copy import recorded, traced_or_recorded
 
 MAX_ROWS = 16  # row counts planned: 1 .. MAX_ROWS (larger products run plain, or all through oneDNN)
 MARGIN = 0.8  # a plan is used for m rows only if it costs at most this share of the plain product
@@ -363,7 +363,7 @@ class PlannedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # traced first: looking the row count up would make torch.compile specialise the graph
         # on it (one recompile per batch size, then eager past its recompile limit)
-        if traced_or_recorded(self.weight):
+        if traced_or_recorded(self.weight) or recorded(x) or (self.bias is not None and recorded(self.bias)):
             return F.linear(x, self.weight, self.bias)  # traced or differentiated: plain
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if m and self.row_plan.native_for(m) and native_reads(x, self.weight, self.bias):
