@@ -344,6 +344,17 @@ def test_a_planned_product_autograd_records_keeps_its_gradient(monkeypatch):
             torch.testing.assert_close(lin.bias.grad, torch.full((24,), 3.0))
 
 
+def test_an_empty_weight_in_a_model_larger_than_the_cache_is_planned(monkeypatch):
+    from hyrax.actors.model import gemm_rows
+
+    monkeypatch.setattr(gemm_rows, "_time_rows", lambda *a, **k: 1e-3)
+    monkeypatch.setattr(gemm_rows, "last_level_cache_bytes", lambda: 8 << 10)
+    monkeypatch.setattr(gemm_rows, "_plans", {})
+    assert gemm_rows._cold_copies(torch.zeros(0, 8)) == ()
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(0, 8), nn.Linear(8, 0))  # 16 KB: planned cold
+    assert plan_rows(model) == 3
+
+
 def test_the_native_kernel_runs_the_counts_where_it_beats_the_best_other_way():
     """At most 0.9 of the best other way at that count: MKL's (padded plans included) or
     oneDNN's where oneDNN won."""

@@ -264,6 +264,8 @@ def _cold_copies(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """More weights of `weight`'s shape (views of one buffer) such that all of them together span
     1.5 times the last-level cache: a product cycling through them reads its weight from memory,
     as a decode step over a model larger than the cache does."""
+    if not weight.numel():  # nothing to read
+        return ()
     n = -(-3 * last_level_cache_bytes() // (2 * weight.numel() * weight.element_size())) - 1
     if n < 1:  # the weight alone is that large: it is read from memory on every product as it is
         return ()
