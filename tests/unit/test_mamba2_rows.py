@@ -265,3 +265,22 @@ def test_the_traced_operator_s_weights_are_not_taken_from_other_parameters_at_th
     assert torch.equal(w2.D, torch.full((H,), 0.25))
     assert torch.equal(w2.taps, torch.full_like(w2.taps, 0.25))
     assert mamba2_rows._traced_weights(second, (0.0, float("inf")), 1e-5, C, "gate_then_norm") is w2  # kept
+
+
+def test_the_traced_operator_builds_each_layer_s_weights_once_in_a_deep_model(monkeypatch):
+    """A compiled decode step calls the operator once per Mamba2 layer, in order: a model with
+    more layers than the cache once held (64: Falcon-H1's deep checkpoints have 66 and 72) is
+    served from it on every later step, not rebuilt layer by layer."""
+    from hyrax.actors.model import mamba2_rows
+
+    monkeypatch.setattr(mamba2_rows, "_TRACED_WEIGHTS", {})
+    built = []
+    real = mamba2_rows.mixer_weights
+    monkeypatch.setattr(mamba2_rows, "mixer_weights", lambda *a: built.append(1) or real(*a))
+    H, C, K = 4, 12, 4
+    layers = [(torch.randn(C, 1, K), torch.randn(C), torch.randn(H), torch.randn(H), torch.randn(H), torch.randn(C))
+              for _ in range(72)]
+    for _ in range(3):  # three decode steps
+        for params in layers:
+            mamba2_rows._traced_weights(params, (0.0, float("inf")), 1e-5, C, "gate_then_norm")
+    assert len(built) == 72

@@ -182,9 +182,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 # tracing), and the op makes the layout on its first call, not on every step. An entry keeps
 # weak references to the parameters it was made from and serves only those same tensors: a
 # parameter freed (a model dropped) and another made where it was, at the same version, has
-# the same key but is not the tensor the entry was made from.
+# the same key but is not the tensor the entry was made from. A step calls the layers in order,
+# so a cap below a model's Mamba2 layers misses on every call: it is above any checkpoint's
+# (Falcon-H1's deep ones have 66 and 72).
 _TRACED_WEIGHTS: dict[tuple, tuple[tuple, MixerWeights]] = {}
-_TRACED_WEIGHTS_MAX = 64
+_TRACED_WEIGHTS_MAX = 256
 
 
 def params_key(params: tuple) -> tuple:
