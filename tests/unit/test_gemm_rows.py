@@ -200,6 +200,25 @@ def test_onednn_products_are_the_plain_product(bias, monkeypatch):
     assert calls == [1, 5, 12, 16, 320, 64, 320]  # 40 rows: MKL; 300 and 305 padded to 320
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_layer_cast_after_planning_runs_its_onednn_counts_plain(dtype, monkeypatch):
+    """oneDNN was timed on the float32 weight the layer had when planned: cast since (`.to`), its
+    products are F.linear's, not oneDNN's refusal of a double or of a dense bfloat16 weight."""
+    from hyrax.actors.model import gemm_rows
+
+    if gemm_rows._ONEDNN is None:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(gemm_rows, "_time_rows", lambda *a, **k: 1e-3)  # (no need to time it)
+    lin = nn.Linear(96, 80)
+    plan_rows(lin)
+    lin.row_plan = RowPlan((None,) * 16, (True,) * 16, (True, True))
+    lin.to(dtype)
+    for m in (3, 100):
+        x = torch.randn(m, 96, dtype=dtype)
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
 def test_only_float32_weights_are_timed_through_onednn(monkeypatch):
     from hyrax.actors.model import gemm_rows
 
