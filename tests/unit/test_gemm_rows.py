@@ -200,10 +200,8 @@ def test_onednn_products_are_the_plain_product(bias, monkeypatch):
     assert calls == [1, 5, 12, 16, 320, 64, 320]  # 40 rows: MKL; 300 and 305 padded to 320
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_a_layer_cast_after_planning_runs_its_onednn_counts_plain(dtype, monkeypatch):
-    """oneDNN was timed on the float32 weight the layer had when planned: cast since (`.to`), its
-    products are F.linear's, not oneDNN's refusal of a double or of a dense bfloat16 weight."""
+def _onednn_everywhere(monkeypatch) -> nn.Linear:
+    """An (80, 96) float32 layer planned to run every row count through oneDNN."""
     from hyrax.actors.model import gemm_rows
 
     if gemm_rows._ONEDNN is None:
@@ -212,11 +210,32 @@ def test_a_layer_cast_after_planning_runs_its_onednn_counts_plain(dtype, monkeyp
     lin = nn.Linear(96, 80)
     plan_rows(lin)
     lin.row_plan = RowPlan((None,) * 16, (True,) * 16, (True, True))
+    return lin
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_layer_cast_after_planning_runs_its_onednn_counts_plain(dtype, monkeypatch):
+    """oneDNN was timed on the float32 weight the layer had when planned: cast since (`.to`), its
+    products are F.linear's, not oneDNN's refusal of a double or of a dense bfloat16 weight."""
+    lin = _onednn_everywhere(monkeypatch)
     lin.to(dtype)
     for m in (3, 100):
         x = torch.randn(m, 96, dtype=dtype)
         with torch.inference_mode():
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_a_strided_bias_goes_to_the_blas_not_to_onednn(monkeypatch):
+    """oneDNN's linear reads the bias as contiguous: a bias that is a strided view (a shard's) or
+    one value expanded over the outputs runs plain, with F.linear's values (strided weights it
+    reads right)."""
+    lin = _onednn_everywhere(monkeypatch)
+    for bias in (torch.randn(160)[::2], torch.randn(1).expand(80)):
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+        for m in (3, 100):
+            x = torch.randn(m, 96)
+            with torch.inference_mode():
+                torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_only_float32_weights_are_timed_through_onednn(monkeypatch):

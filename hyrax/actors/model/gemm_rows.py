@@ -371,7 +371,8 @@ class PlannedLinear(nn.Linear):
         if m and self.row_plan.native_for(m) and native_reads(x, self.weight, self.bias):
             y = native_linear(x.reshape(m, x.shape[-1]).contiguous(), self.weight, self.bias)
             return y.view(*x.shape[:-1], y.shape[-1])
-        if m and self.row_plan.onednn_for(m) and x.dtype is self.weight.dtype is torch.float32:  # (as timed)
+        if m and self.row_plan.onednn_for(m) and x.dtype is self.weight.dtype is torch.float32 \
+                and (self.bias is None or self.bias.is_contiguous()):  # (as timed; it reads the bias as contiguous)
             x2, rows = x.reshape(m, x.shape[-1]), onednn_rows(m)
             y = onednn_linear(F.pad(x2, (0, 0, 0, rows - m)) if rows > m else x2, self.weight, self.bias)
             return (y[:m] if rows > m else y).view(*x.shape[:-1], y.shape[-1])
