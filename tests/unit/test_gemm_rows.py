@@ -366,6 +366,16 @@ def test_a_native_plan_runs_only_float32_products_of_the_weight_s_inner_size(mon
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_native_plan_runs_only_on_the_cpu(monkeypatch):
+    """A planned layer moved off the CPU (`.to`) hands the kernel no device addresses: it ran on
+    the meta device's null pointers (a segmentation fault), and would on a GPU's."""
+    lin = _native_everywhere(monkeypatch)
+    lin.to("meta")
+    with torch.inference_mode():
+        y = lin(torch.empty(3, 40, device="meta"))
+    assert y.device.type == "meta" and y.shape == (3, 24)
+
+
 def test_a_planned_product_autograd_records_keeps_its_gradient(monkeypatch):
     """Frozen weights with an input or a bias that trains (bias-only fine-tuning): autograd
     records the product, so it runs plain and its gradients reach x and the bias."""

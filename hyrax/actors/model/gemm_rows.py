@@ -155,11 +155,13 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def native_reads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the kernel reads x (..., in), weight (out, in) and bias (out,) as F.linear does:
-    all float32 (a layer's dtype may change after planning), weight and bias contiguous (a shard
-    may be a strided view), x's rows as long as the weight's and one bias value per output
-    (else F.linear's error or broadcast)."""
+    all float32 in CPU memory (a layer's dtype or device may change after planning), weight and
+    bias contiguous (a shard may be a strided view), x's rows as long as the weight's and one
+    bias value per output (else F.linear's error or broadcast)."""
     return x.dtype is weight.dtype is torch.float32 and weight.is_contiguous() and x.shape[-1] == weight.shape[1] \
-        and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.shape == weight.shape[:1]))
+        and x.device.type == weight.device.type == "cpu" \
+        and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.shape == weight.shape[:1]
+                              and bias.device.type == "cpu"))
 
 
 def _native_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
