@@ -208,3 +208,24 @@ def test_a_flipped_bit_in_the_host_pool_is_caught_by_the_restore():
     rows = e.requests[rid].backup.location.host_rows["mamba_conv"]
     e.executor.rank.host["mamba_conv"][1, rows[0]].view(-1).view(torch.uint8)[5] ^= 0x10
     assert e.resume([rid])[rid].value == "checksum_mismatch"
+
+
+def test_weights_grown_for_a_call_are_the_ones_it_uses_when_another_thread_stores_shorter_ones():
+    """One hasher serves every thread of a process. Thread B grows the row weights to 1,024 and,
+    before it reads them, thread A (which checked earlier, when 100 were enough) stores its 128:
+    B must still get 1,000 weights (the fused kernels read that many), not a view of A's 128."""
+    import torch
+
+    from hyrax.actors.engine import state_hash as sh
+
+    class Interleaved(sh.DeviceHasher):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "row_weights" and len(value) >= 1024:  # A's store lands right after B's
+                super().__setattr__(name, torch.from_numpy(sh.row_weights(128)))
+
+    h = Interleaved(torch.device("cpu"))
+    v = h.row_weight_prefix(1000)
+    assert len(v) == 1000 and torch.equal(v, torch.from_numpy(sh.row_weights(1000)))
+    t = torch.arange(300 * sh.ROW_WORDS * 8 + 40, dtype=torch.uint8)  # 300 whole hash rows and a part
+    assert sh.with_length(int(h.tensor(t)), t.numel()) == sh.state_hash(t)

@@ -90,15 +90,20 @@ class DeviceHasher:
         self.zero = torch.zeros((), dtype=torch.int64, device=device)
         self.flat_weights = self._expand(1)  # (>= words,) v[i // ROW_WORDS] * w[i % ROW_WORDS], grown on demand
 
-    def _grow(self, rows: int) -> None:
-        if rows > len(self.row_weights):
-            size = 1 << (rows - 1).bit_length()
-            self.row_weights = torch.from_numpy(row_weights(size)).to(self.device)
+    def _grow(self, rows: int) -> torch.Tensor:
+        """The row weights, at least `rows` of them (grown by doubling). Callers use the tensor
+        returned, never the attribute read again: one hasher serves every thread of a process
+        (two in-process engines' loops, say), and another thread may store its own, shorter,
+        weights between this one's store and a second read (a kernel would then read past them)."""
+        v = self.row_weights
+        if rows > len(v):
+            v = torch.from_numpy(row_weights(1 << (rows - 1).bit_length())).to(self.device)
+            self.row_weights = v
+        return v
 
     def _expand(self, rows: int) -> torch.Tensor:
         """The per-word weights of the first `rows` hash rows: (rows * ROW_WORDS,) int64."""
-        self._grow(rows)
-        return (self.row_weights[:rows, None] * self.word_weights[None, :]).reshape(-1)
+        return (self._grow(rows)[:rows, None] * self.word_weights[None, :]).reshape(-1)
 
     def words(self, t: torch.Tensor) -> torch.Tensor:
         """t's bytes in row-major order as little-endian int64 words: (ceil(nbytes / 8),), a view
@@ -119,12 +124,12 @@ class DeviceHasher:
         x = self.words(t)
         n = x.numel()
         if n <= FLAT_MAX_WORDS:
-            if n > len(self.flat_weights):
-                self.flat_weights = self._expand(-(-(1 << (n - 1).bit_length()) // ROW_WORDS))
-            return self.dot(x, self.flat_weights[:n])
+            flat = self.flat_weights  # read once, as `_grow` says
+            if n > len(flat):
+                flat = self.flat_weights = self._expand(-(-(1 << (n - 1).bit_length()) // ROW_WORDS))
+            return self.dot(x, flat[:n])
         r, k = divmod(n, ROW_WORDS)
-        self._grow(r + 1)
-        w, v = self.word_weights, self.row_weights
+        w, v = self.word_weights, self._grow(r + 1)
         h = self.dot(self.row_sums(x[: r * ROW_WORDS].view(r, ROW_WORDS), w), v[:r]) if r else self.zero
         if k:
             h = h + self.dot(x[r * ROW_WORDS:], w[:k]) * v[r]
@@ -132,8 +137,7 @@ class DeviceHasher:
 
     def row_weight_prefix(self, n: int) -> torch.Tensor:
         """v[0 .. n-1] on this device: (n,) int64 (a view of the cached weights)."""
-        self._grow(n)
-        return self.row_weights[:n]
+        return self._grow(n)[:n]
 
     def packed(self, words: torch.Tensor, part_weights: torch.Tensor) -> torch.Tensor:
         """Hashes, before their length terms, of the parts of a packed buffer (packed_state.py):
