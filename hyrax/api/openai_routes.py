@@ -236,15 +236,18 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
 
     if body.stream:
         async def events():
-            sent_echo, sent_lp = set(), {c.index: 0 for c in choices}
+            # per choice: logprob entries sent, and the text offset of the next one (from the start
+            # of the completion, as in the whole answer)
+            sent_echo, sent_lp = set(), {c.index: (0, 0) for c in choices}
             async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
                 if delta or finished:
                     lp = None
                     if want_lp:
-                        n0, n1 = sent_lp[c.index], len(c.logprobs)
-                        lp, sent_lp[c.index] = _completion_logprobs(c, info.tokenizer, n0, n1, 0), n1
+                        (n0, offset), n1 = sent_lp[c.index], len(c.logprobs)
+                        lp = _completion_logprobs(c, info.tokenizer, n0, n1, offset)
+                        sent_lp[c.index] = n1, offset + sum(map(len, lp["tokens"]))
                     yield _sse(chunk(c, delta, c.finish_reason if finished else None, lp))
                 if finished and c.error:
                     yield _stream_error(c)
@@ -337,8 +340,9 @@ async def chat(body: ChatRequest, request: Request, response: Response):
                     yield _sse(chunk(c, {"content": delta}, None, logprobs_since_last(c)))
                 if parts:
                     yield _sse(chunk(c, {"tool_calls": parts}, None, logprobs_since_last(c)))
-                if finished:
-                    yield _sse(chunk(c, {}, finish_reason(c)))
+                if finished:  # with the logprobs of tokens that showed no text (EOS, a stop string's)
+                    rest = logprobs_since_last(c) if len(c.logprobs) > sent_lp[c.index] else None
+                    yield _sse(chunk(c, {}, finish_reason(c), rest))
                     if c.error:
                         yield _stream_error(c)
             if body.stream_options and body.stream_options.include_usage:
