@@ -122,3 +122,19 @@ def test_stop_strings_are_checked_by_decoding_each_token_once():
     run_to_completion(e)
     assert len(e.finished_requests[rid].output_ids) == 300
     assert sum(decoded) <= 8 * 300 + 300, sum(decoded)  # + the finished request's text, decoded once
+
+
+def test_a_stop_string_at_the_very_start_of_the_output_leaves_empty_text():
+    """The text before a stop string that the answer opens with is empty: not the whole decode
+    (stop string included), which a finished request with no text of its own gets."""
+    def decode(ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    ref = reference_outputs(HYBRID, torch.float32, [PROMPT], 12)[0]
+    stop = decode(ref[:2])
+    e = engine_for_model(tiny_model(HYBRID), EngineConfig(**BASE_CONFIG), decode=decode)
+    rid = e.add_request(PROMPT, greedy(12, stop=(stop,)))
+    run_to_completion(e)
+    req = e.finished_requests[rid]
+    assert req.finish_reason == "stop" and req.output_ids == ref[:2]
+    assert req.text == ""

@@ -300,7 +300,8 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         """A request ends here: it leaves, and its stream ends with `reason`."""
         self._leave(req, reason)
-        if self.decode is not None and not req.text:
+        scan = req.stop_scan  # a stop string ended it: its text is what came before (maybe nothing)
+        if self.decode is not None and not (scan is not None and scan.stopped):
             req.text = self.decode(req.output_ids)
         self.stats.finished[reason] += 1
         self._outputs.append(StepOutput(req.id, [], True, reason))
