@@ -213,3 +213,33 @@ def test_several_checkpoints_in_one_chunk_are_cached_and_hit_with_unchanged_toke
     s = engine.caching.stats.summary()
     assert on == off
     assert s["hits"] >= n and s["hit_tokens"] >= n * prefix_len and s["corrupt_checkpoints"] == 0, s
+
+
+def _steps_until_done(engine, limit: int = 300) -> None:
+    for _ in range(limit):
+        if not engine.has_unfinished() and not engine.has_inflight():
+            return
+        engine.step()
+        engine.check_invariants()
+    raise AssertionError(f"requests still unfinished after {limit} steps: {engine.counts()}, {engine.pool_usage()}")
+
+
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
+def test_a_restore_evicts_the_cache_it_needs_room_from(mode):
+    """A request's own prefix, adopted by the cache, stays cached when the request is retracted;
+    the restore needs new pages for every live row. With the pool too small for both, the
+    restore must evict the (unreferenced) cache, not wait for room forever (it waited: a
+    retracted request stops admissions, so nothing else ever evicted)."""
+    prompt = _family(36, 1, seed=11)[0][:36]
+    kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL)
+    off = run_requests(make_engine(tiny_model(HYBRID), prefix_cache=False, **kw), [prompt], greedy(7))
+    engine = make_engine(tiny_model(HYBRID), **kw)
+    rid = engine.add_request(prompt, greedy(7))  # retracted at 40 tokens, done at 43: no boundary after
+    while engine.requests[rid].num_computed < 40:
+        engine.step()
+    assert engine.caching.cached()["full_kv"] == 10  # every page up to its checkpoint at 40
+    assert engine.retract([rid], mode=mode)[rid].value == mode
+    _steps_until_done(engine)
+    assert engine.finished_requests[rid].output_ids == off[0]
+    assert engine.stats.restores.get("verified", 0) == 1, engine.stats.restores
+    assert_idle_clean(engine)

@@ -117,7 +117,12 @@ class StateMoves:
         fit; indices in `avoid` are taken only when nothing else is free."""
         ps = self.config.page_size
         need = {c.name: len(live_page_numbers(c, num_tokens, ps)) for c in self.components}
-        if not all(self.alloc[c.name].can_allocate(need[c.name]) for c in self.components):
+        short = {n: k - self.alloc[n].num_free for n, k in need.items() if not self.alloc[n].can_allocate(k)}
+        # cached prefixes go before a restore or an import waits for room (free now, or once
+        # the step in flight is committed: then a later try fits)
+        if short and self.cache.evict(short):
+            short = {n: k for n, k in need.items() if not self.alloc[n].can_allocate(k)}
+        if short:
             return None
         return {c.name: self.page_table(c, self.alloc[c.name].allocate(req.id, need[c.name],
                                                                        avoid.get(c.name, frozenset())), num_tokens)
