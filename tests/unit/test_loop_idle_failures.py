@@ -8,7 +8,7 @@ import asyncio
 import threading
 import time
 
-from engine_helpers import HYBRID, assert_idle_clean, make_engine, tiny_model
+from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, tiny_model
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.loop import EngineLoop
 from hyrax.actors.engine.step_feed import Sink, is_last
@@ -61,8 +61,9 @@ def test_a_rank_failure_in_the_idle_pool_check_is_recovered_and_the_loop_lives_o
     assert_idle_clean(engine)
 
 
-def test_an_error_between_steps_without_a_recovery_hook_is_logged_and_the_loop_lives_on():
-    engine = make_engine(tiny_model(HYBRID))
+def _offers_bookkeeping_fails_once(engine) -> list:
+    """The engine's next reclaim of expired offers (between steps) raises; returns a list that
+    holds one item once it has."""
     inner, raised = engine.reclaim_expired_offers, []
 
     def reclaim():
@@ -71,6 +72,12 @@ def test_an_error_between_steps_without_a_recovery_hook_is_logged_and_the_loop_l
             raise RuntimeError("a bug in the offers' bookkeeping")
         inner()
     engine.reclaim_expired_offers = reclaim
+    return raised
+
+
+def test_an_error_between_steps_without_a_recovery_hook_is_logged_and_the_loop_lives_on():
+    engine = make_engine(tiny_model(HYBRID))
+    raised = _offers_bookkeeping_fails_once(engine)
     loop = EngineLoop(engine, "housekeeping-error")
     try:
         _wait_for(lambda: raised and loop.last_error, "the error was never seen")
@@ -130,4 +137,28 @@ def test_the_loop_rests_its_ranks_only_while_it_has_nothing_to_run():
     finally:
         loop.shutdown()
     assert rests and not any(rests), "rest was called while the engine had work"
+    assert_idle_clean(engine)
+
+
+def test_an_engine_error_without_a_recovery_hook_frees_the_backups_its_live_rank_holds():
+    """Without a recovery hook (an in-process replica) an engine error fails every request and
+    the ranks stay: a request retracted to rank memory then left its backup there for good (the
+    rank's tensors never freed, and each idle check after it reported the pools violated)."""
+    engine = make_engine(tiny_model(HYBRID), retraction_backup="cpu_tensor")
+    rid = engine.add_request([1, 2, 3, 4, 5, 6], greedy(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.retract([rid], hold=True)[rid] == "cpu_tensor"
+    assert engine.executor.num_backups() == {0: 1}
+    raised = _offers_bookkeeping_fails_once(engine)
+    loop = EngineLoop(engine, "engine-error-with-a-backup")
+    loop.idle_check_after_s = 0.0
+    try:
+        _wait_for(lambda: raised and loop.last_error and not engine.has_unfinished(), "the error never failed it")
+        _wait_for(lambda: loop._checked_idle, "the idle check never ran")
+        assert loop.invariant_error is None, loop.invariant_error
+    finally:
+        loop.shutdown()
+    assert engine.finished_requests[rid].finish_reason == "error"
+    engine.finished_requests.clear()
     assert_idle_clean(engine)

@@ -94,7 +94,8 @@ class Engine:
         self._pressure = False
         self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
                                  finish=self._finish, reset=self._reset_pipeline, free_device=self.moves.free_device,
-                                 cap=self.cap, revoke_hits=self.caching.revoke)
+                                 cap=self.cap, revoke_hits=self.caching.revoke,
+                                 release_backup=self.moves.release_backup)
 
     # ---- the request table, as the rest of the code reads it -----------------------------
     @property
@@ -333,8 +334,8 @@ class Engine:
     def reset_for_recovery(self) -> list[str]:
         return self.recovery.reset_for_recovery()
 
-    def fail_all(self, reason: str = "error") -> list[str]:
-        return self.recovery.fail_all(reason)
+    def fail_all(self, reason: str = "error", ranks_alive: bool = False) -> list[str]:
+        return self.recovery.fail_all(reason, ranks_alive)
 
     def _reset_pipeline(self) -> None:
         self._forget, self._pressure = [], False

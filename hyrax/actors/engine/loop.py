@@ -174,7 +174,7 @@ class EngineLoop:
             if self.on_rank_failure is not None:
                 self.on_rank_failure(e)  # replace the ranks: their state is suspect
             else:
-                self.engine.fail_all("error")
+                self.engine.fail_all("error", ranks_alive=True)  # the same ranks serve on
         return None
 
     def _watch(self) -> None:

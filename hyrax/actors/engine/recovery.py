@@ -37,7 +37,8 @@ class Recovery:
                  alloc: dict[str, IndexAllocator], host_alloc: dict[str, IndexAllocator],
                  finish: Callable[[Request, str], None], reset: Callable[[], None],
                  free_device: Callable[[Request], None], cap: BatchCap,
-                 revoke_hits: Callable[[tuple[str, ...]], None] = lambda ids: None):
+                 revoke_hits: Callable[[tuple[str, ...]], None] = lambda ids: None,
+                 release_backup: Callable[[Request], None] = lambda req: None):
         self.table, self.inflight, self.executor, self.stats = table, inflight, executor, stats
         self.alloc, self.host_alloc = alloc, host_alloc
         self.finish = finish  # the engine's end of a request (frees through the one free point)
@@ -45,6 +46,7 @@ class Recovery:
         self.free_device = free_device  # gives back a request's device units (the one free point)
         self.cap = cap
         self.revoke_hits = revoke_hits  # the prefix cache's answer to hits that failed their check
+        self.release_backup = release_backup  # discards a retracted request's backup on the ranks
         self.last_step_error: str | None = None
 
     def step_failed(self, plan: StepPlan, error: StepError) -> None:
@@ -110,8 +112,16 @@ class Recovery:
         self.stats.recoveries += 1
         return [r.id for r in live]
 
-    def fail_all(self, reason: str = "error") -> list[str]:
-        """Finish every unfinished request (ranks gone for good); nothing stays queued."""
+    def fail_all(self, reason: str = "error", ranks_alive: bool = False) -> list[str]:
+        """Finish every unfinished request (ranks gone for good); nothing stays queued.
+        `ranks_alive`: the ranks stay (an engine error, no rank lost): the backups they hold
+        for retracted requests are discarded first, or they would keep them for good."""
+        if ranks_alive:
+            for req in list(self.table.retracted):
+                try:
+                    self.release_backup(req)
+                except Exception:  # noqa: BLE001 - failing the requests must not fail
+                    log.exception("discarding the backup of %s failed", req.id)
         self._drop_all_state()
         ids = list(self.table.requests)
         for rid in ids:
