@@ -196,3 +196,28 @@ def test_exporting_a_request_whose_step_in_flight_finishes_it_declines_instead_o
         engine.step()
     assert spy.violations == [] and engine.stats.finished["length"] == 1
     assert_idle_clean(engine)
+
+
+def test_a_prompt_that_fits_once_an_offer_is_freed_waits_for_it_instead_of_ending():
+    """A prefill replica holds each request it offered until the importer acknowledges (or the
+    lease ends). A prompt that fits the pools, running alone while those offers hold the pages
+    it needs next, waits for them: it was given up on as never able to grow (finish_reason
+    "length", no token) though the pages come back within the lease."""
+    model = tiny_model(HYBRID)
+    engine = make_engine(model, role="prefill", kv_capacity_tokens=48, prefix_cache=False)
+    a = engine.add_request(make_prompts(1, seed=3, lo=30, hi=30)[0], greedy())
+    handoffs = []
+    while not handoffs:
+        handoffs += [o.handoff for o in engine.step() if o.handoff is not None]
+    assert engine.requests[a].state == State.OFFERED
+    b = engine.add_request(make_prompts(1, seed=4, lo=24, hi=24)[0], greedy())  # fits once a's pages are back
+    for _ in range(10):
+        handoffs += [o.handoff for o in engine.step() if o.handoff is not None]
+        engine.check_invariants()
+    assert b in engine.requests and engine.requests[b].state == State.RUNNING, engine.finished_requests.get(b)
+    assert engine.release_handoff(a)  # the importer has it: its pages come back
+    while not any(h["request"]["id"] == b for h in handoffs):
+        handoffs += [o.handoff for o in engine.step() if o.handoff is not None]
+    assert engine.release_handoff(b)
+    assert engine.stats.finished == {}
+    assert_idle_clean(engine)

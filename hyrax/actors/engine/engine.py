@@ -203,7 +203,7 @@ class Engine:
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
-                self.config.max_batch_tokens, admit_new, self.reserve_ratio, lane, lane_ids))
+                self.config.max_batch_tokens, admit_new, self.reserve_ratio, lane, lane_ids, bool(self.table.offered)))
             if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
                 lane, lane_ids = None, frozenset()
                 continue

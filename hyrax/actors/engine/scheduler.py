@@ -285,7 +285,7 @@ class Scheduler:
                 victims = self._victims(view, r, need, planned, pools)
                 if victims:
                     return NeedRoom(victims=victims, short=lack)
-                if len(view.running) == 1 and not entries:
+                if len(view.running) == 1 and not entries and not view.offers_held:
                     return NeedRoom(hopeless=(r.id,), short=lack)
                 short = short or lack
                 continue

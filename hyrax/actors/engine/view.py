@@ -122,6 +122,9 @@ class SchedulerView:
     # running requests decoding on from last step without a view (lane.py), already advanced;
     # `running` leaves them out
     lane: LaneRows | None = None
+    # requests offered to another replica hold units that come back without a retraction (the
+    # importer acknowledges, or the lease ends): a request short of room waits for them
+    offers_held: bool = False
 
     @property
     def num_running(self) -> int:
@@ -142,8 +145,8 @@ def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
 
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
                in_flight: StepPlan | None, max_running: int, max_units: int, admit_new: bool,
-               reserve_ratio: float, lane: LaneRows | None = None, lane_ids: set[int] | frozenset = frozenset()
-               ) -> SchedulerView:
+               reserve_ratio: float, lane: LaneRows | None = None, lane_ids: set[int] | frozenset = frozenset(),
+               offers_held: bool = False) -> SchedulerView:
     """A snapshot of the request table and the allocators. `max_units`: the most units one step
     can take from a pool (a prefix of each free list that long is enough). `lane`: rows of
     running requests planned without a view; `lane_ids`, the `id()`s of those requests."""
@@ -161,5 +164,5 @@ def build_view(step: int, running: list[Request], waiting: list[Request], alloc:
         waiting=tuple([view_of(r) for r in waiting[:room]]),
         free={n: FreePool(a.num_free, tuple(a.peek(max_units))) for n, a in alloc.items()},
         in_flight=frozenset(in_flight.req_ids) if in_flight is not None else frozenset(),
-        admit_new=admit_new, reserve_ratio=reserve_ratio, lane=lane,
+        admit_new=admit_new, reserve_ratio=reserve_ratio, lane=lane, offers_held=offers_held,
     )
