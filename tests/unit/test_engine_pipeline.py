@@ -5,8 +5,12 @@ submitted, still wrote them)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, make_prompts, run_requests, tiny_model
+from engine_helpers import (
+    HYBRID, assert_idle_clean, greedy, make_engine, make_prompts, reference_outputs, run_requests, tiny_model,
+)
+from hyrax.actors.engine.local import run_to_completion
 from hyrax.actors.engine.lifecycle import IllegalTransition, Outcome, RequestTable
 from hyrax.actors.engine.request import Request, SamplingParams, State
 
@@ -220,4 +224,26 @@ def test_a_prompt_that_fits_once_an_offer_is_freed_waits_for_it_instead_of_endin
         handoffs += [o.handoff for o in engine.step() if o.handoff is not None]
     assert engine.release_handoff(b)
     assert engine.stats.finished == {}
+    assert_idle_clean(engine)
+
+
+def test_a_prompt_that_fits_once_a_waiting_requests_cache_hit_is_let_go_runs_instead_of_ending():
+    """A waiting request that matched the prefix cache locks the cached node, which then cannot
+    be evicted. A prompt that fits the pools, running alone and short of the pages that node
+    holds, was given up on as never able to grow (finish_reason "length", no token); the
+    waiting request's hit is let go instead (it matches again when it is admitted)."""
+    model = tiny_model(HYBRID)
+    engine = make_engine(model, kv_capacity_tokens=48, mamba_track_interval=8, prefill_order="fcfs")
+    cached = make_prompts(1, seed=3, lo=20, hi=20)[0]
+    engine.add_request(cached, greedy(max_tokens=2))
+    run_to_completion(engine)  # its prefix stays cached
+    assert engine.pool_usage()["full_kv"]["cached"] == 5
+    long = make_prompts(1, seed=4, lo=40, hi=40)[0]  # fits the 12 pages only with the cache evicted
+    b = engine.add_request(long, greedy(max_tokens=2))
+    for _ in range(3):
+        engine.step()
+    c = engine.add_request(cached + [1, 2, 3], greedy(max_tokens=2))  # matches the cached prefix
+    run_to_completion(engine)
+    want = reference_outputs(HYBRID, torch.float32, [long, cached + [1, 2, 3]], max_tokens=2)
+    assert [engine.finished_requests[i].output_ids for i in (b, c)] == want
     assert_idle_clean(engine)

@@ -230,8 +230,19 @@ class Engine:
         for rid in need.victims:
             self.retractions.retract(self.table.get(rid), "memory", None, False, self.step_count)
             self.reserve_ratio = 1.0
+        if need.hopeless and self._unlock_queued_hits():
+            return  # the cached prefixes they locked can be evicted now: ask again
         for rid in need.hopeless:
             self._finish(self.table.get(rid), "length")
+
+    def _unlock_queued_hits(self) -> bool:
+        """Let go of the prefix-cache hits of waiting requests (each matches again when it can be
+        admitted): the nodes they lock cannot be evicted for a running request. True if any was."""
+        held = [r for r in self.waiting if r.cache is not None and r.cache.node is not None]
+        for req in held:
+            self.caching.detach(req)
+            req.indices, req.num_computed = IndexTable(), 0
+        return bool(held)
 
     def has_inflight(self) -> bool:
         return self.inflight.step is not None
