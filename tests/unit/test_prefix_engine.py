@@ -224,17 +224,14 @@ def _steps_until_done(engine, limit: int = 300) -> None:
     raise AssertionError(f"requests still unfinished after {limit} steps: {engine.counts()}, {engine.pool_usage()}")
 
 
-@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
-def test_a_restore_evicts_the_cache_it_needs_room_from(mode):
-    """A request's own prefix, adopted by the cache, stays cached when the request is retracted;
-    the restore needs new pages for every live row. With the pool too small for both, the
-    restore must evict the (unreferenced) cache, not wait for room forever (it waited: a
-    retracted request stops admissions, so nothing else ever evicted)."""
+def _retract_and_finish(mode: str, max_tokens: int) -> None:
+    """A 36-token prompt in a 16-page pool, retracted at 40 tokens (its pages up to there
+    cached) and restored: it must finish with the cache-off tokens."""
     prompt = _family(36, 1, seed=11)[0][:36]
     kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL)
-    off = run_requests(make_engine(tiny_model(HYBRID), prefix_cache=False, **kw), [prompt], greedy(7))
+    off = run_requests(make_engine(tiny_model(HYBRID), prefix_cache=False, **kw), [prompt], greedy(max_tokens))
     engine = make_engine(tiny_model(HYBRID), **kw)
-    rid = engine.add_request(prompt, greedy(7))  # retracted at 40 tokens, done at 43: no boundary after
+    rid = engine.add_request(prompt, greedy(max_tokens))
     while engine.requests[rid].num_computed < 40:
         engine.step()
     assert engine.caching.cached()["full_kv"] == 10  # every page up to its checkpoint at 40
@@ -243,3 +240,36 @@ def test_a_restore_evicts_the_cache_it_needs_room_from(mode):
     assert engine.finished_requests[rid].output_ids == off[0]
     assert engine.stats.restores.get("verified", 0) == 1, engine.stats.restores
     assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
+def test_a_restore_evicts_the_cache_it_needs_room_from(mode):
+    """A request's own prefix, adopted by the cache, stays cached when the request is retracted;
+    the restore needs new pages for every live row. With the pool too small for both, the
+    restore must evict the (unreferenced) cache, not wait for room forever (it waited: a
+    retracted request stops admissions, so nothing else ever evicted)."""
+    _retract_and_finish(mode, 7)  # done at 43 tokens: no checkpoint after the restore
+
+
+def test_a_restored_request_never_pins_its_old_cached_pages():
+    """Restored into pages of its own, the request reaches its next checkpoint (48) on a path
+    the cache holds in its old pages: hanging the checkpoint there would lock that copy, which
+    it never reads, and its 56 tokens no longer fit the pool ("length" at 15 tokens)."""
+    _retract_and_finish("cpu_tensor", 20)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_never_pins_cached_pages_it_does_not_use(overlap):
+    """Two requests with one prompt arrive together: both prefill it, the first one's pages are
+    cached, the second keeps its own copies. It must not lock the cached path (nothing of it is
+    in its page table): pinned, those pages stay out of reach of eviction while it runs, and in
+    a pool that holds its tokens only once it ran out of room and finished early ("length")."""
+    prompt = _family(24, 1, seed=13)[0][:26]
+    kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL, overlap=overlap)
+    params = [greedy(1), greedy(30)]  # 26 + 30 tokens: 14 of the pool's 16 pages
+    off = run_requests(make_engine(tiny_model(HYBRID), prefix_cache=False, **kw), [prompt, prompt], params)
+    engine = make_engine(tiny_model(HYBRID), **kw)
+    on = run_requests(engine, [prompt, prompt], params)
+    assert engine.stats.finished["length"] == 2 and on == off
+    assert engine.caching.stats.checkpoints >= 1
+

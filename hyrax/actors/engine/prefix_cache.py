@@ -129,7 +129,13 @@ class PrefixCache(Eviction):
 
         full / window: the request's page tables (page number -> unit, -1 where it holds none);
         checkpoints: position (a multiple of the page size) -> the request's checkpoint there.
-        Pages the tree already holds are not taken (the request keeps its duplicates)."""
+        Pages the tree already holds are not taken (the request keeps its duplicates). The request
+        locks the node of its insert, and with it the whole path, so the insert stops (rejecting
+        the checkpoints from there on) at a cached checkpoint the request reached in pages of its
+        own: it computed or restored again a prefix the tree holds, and hanging its branch below
+        would pin the tree's copy, which it never reads, out of eviction's reach while it runs
+        (a whole prefix; a request that diverges from a cached edge after its hit pins at most
+        the pages between that checkpoint and where it diverges)."""
         ps = self.page_size
         if not checkpoints:
             raise ValueError("insert needs at least one checkpoint (a hit must end on one)")
@@ -148,17 +154,22 @@ class PrefixCache(Eviction):
         adopted: Units = {p: [] for p in self.pools}
         rejected: list[int] = []
         node, pos, path = self.root, 0, []
-        for cut in cuts:
+        for k, cut in enumerate(cuts):
             while pos < cut:
                 child = node.children.get(tuple(token_ids[pos:pos + ps]))
                 if child is None:
                     child = self._grow(node, token_ids, pos, cut, full, adopted)
                 else:
                     m = self._common(child.key, token_ids, pos, cut - pos)
+                    if m == len(child.key) and child.checkpoint is not None and not self._same_pages(child, full):
+                        break  # a checkpoint the caller computed (or restored) again in pages of its own
                     if m < len(child.key):
                         child = self._split(child, m)
                 node, pos = child, child.end
                 path.append(node)
+            if pos < cut:
+                rejected.extend(cuts[k:])
+                break
             if node.checkpoint is not None or not self._adopt_window(path, window, adopted):
                 rejected.append(cut)
                 continue
@@ -194,6 +205,12 @@ class PrefixCache(Eviction):
             node.parent = None
             node = parent
         return node
+
+    def _same_pages(self, child: Node, full: Mapping[str, Sequence[int]]) -> bool:
+        """Whether `child`'s edge lies in the caller's pages (its hit, or what the tree adopted
+        from it)."""
+        first, k = child.start // self.page_size, len(child.key) // self.page_size
+        return all(list(child.full[c.name]) == list(full[c.name][first:first + k]) for c in self.tokens)
 
     def _common(self, key: tuple[int, ...], token_ids, pos: int, limit: int) -> int:
         """Length of the common prefix of `key` and token_ids[pos:], in whole pages, at most `limit`."""
