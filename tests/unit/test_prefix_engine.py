@@ -273,3 +273,27 @@ def test_a_request_never_pins_cached_pages_it_does_not_use(overlap):
     assert engine.stats.finished["length"] == 2 and on == off
     assert engine.caching.stats.checkpoints >= 1
 
+
+
+def test_a_retracted_request_is_restored_though_a_waiting_request_matched_its_prefix():
+    """A waiting request that matched a running request's cached prefix locks those pages; the
+    running one is retracted, and its restore needs new pages for all of its tokens. A retracted
+    request holds admissions back, so the waiting one would never run to let go of them: the
+    restore waited forever (the waiting request lets go of its hit while admissions are closed)."""
+    prompt = _family(36, 1, seed=23)[0][:36]
+    other = prompt[:24] + [5, 6, 7, 8, 9]  # hits 24 tokens of it: 6 pages
+    kw = dict(kv_capacity_tokens=64, mamba_slots=1, mamba_track_interval=INTERVAL)  # one slot: the other waits
+    outs = []
+    for cache in (False, True):
+        engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, **kw)
+        rid = engine.add_request(prompt, greedy(12))
+        while engine.requests[rid].num_computed < 44:  # 11 of the pool's 16 pages
+            engine.step()
+        wid = engine.add_request(other, greedy(3))
+        engine.step()
+        assert engine.requests[wid].state == State.WAITING
+        assert engine.retract([rid], mode="cpu_tensor")[rid].value == "cpu_tensor"
+        _steps_until_done(engine)
+        outs.append([engine.finished_requests[i].output_ids for i in (rid, wid)])
+        assert_idle_clean(engine)
+    assert outs[1] == outs[0]

@@ -199,6 +199,8 @@ class Engine:
         max_running = self.scheduler.config.max_running  # the batch cap's
         if admit_new:
             self.caching.attach(self.waiting[:max(max_running - len(self.running), 0)])
+        else:  # a retracted request goes first: prefixes waiting requests matched must not keep its restore from room
+            self._unlock_queued_hits()
         lane, lane_ids = self.lane.take(self.inflight.plan, self._committed_step)
         while True:
             got = self.scheduler.schedule(build_view(
