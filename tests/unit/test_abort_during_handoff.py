@@ -100,3 +100,24 @@ def test_an_abort_between_two_replicas_ends_the_request(where):
     finally:
         for lp in loops:
             lp.shutdown()
+
+
+@pytest.mark.parametrize("reason", [None, "its gateway stopped renewing its lease"])
+def test_a_request_aborted_after_its_stream_ended_with_the_hand_off_leaves_nothing_behind(reason):
+    """A prefill replica's stream of a request ends with the hand-off; an abort that comes while
+    it is offered (the client left, the gateway's lease ran out) ends it there with no stream to
+    tell. Its finished request (prompt, outputs, text) and the abort's reason were kept for a
+    stream that would never come: one of each per such abort, for the replica's life."""
+    loop = EngineLoop(make_engine(tiny_model(HYBRID), role="prefill"), "prefill")
+    try:
+        async def until_handoff():
+            async for item in loop.generate("r1", [5, 6, 7, 8], dict(PARAMS)):
+                if "handoff" in item:
+                    return item
+        assert "handoff" in asyncio.run(until_handoff())
+        assert loop.abort("r1", reason=reason)
+        assert "r1" not in loop.engine.requests
+        assert "r1" not in loop.engine.finished_requests and "r1" not in loop._abort_reasons
+        assert loop.is_idle_clean()
+    finally:
+        loop.shutdown()

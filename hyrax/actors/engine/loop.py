@@ -220,6 +220,8 @@ class EngineLoop:
         streams = self.streams
         batches: dict[Sink, list] = {}  # a sink is its own key (hashed by identity)
         items = [(o.req_id, self._item(o)) for o in outs if o.req_id in streams]
+        if len(items) < len(outs):
+            self._drop_unstreamed(outs)
         if last is not None:
             items.append(last)
         for rid, item in items:
@@ -237,6 +239,14 @@ class EngineLoop:
         for sink, batch in batches.items():
             sink.post(batch)
         self.batches_posted += len(batches)
+
+    def _drop_unstreamed(self, outs) -> None:
+        """A request that ended with no stream to tell (its stream ended with its hand-off, and
+        then it was aborted while offered): nothing is kept for a last item nobody will read."""
+        for o in outs:
+            if o.finished and o.req_id not in self.streams:
+                self.engine.finished_requests.pop(o.req_id, None)
+                self._abort_reasons.pop(o.req_id, None)
 
     def _item(self, o) -> dict:
         item = {"token_ids": o.new_token_ids, "finished": o.finished, "finish_reason": o.finish_reason}
