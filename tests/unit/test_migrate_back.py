@@ -66,3 +66,24 @@ def test_a_prefill_replica_refuses_a_request_that_is_decoding():
         prefill.import_request(handoff)
     assert not prefill.has_unfinished() and rid not in prefill.requests
     assert_idle_clean(prefill)
+
+
+def test_an_import_that_can_never_fit_this_replicas_pools_is_refused_and_the_replica_serves_on():
+    """Replicas' pools need not be the same size (sized from each device's memory). A request
+    handed over with more state than this replica's pools can ever hold waited retracted for
+    room that never came, and while it waited the replica admitted nothing: every later request
+    queued for good. The import is refused (the source keeps its offer until its lease ends)."""
+    from hyrax.actors.model.errors import HyraxInputError
+
+    model = tiny_model(HYBRID)
+    src, small = make_engine(model, role="prefill"), make_engine(model, role="decode", kv_capacity_tokens=32)
+    rid = src.add_request(make_prompts(1, seed=3, lo=40, hi=40)[0], greedy(max_tokens=4))  # 11 pages; 8 here
+    handoffs = []
+    while not handoffs:
+        handoffs += [o.handoff for o in src.step() if o.handoff is not None]
+    with pytest.raises(HyraxInputError, match="full_kv"):
+        small.import_request(handoffs[0])
+    assert rid not in small.requests
+    assert run_requests(small, [[1, 2, 3]], greedy(max_tokens=2))  # it still serves what fits
+    assert src.abort(rid)
+    assert_idle_clean(src)

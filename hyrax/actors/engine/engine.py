@@ -121,8 +121,7 @@ class Engine:
     # ---- request API -------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request. Bad input raises HyraxInputError and changes nothing."""
-        check_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.components, self.sizes,
-                      self.config.page_size, self.config.prefill_chunk)
+        self._check(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
         if rid in self.table:
             raise HyraxInputError(f"request id {rid!r} is already in use")
@@ -130,6 +129,11 @@ class Engine:
         self.table.admit(Request(rid, list(prompt_ids), params, seed))
         self.stats.prompt_tokens += len(prompt_ids)
         return rid
+
+    def _check(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raises HyraxInputError unless this replica can run a request with these tokens."""
+        check_request(token_ids, params, self.vocab_size, self.max_model_len, self.components, self.sizes,
+                      self.config.page_size, self.config.prefill_chunk)
 
     def abort(self, req_id: str) -> bool:
         """End a request wherever it is here (waiting, running, retracted, offered)."""
@@ -330,10 +334,16 @@ class Engine:
 
     def import_request(self, handoff: dict) -> Outcome:
         """Take over a request another replica offered (transfer.py). A prefill replica takes
-        none: it never decodes, so a request it took would hold its state and never move."""
+        none: it never decodes, so a request it took would hold its state and never move. Nor does
+        a replica whose pools (or context) could never hold the request's tokens: it would wait
+        retracted for room that never comes, and stop every admission here meanwhile."""
+        r = handoff["request"]
         if self.config.role == "prefill":
-            raise HyraxInputError(f"request {handoff['request']['id']!r} offered to a prefill replica, "
-                                  "which does not decode")
+            raise HyraxInputError(f"request {r['id']!r} offered to a prefill replica, which does not decode")
+        try:  # its tokens so far as a prompt: a request this replica could never run would wait for good
+            self._check(list(r["prompt_ids"]) + list(r["output_ids"]), r["params"])
+        except HyraxInputError as e:
+            raise HyraxInputError(f"request {r['id']!r} cannot continue on this replica: {e}") from None
         return self.transfers.import_(handoff)
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
