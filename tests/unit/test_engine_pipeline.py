@@ -247,3 +247,33 @@ def test_a_prompt_that_fits_once_a_waiting_requests_cache_hit_is_let_go_runs_ins
     want = reference_outputs(HYBRID, torch.float32, [long, cached + [1, 2, 3]], max_tokens=2)
     assert [engine.finished_requests[i].output_ids for i in (b, c)] == want
     assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize("order", ["fcfs", "shortest"])
+def test_ranks_lost_while_a_request_is_offered_leave_it_to_its_importer(order):
+    """A prefill replica whose ranks are lost (and restarted empty) while a request is offered:
+    that request's stream has ended with the hand-off, and the importer takes it from the offer
+    (or, with the state gone, rebuilds it from the tokens the offer carries). It was put back in
+    the queue to be rebuilt here: a prefill replica never runs a request past its first token,
+    so it waited there for good, first in line (with fcfs no request was admitted behind it)."""
+    model = tiny_model(HYBRID)
+    src = make_engine(model, role="prefill", prefill_order=order)
+    dst = make_engine(model, role="decode")
+    rid = src.add_request(make_prompts(1, seed=3, lo=10, hi=10)[0], greedy(max_tokens=4))
+    handoffs = []
+    while not handoffs:
+        handoffs += [o.handoff for o in src.step() if o.handoff is not None]
+    src.reset_for_recovery()
+    assert rid not in src.requests
+    assert dst.import_request(handoffs[0]) == Outcome.VERIFIED
+    assert not src.release_handoff(rid)  # nothing held there any more
+    b = src.add_request([1, 2, 3, 4], greedy(max_tokens=4))
+    for _ in range(20):
+        handoffs += [o.handoff for o in src.step() if o.handoff is not None]
+    assert [h["request"]["id"] for h in handoffs] == [rid, b]
+    assert src.release_handoff(b)
+    assert_idle_clean(src)
+    run_to_completion(dst)
+    assert dst.finished_requests[rid].finish_reason == "length"
+    dst.finished_requests.clear()
+    assert_idle_clean(dst)

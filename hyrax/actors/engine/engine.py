@@ -95,7 +95,7 @@ class Engine:
         self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
                                  finish=self._finish, reset=self._reset_pipeline, free_device=self.moves.free_device,
                                  cap=self.cap, revoke_hits=self.caching.revoke,
-                                 release_backup=self.moves.release_backup)
+                                 release_backup=self.moves.release_backup, leave=self._leave)
 
     # ---- the request table, as the rest of the code reads it -----------------------------
     @property

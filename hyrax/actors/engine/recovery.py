@@ -13,7 +13,8 @@
   revoked (their nodes never matched again) and the requests of that step and of the step
   after it are rebuilt by prefill, as after running out of memory; no request fails.
 - Ranks lost and restarted with empty pools: every request keeps its tokens and is rebuilt
-  by prefill (recompute); or, when the ranks are gone for good, every request ends.
+  by prefill (recompute), except an offered one, which its importer takes from the offer; or,
+  when the ranks are gone for good, every request ends.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Recovery:
                  finish: Callable[[Request, str], None], reset: Callable[[], None],
                  free_device: Callable[[Request], None], cap: BatchCap,
                  revoke_hits: Callable[[tuple[str, ...]], None] = lambda ids: None,
-                 release_backup: Callable[[Request], None] = lambda req: None):
+                 release_backup: Callable[[Request], None] = lambda req: None,
+                 leave: Callable[[Request, str], None] = lambda req, reason: None):
         self.table, self.inflight, self.executor, self.stats = table, inflight, executor, stats
         self.alloc, self.host_alloc = alloc, host_alloc
         self.finish = finish  # the engine's end of a request (frees through the one free point)
@@ -47,6 +49,7 @@ class Recovery:
         self.cap = cap
         self.revoke_hits = revoke_hits  # the prefix cache's answer to hits that failed their check
         self.release_backup = release_backup  # discards a retracted request's backup on the ranks
+        self.leave = leave  # a request leaves the replica, not finished here (another replica has it)
         self.last_step_error: str | None = None
 
     def step_failed(self, plan: StepPlan, error: StepError) -> None:
@@ -107,7 +110,12 @@ class Recovery:
 
     def reset_for_recovery(self) -> list[str]:
         """After the ranks were lost and restarted with empty pools: every request keeps its
-        tokens and is rebuilt by prefill (recompute). Returns the ids affected."""
+        tokens and is rebuilt by prefill (recompute). Returns the ids affected. An offered request
+        is its importer's now (its stream here ended with the hand-off, whose tokens let the
+        importer rebuild it if the state is gone): it leaves, as when its lease ends."""
+        for req in list(self.table.offered.values()):
+            self.leave(req, "lease_expired")
+            self.stats.offers_reclaimed += 1
         live = self._drop_all_state()
         self.stats.recoveries += 1
         return [r.id for r in live]
