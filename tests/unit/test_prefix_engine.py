@@ -15,6 +15,7 @@ from engine_helpers import HYBRID, VOCAB, assert_idle_clean, greedy, make_engine
 from hyrax.actors.engine.caching import PrefixCaching
 from hyrax.actors.engine.mamba_track import TrackWrite
 from hyrax.actors.engine.plan import CheckpointWrite
+from hyrax.actors.engine.prefix_nodes import CACHE_OWNER
 from hyrax.actors.engine.request import SamplingParams, State
 
 INTERVAL = 8  # two pages; the sliding window (5) spans two pages as well
@@ -295,5 +296,60 @@ def test_a_retracted_request_is_restored_though_a_waiting_request_matched_its_pr
         assert engine.retract([rid], mode="cpu_tensor")[rid].value == "cpu_tensor"
         _steps_until_done(engine)
         outs.append([engine.finished_requests[i].output_ids for i in (rid, wid)])
+        assert_idle_clean(engine)
+    assert outs[1] == outs[0]
+
+
+def _shared_units_are_the_caches(engine) -> None:
+    """Every cached unit in a running request's tables is still the cache's and lies on the path
+    of the node the request locked (so nothing can evict it while the request reads it)."""
+    tree = engine.caching.tree
+    for req in engine.running:
+        hold = req.cache
+        if hold is None:
+            continue
+        on_path = {}
+        n = hold.node
+        while n is not None and n is not tree.root:
+            for pool, units in tree._units(n):
+                on_path.setdefault(pool, set()).update(units)
+            n = n.parent
+        for pool, units in hold.shared.items():
+            for u in units:
+                if u in req.indices[pool]:
+                    assert engine.alloc[pool].owned_by(CACHE_OWNER).count(u) == 1 and u in on_path.get(pool, ()), \
+                        (req.id, pool, u, hold.node)
+
+
+def test_a_request_keeps_the_lock_on_the_pages_the_cache_took_from_it():
+    """r1 hits 16 tokens, prefills 16..24 itself, and caches 20..24 below the edge 16..20 that r0
+    computed (no checkpoint there: r1 diverges from r0 at 20). r2 then caches a checkpoint at 20
+    on that edge. At its next checkpoint (32) r1 must keep its lock where it was: moved up to
+    the hit, the page the cache took from r1 (positions 20..23), still in r1's page table, could
+    be evicted and handed to another request while r1 reads it."""
+    rng = random.Random(29)
+    p = [rng.randrange(VOCAB) for _ in range(20)]
+    r0, r1, r2 = p + [1, 2, 3, 4], p + [5, 6, 7, 8], p + [9, 10]
+    r3 = [rng.randrange(VOCAB) for _ in range(16)]
+    kw = dict(mamba_track_interval=INTERVAL)
+    outs = []
+    for cache in (False, True):
+        engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, **kw)
+        a = engine.add_request(r0, greedy(1))
+        _steps_until_done(engine)
+        b = engine.add_request(r1, greedy(20))
+        while engine.requests[b].num_computed < 24:
+            engine.step()
+        c = engine.add_request(r2, greedy(1))
+        while engine.requests[b].num_computed < 33:
+            engine.step()
+            if cache:
+                _shared_units_are_the_caches(engine)
+        engine.flush_cache()  # whatever no request holds
+        d = engine.add_request(r3, greedy(4))  # takes the freed pages
+        while engine.has_unfinished() or engine.has_inflight():
+            engine.step()
+            engine.check_invariants()
+        outs.append([engine.finished_requests[i].output_ids for i in (a, b, c, d)])
         assert_idle_clean(engine)
     assert outs[1] == outs[0]

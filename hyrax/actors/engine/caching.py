@@ -259,7 +259,10 @@ class PrefixCaching:
         for pool, units in ins.adopted.items():
             if pool in self.paged:
                 hold.shared.setdefault(pool, set()).update(units)
-        if ins.node.checkpoint is not None and ins.node.parent is not None and ins.node is not hold.node:
+        # the lock only moves down the request's path: the node it holds covers every cached unit
+        # in its tables (an insert that stopped above it, PrefixCache.insert, leaves it there)
+        if ins.node.checkpoint is not None and ins.node.parent is not None and (
+                hold.node is None or ins.length > hold.node.end):
             self.tree.lock(ins.node)
             if hold.node is not None:
                 self.tree.unlock(hold.node)
