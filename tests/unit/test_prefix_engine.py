@@ -353,3 +353,28 @@ def test_a_request_keeps_the_lock_on_the_pages_the_cache_took_from_it():
         outs.append([engine.finished_requests[i].output_ids for i in (a, b, c, d)])
         assert_idle_clean(engine)
     assert outs[1] == outs[0]
+
+
+def test_a_waiting_request_s_hit_does_not_get_a_running_request_retracted():
+    """Two running requests fill the pool while a waiting one (no slot left for it) matched a
+    cached prefix: when a running request needs a page, the waiting request's hit goes and the
+    prefix is evicted - no request is retracted for pages a request that is not running holds
+    (the cache-off run retracts none)."""
+    rng = random.Random(31)
+    cached = [rng.randrange(VOCAB) for _ in range(24)]
+    runs = [[rng.randrange(VOCAB) for _ in range(12)] for _ in range(2)]  # 12 + 20 tokens: 8 pages each
+    kw = dict(kv_capacity_tokens=64, mamba_slots=2, mamba_track_interval=INTERVAL, prefill_order="fcfs")
+    outs = []
+    for cache in (False, True):
+        engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, **kw)
+        first = engine.add_request(cached, greedy(1))
+        _steps_until_done(engine)
+        rs = [engine.add_request(p, greedy(20, ignore_eos=True)) for p in runs]
+        w = engine.add_request(cached + [1, 2, 3, 4], greedy(4))  # matches 24 tokens: 6 pages
+        engine.step()
+        assert engine.requests[w].state == State.WAITING
+        _steps_until_done(engine)
+        outs.append([engine.finished_requests[i].output_ids for i in (first, *rs, w)])
+        assert engine.stats.summary()["retractions"] == 0, (cache, engine.stats.summary()["retractions"])
+        assert_idle_clean(engine)
+    assert outs[1] == outs[0]

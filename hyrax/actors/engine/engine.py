@@ -233,11 +233,11 @@ class Engine:
         return plan
 
     def _make_room(self, need: NeedRoom) -> None:
+        if (need.victims or need.hopeless) and self._unlock_queued_hits():
+            return  # the cached prefixes they locked can be evicted now: ask again
         for rid in need.victims:
             self.retractions.retract(self.table.get(rid), "memory", None, False, self.step_count)
             self.reserve_ratio = 1.0
-        if need.hopeless and self._unlock_queued_hits():
-            return  # the cached prefixes they locked can be evicted now: ask again
         for rid in need.hopeless:
             self._finish(self.table.get(rid), "length")
 
