@@ -41,3 +41,47 @@ def test_gradients_match_torch():
         (fn(x, w) * torch.arange(16, dtype=torch.float64)).sum().backward()
         grads.append((x.grad, w.grad))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+
+
+def _compiled_over_batch_sizes(fn, sizes=(8, 5, 3)):
+    """`fn(x)` through torch.compile (the graphs counted, run as traced), x: (B, 1, 32) with B
+    marked dynamic as a compiled decode step marks it, at each size -> (graphs, [(out, x)])."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(fn, backend=backend)
+    runs = []
+    for b in sizes:
+        x = torch.randn(b, 1, 32, generator=torch.Generator().manual_seed(b))
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        runs.append((compiled(x), x))
+    return len(graphs), runs
+
+
+@pytest.mark.parametrize("symbolic", [True, False], ids=["rms_norm", "formula"])
+def test_traced_rms_normalize_keeps_the_batch_dimension_dynamic(monkeypatch, symbolic):
+    """Traced, one graph serves every batch size, by torch's `rms_norm` where it keeps sizes
+    symbolic and by the formula where it would fix them (torch 2.4; simulated here): each size
+    fixed recompiled a compiled decode step per batch size."""
+    from hyrax.actors.model import norm
+
+    if symbolic and not norm.RMS_NORM_TRACES_SYMBOLIC:
+        pytest.skip("this torch's rms_norm fixes sizes when traced")
+    monkeypatch.setattr(norm, "RMS_NORM_TRACES_SYMBOLIC", symbolic)
+    w = 1 + 0.1 * torch.randn(32, generator=torch.Generator().manual_seed(0))
+    graphs, runs = _compiled_over_batch_sizes(lambda x: norm.rms_normalize(x, 1e-5, w))
+    assert graphs == 1
+    for out, x in runs:
+        torch.testing.assert_close(out, F.rms_norm(x, (32,), w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_tracing_is_detected_as_this_torch_behaves():
+    """RMS_NORM_TRACES_SYMBOLIC says what torch.compile does with this torch's `rms_norm`: one
+    graph over batch sizes where it is set, a graph per size where it is not (torch 2.4, 2.5)."""
+    from hyrax.actors.model.norm import RMS_NORM_TRACES_SYMBOLIC
+
+    graphs, _ = _compiled_over_batch_sizes(lambda x: F.rms_norm(x, (32,), None, 1e-5), sizes=(8, 5))
+    assert graphs == (1 if RMS_NORM_TRACES_SYMBOLIC else 2)

@@ -15,6 +15,12 @@ def identity_allreduce(t: torch.Tensor) -> torch.Tensor:
 
 _EPS: dict[tuple[float, torch.device], torch.Tensor] = {}  # (eps, device) -> 0-dim float64 tensor
 
+# Whether torch.compile can trace `rms_norm` without fixing its input's sizes. torch 2.4's and
+# 2.5's take `int[] normalized_shape` and read concrete sizes in their C++ composite: traced, it
+# turns every dynamic dimension static, so a compiled decode step recompiled for each batch size
+# (up to dynamo's limit of graphs per function). Later ones take `SymInt[]` and keep them symbolic.
+RMS_NORM_TRACES_SYMBOLIC = "SymInt[] normalized_shape" in str(torch.ops.aten.rms_norm.default._schema)
+
 
 def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, times `weight` if given: torch's
@@ -25,7 +31,12 @@ def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = Non
     seven small ops (measured, one thread, float32, min of runs: (16, 1, 128) 32 -> 20 us,
     (2, 256, 128) 79 -> 56 us, (2, 256, 768) 545 -> 331 us; ~10 % of a small model's prefill
     went to it). The result differs from `rms_norm`'s in the last bits (the mean square is taken
-    as a squared norm). GPU tensors and traced code use `rms_norm` (a fused kernel there)."""
+    as a squared norm). GPU tensors and traced code use `rms_norm` (a fused kernel there), except
+    traced code where this torch's `rms_norm` would fix the sizes (RMS_NORM_TRACES_SYMBOLIC): there
+    the same formula in separate ops, which inductor fuses as it fuses `rms_norm`'s."""
+    if torch.compiler.is_compiling() and not RMS_NORM_TRACES_SYMBOLIC:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y if weight is None else y * weight
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         return nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     e = _EPS.get((eps, x.device))
