@@ -176,3 +176,20 @@ def test_compiled_decode_calls_the_c_kernels(compiled, monkeypatch, kernel):
     assert len(compiled.forward.decode.sizes) > decoded  # decode steps went through the compiled path
     assert calls and set(calls) <= set(compiled.forward.decode.sizes)  # ... and called the kernel, once per layer
     no_graph_breaks()
+
+
+def test_compiled_decode_without_the_mamba2_operator_traces_the_torch_step(monkeypatch):
+    """Where this torch compiles an operator's writes into pool views wrong (traced_ops:
+    WRITES_INTO_INPUT_VIEWS; torch 2.4-2.6), hyrax::mamba2_decode is not defined and the compiled
+    step traces the Mamba2 layer's torch path: the eager step's logits and state."""
+    import hyrax.actors.model.mamba2 as mamba2
+
+    monkeypatch.setattr(mamba2, "traced_mamba2_decode", None)
+    model = copy.deepcopy(tiny_model(HYBRID))
+    batch, pools = _decode_batch(model)
+    eager_pools = {n: t.clone() for n, t in pools.items()}
+    want = model(batch, eager_pools)
+    got = CompiledDecode(model.forward, tuple(c.name for c in model.components), backend="aot_eager")(batch, pools)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for n in pools:
+        torch.testing.assert_close(pools[n], eager_pools[n], rtol=1e-5, atol=1e-5, msg=n)
