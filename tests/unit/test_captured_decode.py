@@ -193,3 +193,33 @@ def test_compiled_decode_without_the_mamba2_operator_traces_the_torch_step(monke
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for n in pools:
         torch.testing.assert_close(pools[n], eager_pools[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+def _flushes_denormals() -> bool:
+    return bool((torch.tensor([1e-40]) * 1.0 == 0).item())  # 1e-40: a float32 denormal
+
+
+def test_a_compiled_step_that_turns_on_flush_to_zero_leaves_it_off():
+    """torch < 2.6's inductor kernels (-ffast-math, gcc < 13) turn on flush-to-zero in the thread
+    that loads them: after a compiled step, the thread's eager ops and C kernels would compute
+    denormals as 0 (the native silu's accuracy test failed after this module). Simulated: a
+    compiled forward that turns it on."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero mode to set")
+    model = tiny_model(HYBRID)
+    decode = CompiledDecode(model.forward, tuple(c.name for c in model.components), backend="aot_eager")
+    decode.compiled = lambda batch, pools: (torch.set_flush_denormal(True), model(batch, pools))[1]
+    try:
+        decode(*_decode_batch(model))
+        assert not _flushes_denormals()
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_compiled_decode_leaves_denormals_to_the_threads_later_ops(compiled):
+    """The same with this torch's own compiled step (inductor's kernels built and loaded)."""
+    e = make_engine(compiled, overlap=False, deterministic=False)
+    e.add_request(make_prompts(1, seed=9)[0], greedy(3))
+    while e.has_unfinished():
+        e.step()
+    assert not _flushes_denormals()

@@ -110,7 +110,15 @@ class CompiledDecode:
         """batch: decode-only (T == 1), B sequences -> logits (B, vocab)."""
         padded = pad_key_columns(batch, {n: i.read_rows.shape[1] + 1 for n, i in batch.attn.items()})
         mark_dynamic(padded)
-        return self.compiled(padded, layer_views(pools, self.names))
+        try:
+            return self.compiled(padded, layer_views(pools, self.names))
+        finally:
+            # inductor's CPU kernels of torch < 2.6 are linked with -ffast-math, and with gcc < 13
+            # loading one (a step that compiled) turns on flush-to-zero and denormals-are-zero
+            # for the calling thread: every later op of the thread (eager steps, the C kernels)
+            # would compute denormal numbers as 0, and its other threads would not. Off again
+            # (~0.2 us; no-op where the flags were never set).
+            torch.set_flush_denormal(False)
 
 
 class CapturedDecode:
