@@ -90,7 +90,7 @@ class World:
             checkpoints[pos] = Checkpoint(slots, {n: {0: hash(tuple(ids[:pos]))} for n in slots})
         window = {"swa_kv": own_w}
         if checkpoints:
-            ins = self.cache.insert(ids, {"full_kv": full}, window, checkpoints)
+            ins = self.cache.insert(ids, {"full_kv": full}, window, checkpoints, m.length if m.node else None)
             transfer(self.alloc, ins.adopted, rid, CACHE_OWNER)
             for pool, units in ins.adopted.items():
                 taken = set(units)

@@ -378,3 +378,25 @@ def test_a_waiting_request_s_hit_does_not_get_a_running_request_retracted():
         assert engine.stats.summary()["retractions"] == 0, (cache, engine.stats.summary()["retractions"])
         assert_idle_clean(engine)
     assert outs[1] == outs[0]
+
+
+def test_a_request_that_hit_nothing_never_pins_an_edge_others_computed():
+    """x and y share 12 tokens and diverge: the cache holds the edge 0..12 (x's pages) with no
+    checkpoint at its end. r shares those 12 tokens too, hits nothing (no checkpoint on its
+    path) and prefills them in pages of its own; caching its checkpoint at 16 below that edge
+    would lock x's 3 pages, which r never reads, for as long as it runs - here the difference
+    between its 56 tokens fitting the pool or ending with "length" early."""
+    rng = random.Random(37)
+    p = [rng.randrange(VOCAB) for _ in range(12)]
+    x, y, r = (p + [rng.randrange(VOCAB) for _ in range(4)] for _ in range(3))
+    kw = dict(kv_capacity_tokens=64, mamba_track_interval=16)
+    outs = []
+    for cache in (False, True):
+        engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, **kw)
+        ids = [engine.add_request(q, greedy(1)) for q in (x, y)]
+        _steps_until_done(engine)
+        ids.append(engine.add_request(r, greedy(40)))  # 16 + 40 tokens: 14 of the pool's 16 pages
+        _steps_until_done(engine)
+        outs.append([engine.finished_requests[i].output_ids for i in ids])
+        assert_idle_clean(engine)
+    assert outs[1] == outs[0]

@@ -42,9 +42,9 @@ def test_tp2_hits_copy_checkpoints_written_on_both_ranks(family, stress):
     seen = []
     real = engine.caching.tree.insert
 
-    def spy(ids, full, window, checkpoints):
+    def spy(ids, full, window, checkpoints, *held):
         seen.extend(ck.checksums for ck in checkpoints.values())
-        return real(ids, full, window, checkpoints)
+        return real(ids, full, window, checkpoints, *held)
 
     engine.caching.tree.insert = spy
     assert _two_waves(engine, ps) == ref

@@ -250,7 +250,8 @@ class PrefixCaching:
                                                           for n, _ in w.slots.units}, w.position <= prompt_end)
                for w in ws}
         tables = {c.name: req.indices[c.name] for c in self.components if c.kind in (TOKEN, WINDOW)}
-        ins = self.tree.insert(req.all_ids[:max(cks)], tables, tables, cks)
+        ins = self.tree.insert(req.all_ids[:max(cks)], tables, tables, cks,
+                               hold.node.end if hold.node is not None else None)
         for position in ins.rejected:
             for name, slot in cks[position].slots.items():
                 self.alloc[checkpoint_pool(name)].free(req.id, [slot])

@@ -124,18 +124,20 @@ class PrefixCache(Eviction):
 
     # ---- insert ----------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], full: Mapping[str, Sequence[int]],
-               window: Mapping[str, Sequence[int]], checkpoints: Mapping[int, Checkpoint]) -> Inserted:
+               window: Mapping[str, Sequence[int]], checkpoints: Mapping[int, Checkpoint],
+               held: int | None = None) -> Inserted:
         """Cache a request's prefix up to its last checkpoint position.
 
         full / window: the request's page tables (page number -> unit, -1 where it holds none);
         checkpoints: position (a multiple of the page size) -> the request's checkpoint there.
+        held: the end of the node the request locks (its hit, or its last insert), None if none.
         Pages the tree already holds are not taken (the request keeps its duplicates). The request
-        locks the node of its insert, and with it the whole path, so the insert stops (rejecting
-        the checkpoints from there on) at a cached checkpoint the request reached in pages of its
-        own: it computed or restored again a prefix the tree holds, and hanging its branch below
-        would pin the tree's copy, which it never reads, out of eviction's reach while it runs
-        (a whole prefix; a request that diverges from a cached edge after its hit pins at most
-        the pages between that checkpoint and where it diverges)."""
+        locks the node of its insert, and with it the whole path, so the insert goes through
+        pages the request does not read only where it locks them already, or from `held` to
+        where the request diverges from a cached edge with no checkpoint there (a few pages after
+        its hit); elsewhere - a cached prefix it computed or restored again in pages of its own -
+        it stops, rejecting the checkpoints from there on: hanging its branch below would pin
+        the tree's copy, out of eviction's reach while it runs."""
         ps = self.page_size
         if not checkpoints:
             raise ValueError("insert needs at least one checkpoint (a hit must end on one)")
@@ -161,8 +163,8 @@ class PrefixCache(Eviction):
                     child = self._grow(node, token_ids, pos, cut, full, adopted)
                 else:
                     m = self._common(child.key, token_ids, pos, cut - pos)
-                    if m == len(child.key) and child.checkpoint is not None and not self._same_pages(child, full):
-                        break  # a checkpoint the caller computed (or restored) again in pages of its own
+                    if not self._may_pin(child, m, full, held):
+                        break  # a cached prefix the caller computed (or restored) again in pages of its own
                     if m < len(child.key):
                         child = self._split(child, m)
                 node, pos = child, child.end
@@ -206,11 +208,15 @@ class PrefixCache(Eviction):
             node = parent
         return node
 
-    def _same_pages(self, child: Node, full: Mapping[str, Sequence[int]]) -> bool:
-        """Whether `child`'s edge lies in the caller's pages (its hit, or what the tree adopted
-        from it)."""
-        first, k = child.start // self.page_size, len(child.key) // self.page_size
-        return all(list(child.full[c.name]) == list(full[c.name][first:first + k]) for c in self.tokens)
+    def _may_pin(self, child: Node, m: int, full: Mapping[str, Sequence[int]], held: int | None) -> bool:
+        """Whether an insert may go through the first `m` tokens of `child`'s edge: they lie in
+        the caller's pages (its hit, or what the tree took from it), or it locks them already
+        (`held`), or they start where its lock ends and hold no checkpoint at their end."""
+        if held is not None and (child.end <= held or (child.start == held and (
+                m < len(child.key) or child.checkpoint is None))):
+            return True
+        first, k = child.start // self.page_size, m // self.page_size
+        return all(list(child.full[c.name][:k]) == list(full[c.name][first:first + k]) for c in self.tokens)
 
     def _common(self, key: tuple[int, ...], token_ids, pos: int, limit: int) -> int:
         """Length of the common prefix of `key` and token_ids[pos:], in whole pages, at most `limit`."""
