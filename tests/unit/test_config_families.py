@@ -42,6 +42,22 @@ def test_config_written_by_transformers_is_accepted(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_time_step_init_range_written_by_older_transformers_is_accepted(tmp_path, family):
+    """transformers releases up to 5.7 write `time_step_min` (with `time_step_max` and
+    `time_step_floor`) into Bamba, GraniteMoeHybrid and FalconH1 configs: the range dt_bias was
+    initialised from, read by no forward; checkpoints saved then carry it. NemotronH reads its
+    value (dt is clamped from below at it), so there it must still change the config."""
+    d = hf_config_dict(tmp_path, family)
+    plain = ModelConfig.from_hf_dict({k: v for k, v in d.items() if k != "time_step_min"})
+    d.update(time_step_min=0.002, time_step_max=0.2, time_step_floor=0.0002)
+    cfg = ModelConfig.from_hf_dict(d)
+    if family == "nemotron_h":
+        assert cfg.time_step_limit[0] == 0.002
+    else:
+        assert cfg == plain
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_unknown_key_is_refused_by_name(tmp_path, family):
     d = hf_config_dict(tmp_path, family)
     d["attention_logit_softcapping"] = 30.0

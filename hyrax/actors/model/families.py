@@ -28,8 +28,9 @@ INERT_KEYS = frozenset({
     "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache",
     "initializer_range", "attention_dropout", "hidden_dropout", "output_router_logits", "router_aux_loss_coef",
     "num_logits_to_keep", "use_mamba_kernels", "z_loss_coefficient",
-    # Mamba2 initialisation ranges (only the init of dt_bias reads them) ...
-    "time_step_max", "time_step_floor", "rescale_prenorm_residual",
+    # Mamba2 initialisation ranges (only the init of dt_bias reads them; NemotronH clamps dt at
+    # time_step_min too, and its parser reads it) ...
+    "time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
     # ... and generation/tokenizer hints that the tokenizer files carry too
     "tokenizer_class", "auto_map",
 })
@@ -41,8 +42,8 @@ ACTIVATIONS = ("silu",)
 class Keys:
     """config.json with use tracking: every key read is marked used; `finish` refuses the rest."""
 
-    def __init__(self, d: dict, model_type: str, inert: frozenset[str] = frozenset()):
-        self.d, self.model_type, self.used = d, model_type, set(INERT_KEYS | inert)
+    def __init__(self, d: dict, model_type: str):
+        self.d, self.model_type, self.used = d, model_type, set(INERT_KEYS)
 
     def get(self, key: str, default=None):
         self.used.add(key)
@@ -352,9 +353,6 @@ _PARSERS: dict[str, Callable[[Keys], ModelConfig]] = {
     "qwen3_next": _qwen3_next,
     "falcon_h1": _falcon_h1,
 }
-_INERT: dict[str, frozenset[str]] = {
-    "nemotron_h": frozenset({"time_step_min"}),
-}
 
 
 def parse_config(d: dict) -> ModelConfig:
@@ -362,7 +360,7 @@ def parse_config(d: dict) -> ModelConfig:
     if model_type not in _PARSERS:
         raise HyraxInputError(f"config.json model_type {model_type!r} is not supported "
                               f"(supported: {', '.join(sorted(_PARSERS))})")
-    k = Keys(d, model_type, _INERT.get(model_type, frozenset()))
+    k = Keys(d, model_type)
     k.get("model_type")
     cfg = _PARSERS[model_type](k)
     k.finish()
