@@ -277,3 +277,34 @@ def test_ranks_lost_while_a_request_is_offered_leave_it_to_its_importer(order):
     assert dst.finished_requests[rid].finish_reason == "length"
     dst.finished_requests.clear()
     assert_idle_clean(dst)
+
+
+def test_ranks_lost_keep_an_operators_hold_on_a_retracted_request():
+    """A request an operator retracted and holds stays retracted and held when the ranks are
+    lost and restarted: its state is gone, so the operator's resume rebuilds it by prefill, and
+    it ends with the uninterrupted run's tokens. (Every live request used to go back to the
+    queue, the hold dropped: the held request ran again on its own.)"""
+    model = tiny_model(HYBRID)
+    eng = make_engine(model)
+    prompt = make_prompts(1, seed=5, lo=12, hi=12)[0]
+    ref = make_engine(model)
+    ref_id = ref.add_request(prompt, greedy(max_tokens=6))
+    while ref_id in ref.requests:
+        ref.step()
+    want = ref.finished_requests[ref_id].output_ids
+    rid = eng.add_request(prompt, greedy(max_tokens=6))
+    while len(eng.requests[rid].output_ids) < 2:
+        eng.step()
+    eng.retract([rid], mode="cpu_tensor", hold=True)
+    eng.executor.rank.discard(rid)  # the lost rank's memory, backup included, went with it
+    eng.reset_for_recovery()
+    req = eng.requests[rid]
+    assert req.state is State.RETRACTED and req.hold and req.backup is None
+    for _ in range(5):
+        eng.step()
+    assert eng.requests[rid].state is State.RETRACTED  # nothing resumed it
+    eng.resume([rid])
+    while rid in eng.requests:
+        eng.step()
+    assert eng.finished_requests[rid].output_ids == want
+    assert_idle_clean(eng)

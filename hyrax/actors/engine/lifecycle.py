@@ -157,12 +157,16 @@ class RequestTable:
         return was
 
     def rebuild_all(self) -> list[Request]:
-        """Every live request back to waiting (its state is gone), oldest first."""
-        live = sorted(self.running + self.retracted + list(self.offered.values()), key=lambda r: r.arrival)
+        """Every live request back to waiting (its state is gone), oldest first; a retracted
+        request an operator holds stays retracted and held (the operator's resume rebuilds it).
+        Returns them all, the held ones last."""
+        held = [r for r in self.retracted if r.hold]
+        live = sorted(self.running + [r for r in self.retracted if not r.hold] + list(self.offered.values()),
+                      key=lambda r: r.arrival)
         for req in live:
             req.state, req.hold, req.offer_deadline = State.WAITING, False, None
         self.waiting[:0] = live
         self.running.clear()
-        self.retracted.clear()
+        self.retracted[:] = held
         self.offered.clear()
-        return live
+        return live + held

@@ -137,7 +137,8 @@ class Recovery:
         return ids
 
     def _drop_all_state(self) -> list[Request]:
-        """Forget every index, backup and step in flight; every live request back to waiting."""
+        """Forget every index, backup and step in flight; every live request back to waiting (a
+        held retracted one stays retracted, with no backup: its resume recomputes it)."""
         self.inflight.forget()
         self.reset()
         live = self.table.rebuild_all()
