@@ -210,13 +210,15 @@ class RoleCoordinator:
                 self.feeds.close_gateway_soon(gateway)
             time.sleep(0.25)
 
-    def release(self, request_id: str) -> bool:
-        """An importer took this replica's hand-off of `request_id`: free it here. On the event
-        loop, not in a worker thread, so that it takes effect before any call that arrives after
-        it: a request migrated away and back imports here again only once its first hand-off is
-        released (from a thread, the later import could be admitted first and find the id in
-        use)."""
-        return self.loop.release(request_id)
+    def release(self, request_id: str) -> None:
+        """An importer took this replica's hand-off of `request_id`: free it here. Queued on the
+        event loop, not sent to a worker thread, so that it takes effect before any call that
+        arrives after it: a request migrated away and back imports here again only once its
+        first hand-off is released (from a thread, the later import could be admitted first and
+        find the id in use). Queued, not applied here: the loop's lock can be held for a whole
+        step, or a whole rank restart, and this event loop must go on answering health checks,
+        taking lease renewals and streaming meanwhile."""
+        self.loop.release_soon(request_id)
 
     # Other calls that take the engine loop's lock run in a worker thread: a step in flight holds
     # the lock for the whole step, and this actor's event loop must keep streaming every gateway's

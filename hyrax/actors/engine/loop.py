@@ -115,8 +115,9 @@ class EngineLoop:
         self.lock = TurnLock()
         self.wake = threading.Event()
         self.streams: dict[str, Sink] = {}  # request id -> the consumer its items go to
-        # streams opened since the loop last looked, in arrival order: (request id, sink, admit)
-        self._opening: deque[tuple[str, Sink, Callable[[], dict | None]]] = deque()
+        # streams opened since the loop last looked, in arrival order: (request id, sink, admit);
+        # an acknowledgement (release_soon) comes in the same order, with no sink
+        self._opening: deque[tuple[str, Sink | None, Callable[[], dict | None]]] = deque()
         self._local: dict[asyncio.AbstractEventLoop, tuple[Sink, Fanout]] = {}  # in-process callers
         self.batches_posted = 0  # messages to consumers: one per consumer per step at most
         self.early_aborts = EarlyAborts()
@@ -308,6 +309,9 @@ class EngineLoop:
         the stream's one and last item."""
         while self._opening:
             request_id, sink, admit = self._opening.popleft()
+            if sink is None:  # an acknowledgement queued by `release_soon`, not a stream
+                admit()
+                continue
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
             if refuse is not None:
@@ -410,6 +414,13 @@ class EngineLoop:
     def release(self, request_id: str) -> bool:
         with self._turn():
             return self.engine.release_handoff(request_id)
+
+    def release_soon(self, request_id: str) -> None:
+        """`release` for a caller that must not wait for the lock (the coordinator's event loop):
+        queued with the streams, in arrival order, and applied at the loop's next turn, so an
+        import of the same id that arrives after it (migrated away and back) finds the id free."""
+        self._opening.append((request_id, None, lambda: self.engine.release_handoff(request_id)))
+        self.wake.set()
 
     def abort(self, request_id: str, reason: str | None = None) -> bool:
         """End a request here. `reason`: why, when it was not its client's or an operator's

@@ -1,0 +1,97 @@
+"""The Ray coordinator's own methods, run without Ray: the actor's class (undecorated) is called
+on a stand-in `self` that carries only what the method reads."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, tiny_model
+from hyrax.actors.coordinator import RoleCoordinator
+from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.request import State
+from hyrax.actors.engine.step_feed import Sink, is_last
+
+Coordinator = RoleCoordinator.__ray_metadata__.modified_class
+
+
+def _wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _offered(engine, rid: str) -> dict:
+    """`rid` run to its third token on `engine`, then offered (a migration's export)."""
+    engine.add_request([1, 2, 3, 4, 5, 6], greedy(max_tokens=40, ignore_eos=True), rid)
+    while len(engine.requests[rid].output_ids) < 3:
+        engine.step()
+    handoff = engine.export_running(rid)
+    assert handoff is not None and engine.requests[rid].state == State.OFFERED
+    return handoff
+
+
+def test_an_acknowledgement_never_waits_for_the_step_loop():
+    """`release` (an importer's acknowledgement) runs on the coordinator's event loop, the loop
+    that also answers health checks, takes gateway lease renewals and streams every feed. It
+    used to take the engine loop's lock there: while the loop thread held it for long (a
+    recovery restarting the ranks holds it for the whole restart), the event loop stood
+    still - no health answer (the controller kills a replica silent for --hung-replica-timeout)
+    and no lease renewal (the lease thread then aborted every gateway's streams). It is queued
+    now, ahead of whatever arrives after it, and applied by the loop at its next turn."""
+    home = make_engine(tiny_model(HYBRID))
+    _offered(home, "m0")
+    home_loop = EngineLoop(home, "home")
+    coord = SimpleNamespace(loop=home_loop)
+    try:
+        held = threading.Event()
+        let_go = threading.Event()
+
+        def long_turn():  # a step (or a recovery) that holds the loop's lock for a while
+            with home_loop.lock:
+                held.set()
+                let_go.wait(3)
+        threading.Thread(target=long_turn, daemon=True).start()
+        assert held.wait(5)
+        t0 = time.monotonic()
+        Coordinator.release(coord, "m0")
+        waited = time.monotonic() - t0
+        let_go.set()
+        assert waited < 1.0, f"release waited {waited:.1f} s for the step loop's lock"
+        _wait_for(lambda: "m0" not in home.requests, "the acknowledged offer was never freed")
+        assert home.stats.transfers_out == 1
+    finally:
+        let_go.set()
+        home_loop.shutdown()
+    assert_idle_clean(home)
+
+
+def test_a_request_migrated_away_and_back_is_imported_after_its_first_offer_is_released():
+    """The release is applied in arrival order with the streams: an import of the same id that
+    arrives after the acknowledgement (the request migrated away and back) finds the id free."""
+    home, away = make_engine(tiny_model(HYBRID)), make_engine(tiny_model(HYBRID))
+    first = _offered(home, "m1")
+    away.import_request(first)
+    while len(away.requests["m1"].output_ids) < 6:
+        away.step()
+    back = dict(away.export_running("m1"), source=None)
+    home_loop = EngineLoop(home, "home-back")
+    coord = SimpleNamespace(loop=home_loop)
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    items: list[dict] = []
+    try:
+        with home_loop.lock:  # both arrive while a step runs
+            Coordinator.release(coord, "m1")
+            home_loop.submit_imported(back, Sink(lambda batch: items.extend(i for _, i in batch), aloop))
+        _wait_for(lambda: items and is_last(items[-1]), "the stream that came back never ended")
+        assert "error" not in items[0], items[0]
+        assert items[-1]["finish_reason"] == "length"
+    finally:
+        home_loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    away.release_handoff("m1")
+    assert_idle_clean(home)
+    assert_idle_clean(away)
