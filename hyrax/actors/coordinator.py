@@ -93,13 +93,29 @@ class RoleCoordinator:
         for r in self.ranks:
             ray.kill(r, no_restart=True)
         ranks = []
-        for k in range(self.tp_size):
-            opts = {"name": self._rank_name(k), "namespace": self.namespace, "lifetime": None}
-            if self.pg is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k)
-            if _cuda_cluster():
-                opts["num_gpus"] = 1
-            ranks.append(RankWorker.options(**opts).remote(self.role, self.replica, k, self.tp_size))
+        try:
+            for k in range(self.tp_size):
+                opts = {"name": self._rank_name(k), "namespace": self.namespace, "lifetime": None}
+                if self.pg is not None:
+                    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pg,
+                                                                                   placement_group_bundle_index=k)
+                if _cuda_cluster():
+                    opts["num_gpus"] = 1
+                ranks.append(RankWorker.options(**opts).remote(self.role, self.replica, k, self.tp_size))
+            infos = self._set_up(ranks)
+        except BaseException:  # ranks that did not come up would keep their names and bundles: the next try needs both
+            for r in ranks:
+                ray.kill(r, no_restart=True)
+            raise
+        self.rank_heaps = [i["heap"] for i in infos]
+        self.ranks[:] = ranks
+        self.device = infos[0]["device"]
+        self.attention_backend = infos[0]["attention_backend"]
+        self.dtype = infos[0]["dtype"]
+        self.healthy = True
+
+    def _set_up(self, ranks: list) -> list[dict]:
+        """Load the new ranks' shards and allocate their pools; what each rank reports."""
         addr = ray.get(ranks[0].dist_address.remote(), timeout=self.rank_timeout_s) if self.tp_size > 1 else None
         infos = ray.get([r.setup.remote(self.model_dir, self.config, addr) for r in ranks],
                         timeout=max(self.rank_timeout_s, 300))
@@ -110,15 +126,10 @@ class RoleCoordinator:
             self.config = with_capacities(self.config, agree([i["capacities"] for i in infos]))
             infos = [i | a for i, a in zip(infos, ray.get([r.allocate.remote(self.config) for r in ranks],
                                                           timeout=max(self.rank_timeout_s, 300)))]
-        self.rank_heaps = [i["heap"] for i in infos]
-        self.ranks[:] = ranks
-        self.device = infos[0]["device"]
-        self.attention_backend = infos[0]["attention_backend"]
         dtypes = {i["dtype"] for i in infos}
         if len(dtypes) != 1 or (getattr(self, "dtype", None) not in (None, *dtypes)):
             raise RuntimeError(f"the ranks of {self.role}/{self.replica} resolved different dtypes: {sorted(dtypes)}")
-        self.dtype = dtypes.pop()
-        self.healthy = True
+        return infos
 
     def _recover(self, err: Exception) -> None:
         """A rank failed: replace the ranks, rebuild every request by recompute."""

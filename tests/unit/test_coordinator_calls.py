@@ -95,3 +95,75 @@ def test_a_request_migrated_away_and_back_is_imported_after_its_first_offer_is_r
     away.release_handoff("m1")
     assert_idle_clean(home)
     assert_idle_clean(away)
+
+
+class _Cluster:
+    """Just enough of Ray for `_start_ranks`: named rank actors (a name is taken while its actor
+    lives, as in Ray), calls that answer at once, and a setup that fails while `failing`."""
+
+    def __init__(self):
+        self.live: dict[str, object] = {}  # actor name -> handle
+        self.failing = False
+        self.kill = self._kill
+
+    def options(self, name: str, **_):
+        if name in self.live:
+            raise ValueError(f"The name {name} (namespace=hyrax) is already taken.")
+        cluster = self
+
+        class Rank:
+            def __init__(self):
+                self.name = name
+                self.dist_address = SimpleNamespace(remote=lambda: "127.0.0.1:1")
+                self.setup = SimpleNamespace(remote=self._setup)
+
+            def _setup(self, *_):
+                if cluster.failing:
+                    return TimeoutError("setup did not answer within the rank timeout")
+                return {"device": "cpu", "attention_backend": "reference", "dtype": "float32", "heap": {}}
+
+        def remote(*_):
+            rank = cluster.live[name] = Rank()
+            return rank
+        return SimpleNamespace(remote=remote)
+
+    def get(self, refs, timeout=None):
+        out = refs if isinstance(refs, list) else [refs]
+        for r in out:
+            if isinstance(r, Exception):
+                raise r
+        return refs
+
+    def _kill(self, actor, no_restart=True):
+        if self.live.get(actor.name) is actor:
+            del self.live[actor.name]
+
+
+def test_ranks_that_failed_to_start_are_stopped_and_the_next_restart_can_take_their_names(monkeypatch):
+    """A rank restart (after a rank failure) whose new ranks failed to set up (a setup that timed
+    out, a rank that raised) left those ranks running: they kept their actor names and their
+    placement group bundles, so every later restart failed at once ('name already taken'), and
+    the replica gave up, though the next try could have started."""
+    from hyrax.actors import coordinator as module
+
+    cluster = _Cluster()
+    monkeypatch.setattr(module, "ray", cluster)
+    monkeypatch.setattr(module, "RankWorker", cluster)
+    monkeypatch.setattr(module, "_cuda_cluster", lambda: False)
+    coord = Coordinator.__new__(Coordinator)
+    coord.role, coord.replica, coord.namespace, coord.tp_size, coord.pg = "decode", 0, "hyrax", 2, None
+    coord.model_dir, coord.rank_timeout_s, coord.ranks = "model", 1.0, []
+    coord.config = SimpleNamespace(gpu_memory_fraction=None)
+    coord._start_ranks()  # the replica's first ranks
+    cluster.failing = True
+    try:
+        coord._start_ranks()  # a restart whose ranks do not come up
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("the failed setup was not raised")
+    assert cluster.live == {}, f"ranks of the failed start still run: {sorted(cluster.live)}"
+    cluster.failing = False
+    coord._start_ranks()  # the next try
+    assert sorted(cluster.live) == ["hyrax/decode/0/rank0", "hyrax/decode/0/rank1"]
+    assert [r.name for r in coord.ranks] == sorted(cluster.live) and coord.healthy
