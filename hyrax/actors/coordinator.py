@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 
@@ -41,6 +42,8 @@ from hyrax.actors.restart_budget import RestartBudget
 # `max_rank_restarts` restarts within this window; restarts longer ago (a rank lost last week)
 # no longer count against it.
 RESTART_WINDOW_S = 600.0
+
+log = logging.getLogger("hyrax.coordinator")
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=10_000)  # one coroutine per open stream
@@ -216,7 +219,10 @@ class RoleCoordinator:
         """Abort the streams of gateways that stopped renewing (their process is gone)."""
         while not self.loop.stopping:
             for rid in self.gateways.expired():
-                self.loop.abort(rid, reason=LEASE_EXPIRED)
+                try:
+                    self.loop.abort(rid, reason=LEASE_EXPIRED)
+                except Exception:  # noqa: BLE001 - a rank gone mid-abort is the loop's to recover; leases go on
+                    log.exception("aborting %s, whose gateway's lease ran out, failed", rid)
             for gateway in self.gateways.take_lapsed():  # its process is gone: so are its feeds' readers
                 self.feeds.close_gateway_soon(gateway)
             time.sleep(0.25)

@@ -167,3 +167,46 @@ def test_ranks_that_failed_to_start_are_stopped_and_the_next_restart_can_take_th
     coord._start_ranks()  # the next try
     assert sorted(cluster.live) == ["hyrax/decode/0/rank0", "hyrax/decode/0/rank1"]
     assert [r.name for r in coord.ranks] == sorted(cluster.live) and coord.healthy
+
+
+def test_a_lapsed_gateways_request_whose_backup_cannot_be_discarded_still_ends_and_leases_go_on():
+    """A gateway's lease ran out while one of its requests sat retracted with its backup in rank
+    memory, and the rank holding it had died: the abort's discard raised RankFailure. The finish
+    was never recorded (the stream waited forever for its last item), and the error ended the
+    coordinator's lease thread: no lapsed gateway's streams were aborted any more."""
+    from hyrax.actors.engine.commands import Retract
+    from hyrax.actors.engine.executor import RankFailure
+    from hyrax.actors.engine.gateway_leases import LEASE_EXPIRED, GatewayLeases
+    from hyrax.actors.engine.selection import Selection
+
+    engine = make_engine(tiny_model(HYBRID), retraction_backup="cpu_tensor")
+    loop = EngineLoop(engine, "lapsed")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    items: dict[str, list] = {"r0": [], "r1": []}
+    sink = Sink(lambda batch: [items[rid].append(item) for rid, item in batch], aloop)
+    coord = SimpleNamespace(loop=loop, gateways=GatewayLeases(),
+                            feeds=SimpleNamespace(close_gateway_soon=lambda gateway: None))
+    try:
+        for rid in items:
+            loop.submit(rid, [1, 2, 3, 4, 5, 6], {"max_tokens": 400, "ignore_eos": True}, sink)
+        _wait_for(lambda: all(len(i) > 2 for i in items.values()), "the requests never ran")
+        assert loop.retract(Retract(Selection(ids=("r0",)), mode="cpu_tensor", hold=True)) == {"r0": "cpu_tensor"}
+
+        def discard(req_id):
+            raise RankFailure("discard failed on a rank: ActorDiedError")
+        engine.executor.discard = discard
+        lapse = threading.Thread(target=Coordinator._expire_gateways, args=(coord,), daemon=True)
+        lapse.start()
+        coord.gateways.open("gw-a", "r0")
+        coord.gateways.renew("gw-a", 0.0)
+        _wait_for(lambda: items["r0"] and is_last(items["r0"][-1]), "the retracted request's stream never ended")
+        assert items["r0"][-1]["finish_reason"] == "abort" and items["r0"][-1]["error"] == LEASE_EXPIRED
+        coord.gateways.open("gw-b", "r1")
+        coord.gateways.renew("gw-b", 0.0)
+        _wait_for(lambda: is_last(items["r1"][-1]), "a later lapsed gateway's stream was never aborted")
+        assert lapse.is_alive()
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    assert not engine.has_unfinished()

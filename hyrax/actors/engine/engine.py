@@ -316,14 +316,17 @@ class Engine:
             req.indices = IndexTable()
 
     def _finish(self, req: Request, reason: str) -> None:
-        """A request ends here: it leaves, and its stream ends with `reason`."""
-        self._leave(req, reason)
-        scan = req.stop_scan  # a stop string ended it: its text is what came before (maybe nothing)
-        if self.decode is not None and not (scan is not None and scan.stopped):
-            req.text = self.decode(req.output_ids)
-        self.stats.finished[reason] += 1
-        self._outputs.append(StepOutput(req.id, [], True, reason))
-        self.finished_requests[req.id] = req
+        """A request ends here: it leaves, and its stream ends with `reason`, also when releasing
+        its state raised (a rank that died before it discarded the request's backup)."""
+        try:
+            self._leave(req, reason)
+        finally:
+            scan = req.stop_scan  # a stop string ended it: its text is what came before (maybe nothing)
+            if self.decode is not None and not (scan is not None and scan.stopped):
+                req.text = self.decode(req.output_ids)
+            self.stats.finished[reason] += 1
+            self._outputs.append(StepOutput(req.id, [], True, reason))
+            self.finished_requests[req.id] = req
 
     # ---- hand-offs (see transfer.py) -----------------------------------------------------
     def export_running(self, req_id: str) -> dict | None:

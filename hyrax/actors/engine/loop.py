@@ -427,11 +427,11 @@ class EngineLoop:
         doing; its stream's last item carries it as an error (status 503), so the client is
         told (the finish reason stays "abort")."""
         with self._turn():
+            if reason is not None and request_id in self.engine.requests:
+                self._abort_reasons[request_id] = reason  # its stream ends with the turn (_turn), even if this raises
             ok = self.engine.abort(request_id)
             if not ok and request_id not in self.streams:
                 self.early_aborts.remember(request_id)
-            if ok and reason is not None:
-                self._abort_reasons[request_id] = reason  # the stream ends with the turn (_turn)
         return ok
 
     def retract(self, cmd: Retract) -> dict[str, Outcome]:
