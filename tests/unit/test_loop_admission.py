@@ -182,3 +182,64 @@ def test_an_abort_with_a_reason_ends_the_stream_saying_why():
     assert (last["why"]["error"], last["why"]["status"]) == ("the gateway went quiet", 503)
     assert last["plain"]["finish_reason"] == "abort" and "error" not in last["plain"]
     assert_idle_clean(engine)
+
+
+def test_a_request_whose_admission_raises_an_unexpected_error_ends_and_the_loop_serves_on():
+    """Admission runs in the loop thread, outside the guard around steps: a start whose checks
+    raised anything but HyraxInputError (here a TypeError: `temperature` None reached
+    `math.isfinite`; a coordinator's `submit` takes its params from any Ray caller) ended the
+    loop thread. Its stream never ended, and neither did any other: the replica still said it
+    was healthy and never stepped again."""
+    engine = make_engine(tiny_model(HYBRID))
+    loop = EngineLoop(engine, "admission-error")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    last: dict[str, dict] = {}
+    sink = Sink(lambda batch: last.update((rid, item) for rid, item in batch if is_last(item)), aloop)
+    try:
+        loop.submit("bad", [1, 2, 3], {"max_tokens": 3, "temperature": None}, sink)
+        loop.submit("good", [1, 2, 3], {"max_tokens": 3, "ignore_eos": True}, sink)
+        deadline = time.monotonic() + 10
+        while len(last) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.thread.is_alive(), "the loop thread ended"
+        assert last.get("bad", {}).get("finish_reason") == "error" and last["bad"]["error"], last
+        assert last.get("good", {}).get("finish_reason") == "length", last
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    assert not engine.has_unfinished()
+    assert_idle_clean(engine)
+
+
+def test_an_import_that_raised_after_it_entered_the_table_leaves_nothing_behind():
+    """The same for an import that failed halfway (the request table had taken it): it must not
+    stay, to run for nobody and hold its units."""
+    from engine_helpers import greedy
+
+    source, engine = make_engine(tiny_model(HYBRID)), make_engine(tiny_model(HYBRID))
+    source.add_request([1, 2, 3, 4, 5], greedy(max_tokens=20, ignore_eos=True), "moved")
+    while len(source.requests["moved"].output_ids) < 2:
+        source.step()
+    handoff = dict(source.export_running("moved"), source=None)
+
+    def load(req):
+        raise RuntimeError("a bug while loading the import")
+    engine.transfers.load = load
+    loop = EngineLoop(engine, "import-error")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    last: list[dict] = []
+    try:
+        loop.submit_imported(handoff, Sink(lambda batch: last.extend(i for _, i in batch if is_last(i)), aloop))
+        deadline = time.monotonic() + 10
+        while not last and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert last and last[0]["finish_reason"] == "error", last
+        assert loop.thread.is_alive() and not engine.has_unfinished()
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    source.abort("moved")
+    assert_idle_clean(engine)
+    assert_idle_clean(source)

@@ -317,12 +317,24 @@ class EngineLoop:
             if refuse is not None:
                 first = error_item(refuse, 503)
             elif not self.early_aborts.take(request_id):  # else its client left before it got here
-                try:
-                    first = admit()
-                except HyraxInputError as e:
-                    first = error_item(str(e))
+                first = self._admit(request_id, admit)
             if first is not None:
                 self._deliver([], (request_id, first))
+
+    def _admit(self, request_id: str, admit: Callable[[], dict | None]) -> dict | None:
+        """`admit()`, or the stream's last item when it raised. Anything but bad input is a bug
+        (or a Ray caller's params that no check expected): it fails this stream, never the loop
+        thread, and a request it left in the table goes (nobody would read it)."""
+        known = request_id in self.engine.requests
+        try:
+            return admit()
+        except HyraxInputError as e:
+            return error_item(str(e))
+        except Exception as e:  # noqa: BLE001
+            log.exception("admitting %s failed", request_id)
+            if not known and request_id in self.engine.requests:
+                self.engine.abort(request_id)
+            return error_item(f"the replica could not admit this request: {type(e).__name__}: {e}", 500)
 
     @contextlib.contextmanager
     def _turn(self):
