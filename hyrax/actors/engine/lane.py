@@ -22,7 +22,7 @@ request; test_decode_lane.py re-plans every step from a full view and compares.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Mapping, NamedTuple, Sequence
 
@@ -49,7 +49,7 @@ class Joiner(NamedTuple):
     """A steady decode the general path planned, with what the lane needs to carry it on."""
 
     entry: PlanEntry
-    snap: IndexSnapshot
+    snap: IndexSnapshot | None  # None: the request's indices once the plan's units are claimed (it took a page)
     max_tokens: int
     stops: bool  # the request has stop token ids or stop strings
 
@@ -89,8 +89,7 @@ def block_of(entries: Sequence[PlanEntry], max_tokens: Sequence[int], stops: Seq
     tables = {}
     for name in paged:
         rows = [e.page_tables[name] for e in entries]
-        width = max(1, max(map(len, rows)))
-        tables[name] = np.array([(*t, *(-1,) * (width - len(t))) for t in rows], dtype=np.int64).reshape(-1, width)
+        tables[name] = _padded(rows, max(1, max(map(len, rows))))
     ints = np.array([(e.start, s.draw, s.top_k, limit, stop, steps_left(e.start, s.draw, limit, page_size,
                                                                          checkpoint_every),
                       *(e.slots[n] for n in slot_names), *(len(e.page_tables[n]) for n in paged))
@@ -99,6 +98,13 @@ def block_of(entries: Sequence[PlanEntry], max_tokens: Sequence[int], stops: Seq
     return DecodeBlock(tuple(map(_REQ_ID, entries)), ints,
                        np.array([(s.temperature, s.top_p) for s in specs], dtype=np.float64).reshape(len(specs), 2),
                        tables, slot_names, tuple(s.seed for s in specs), tuple(s.logprobs for s in specs))
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """(len(rows), width) int64 page tables, -1 after each row's own pages."""
+    if all(len(t) == width for t in rows):  # the usual case: one flat read of every value (~3x faster)
+        return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=width * len(rows)).reshape(-1, width)
+    return np.array([(*t, *(-1,) * (width - len(t))) for t in rows], dtype=np.int64).reshape(-1, width)
 
 
 def _widened(t: np.ndarray, width: int) -> np.ndarray:
@@ -139,10 +145,12 @@ class DecodeLane:
             return
         reqs = [] if rows is None else self._taken
         if joiners:
+            joined = list(map(requests.__getitem__, (j.entry.req_id for j in joiners)))
             more = LaneRows(block_of([j.entry for j in joiners], [j.max_tokens for j in joiners],
                                      [j.stops for j in joiners], self.page_size, self.checkpoint_every),
-                            tuple(j.snap for j in joiners))
-            reqs = reqs + list(map(requests.__getitem__, more.block.req_ids))
+                            tuple(j.snap if j.snap is not None else r.indices.snapshot()
+                                  for j, r in zip(joiners, joined)))
+            reqs = reqs + joined
             rows = more if rows is None else LaneRows(concat(rows.block, more.block), rows.snaps + more.snaps)
         self._step, self._rows, self._reqs = plan.step, rows, reqs
 
@@ -194,21 +202,30 @@ class DecodeLane:
         its computed tokens and outputs must be the row's) - carries on with its indices as
         they are now, which is what a view would plan it with."""
         b = rows.block
-        starts, draws = b.starts.tolist(), b.draws.tolist()
-        paged = tuple(b.tables)
+        starts, draws = (b.starts.tolist(), b.draws.tolist()) if committed else ((), ())
+        names = frozenset((*b.tables, *b.slot_names))
+        running, snaps = State.RUNNING, rows.snaps
+        suspects = range(len(reqs))
+        if not committed:  # only a row whose state or indices changed can be left out or refreshed
+            try:
+                suspects = [k for k, (st, snap, old) in enumerate(zip(map(_state, reqs), map(_snap, reqs), snaps))
+                            if st is not running or snap is not old]
+            except AttributeError:  # indices that are not an IndexTable (made by hand): every row
+                pass
         out, fresh = [], {}
-        for k, r in enumerate(reqs):
-            if r.state is not State.RUNNING:
+        for k in suspects:
+            r, old = reqs[k], snaps[k]
+            if r.state is not running:
                 out.append(k)
                 continue
             if committed and (len(r.output_ids) != draws[k] + 1 or r.num_computed != starts[k] + 1):
                 out.append(k)
                 continue
-            if getattr(r.indices, "_snap", None) is rows.snaps[k]:
-                continue
             idx = r.indices
+            if getattr(idx, "_snap", None) is old:
+                continue
             snap = idx.snapshot() if type(idx) is IndexTable else None
-            if snap is None or any(n not in snap for n in paged + b.slot_names):
+            if snap is None or not names <= snap.keys():
                 out.append(k)
             else:
                 fresh[k] = snap
@@ -217,21 +234,21 @@ class DecodeLane:
 
 def refreshed(block: DecodeBlock, fresh: dict[int, IndexSnapshot]) -> DecodeBlock:
     """`block` with rows `fresh` (row -> snapshot) taking their page tables and slots from the
-    snapshot (new arrays: a block is never written once made)."""
+    snapshot (new arrays: a block is never written once made); a few array operations per
+    component, whatever the number of rows."""
+    ks, snaps = list(fresh), list(fresh.values())
     ints = block.ints.copy()
     at_slots = LEFT + 1
     at_pages = at_slots + len(block.slot_names)
-    tables = dict(block.tables)
-    for j, name in enumerate(block.tables):
-        width = max([tables[name].shape[1]] + [len(s[name]) for s in fresh.values()])
-        t = tables[name] = _widened(tables[name], width).copy()
-        for k, s in fresh.items():
-            row = s[name]
-            t[k, :len(row)] = row
-            t[k, len(row):] = -1
-            ints[k, at_pages + j] = len(row)
+    tables = {}
+    for j, (name, old) in enumerate(block.tables.items()):
+        rows = [s[name] for s in snaps]
+        lens = list(map(len, rows))
+        width = max(old.shape[1], *lens)
+        t = tables[name] = _widened(old, width).copy()
+        t[ks] = _padded(rows, width)
+        ints[ks, at_pages + j] = lens
     for j, name in enumerate(block.slot_names):
-        for k, s in fresh.items():
-            ints[k, at_slots + j] = s[name][0]
+        ints[ks, at_slots + j] = [s[name][0] for s in snaps]
     return DecodeBlock(block.req_ids, ints, block.floats, tables, block.slot_names, block.seeds, block.logprobs,
                        block.tokens)

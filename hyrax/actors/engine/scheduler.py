@@ -289,9 +289,15 @@ class Scheduler:
                     return NeedRoom(hopeless=(r.id,), short=lack)
                 short = short or lack
                 continue
-            entries.append(self._entry(r, n, add, {}, pools, grants))
+            e = self._entry(r, n, add, {}, pools, grants)
+            entries.append(e)
             planned.add(r.id)
             budget -= n
+            if n == 1 and len(r.ids) > r.num_prompt and type(r.indices) is IndexSnapshot and steady_lane_entry(e):
+                # a decode that opens a page: next step it decodes inside that page, so it joins
+                # the lane now, with the indices the engine's claim of this plan gives it (None)
+                # rather than through one more step on the general path
+                joiners.append(Joiner(e, None, r.params.max_tokens, bool(r.params.stop or r.params.stop_token_ids)))
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic,
                         decode=lane.block if lane is not None else None)
