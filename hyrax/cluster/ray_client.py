@@ -39,6 +39,12 @@ class GatewayLease:
         for h in self.handles:  # fire and forget: a replica that is down is the health check's business
             h.renew_gateway.remote(self.id, self.lease_s)
 
+    def add(self, handle) -> None:
+        """A replica joined: renew on it now, not at the next round (a third of the lease away): a
+        stream opened there before the first renewal holds only the replica's default lease."""
+        self.handles.append(handle)
+        handle.renew_gateway.remote(self.id, self.lease_s)
+
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
             self.renew()
@@ -190,7 +196,7 @@ class Membership:
             if (r.role, r.index) not in have:
                 have[(r.role, r.index)] = RayBackend(r.coordinator, r.role, r.index, gateway=gateway)
                 if self.lease is not None:
-                    self.lease.handles.append(r.coordinator)
+                    self.lease.add(r.coordinator)
         keep = {(r.role, r.index) for r in info.replicas + info.retiring}
         for key, b in have.items():
             if key not in keep:

@@ -1,0 +1,35 @@
+"""A gateway's membership refresh (ray_client.Membership) over stand-in coordinator handles:
+no Ray, only the calls it makes on them."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from hyrax.cluster.ray_client import GatewayLease, Membership
+
+
+class _Coordinator:
+    """A coordinator handle that records its lease renewals."""
+
+    def __init__(self):
+        self.renewals: list[tuple[str, float]] = []
+        self.renew_gateway = SimpleNamespace(remote=lambda gateway, lease_s: self.renewals.append((gateway, lease_s)))
+
+
+def test_a_replica_added_to_the_deployment_gets_this_gateways_lease_at_once():
+    """A replica the controller added was only renewed on at the lease thread's next round, a
+    third of --gateway-lease later; a stream opened there before that ran under the replica's
+    default lease (10 s), so with --gateway-lease over 30 s that default ran out first, and the
+    replica aborted the gateway's streams there as if the gateway had died."""
+    old, new = _Coordinator(), _Coordinator()
+    lease = GatewayLease([old], lease_s=60.0)  # not started: no renewal thread
+    client = SimpleNamespace(backends=[], draining=set())
+    info = SimpleNamespace(generation=2, retiring=[],
+                           replicas=[SimpleNamespace(role="decode", index=0, coordinator=old),
+                                     SimpleNamespace(role="decode", index=1, coordinator=new)])
+
+    async def refresh():
+        Membership(None, client, lease, generation=1).apply(info)
+    asyncio.run(refresh())
+    assert new.renewals == [(lease.id, 60.0)]
+    assert [b.handle for b in client.backends] == [old, new] and lease.handles == [old, new]
