@@ -112,11 +112,15 @@ class EngineClient:
     def queue_full(self, n: int = 1) -> bool:
         return self.admitted + n > self.max_inflight
 
+    def check_choices(self, n: int) -> None:
+        """ValueError when one call asks for more than `max_choices` choices (the caller's fault, 400)."""
+        if n > self.max_choices:
+            raise ValueError(f"this request asks for {n} choices (prompts x n); the limit is {self.max_choices}")
+
     def reserve(self, n: int) -> Reservation:
         """Admit `n` choices or raise: ValueError past `max_choices` (the caller's fault, 400),
         Unavailable when the in-flight limit or the replicas cannot take them (503)."""
-        if n > self.max_choices:
-            raise ValueError(f"this request asks for {n} choices (prompts x n); the limit is {self.max_choices}")
+        self.check_choices(n)
         reason = self.unavailable()
         if reason is None and self.queue_full(n):
             reason = f"the server is at its limit of {self.max_inflight} requests in flight; retry later"

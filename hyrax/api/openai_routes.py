@@ -49,18 +49,32 @@ def _call_id(request: Request) -> str:
     return given
 
 
+def _check_choices(request: Request, n: int) -> None:
+    """A 400 for a call of more choices than the server admits at once, asked before its prompts
+    are read: a body of 800,000 one-token prompts took minutes to tokenize and turn into choices."""
+    try:
+        request.app.state.client.check_choices(n)
+    except ValueError as e:
+        raise APIError(400, str(e), param="n", code="too_many_choices") from None
+
+
 def _admit(request: Request, choices: list) -> Reservation:
     """Admission counts choices (prompts x n), not HTTP requests."""
+    _check_choices(request, len(choices))
     if not request.app.state.ready:
         why = "; ".join(request.app.state.health.get("reasons") or [])  # the last health poll's
         raise APIError(503, f"replicas are not ready{': ' + why if why else ''}", code="unavailable",
                        headers={"Retry-After": "5"})
     try:
         return request.app.state.client.reserve(len(choices))
-    except ValueError as e:
-        raise APIError(400, str(e), param="n", code="too_many_choices") from None
     except Unavailable as e:
         raise APIError(503, str(e), code="unavailable", headers={"Retry-After": "1"}) from None
+
+
+def _prompt_count(body: CompletionRequest) -> int:
+    """How many prompts the body has (a list is all strings, all ids or all id lists)."""
+    p = body.prompt
+    return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
 
 def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
@@ -219,6 +233,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     if body.logprobs is not None and body.echo:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo",
                        code="unsupported_parameter")
+    _check_choices(request, _prompt_count(body) * body.n)
     info = request.app.state.client.model
     prompts = _prompts(body, info.tokenizer, info.vocab_size)
     choices = _choices(request, body, call_id, prompts, body.max_tokens, 16, body.logprobs, grammar_of(body))
