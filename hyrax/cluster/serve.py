@@ -106,12 +106,17 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     pre = OneLineParser(prog=parser.prog, add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    if not known.config:
+    if known.config is None:
         return
+    if not known.config:
+        raise HyraxInputError("--config needs a file name, got ''")
     try:
-        data = yaml.safe_load(Path(known.config).read_text()) or {}
+        data = yaml.safe_load(Path(known.config).read_text(encoding="utf-8")) or {}
     except OSError as e:
         raise HyraxInputError(f"cannot read --config: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        bad = e.object[e.start]
+        raise HyraxInputError(f"--config is not UTF-8 text: byte 0x{bad:02x} at offset {e.start}") from None
     except yaml.YAMLError as e:
         raise HyraxInputError(f"--config is not valid YAML: {e}") from None
     if not isinstance(data, dict):

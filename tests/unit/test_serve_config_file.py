@@ -77,3 +77,16 @@ def test_the_prefill_chunk_fits_the_step_budget_unless_given_and_never_exceeds_i
         engine_config_from_args(parse(tmp_path, "max-batch-tokens: 512\n", "--prefill-chunk", "1024"))
     auto = engine_config_from_args(parse(tmp_path, "", "--prefill-chunk", "1024"))
     assert auto.for_device("cpu").max_batch_tokens == 1024
+
+
+def test_a_config_file_that_is_not_utf8_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_bytes(b"max-running: 4\n\xff\xfe: 1\n")
+    assert cli.main(["serve", "--config", str(path), "--model", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hyrax: error: --config is not UTF-8 text: byte 0xff at offset 15"]
+
+
+def test_an_empty_config_path_is_an_error_not_ignored(tmp_path, capsys):
+    assert cli.main(["serve", "--config", "", "--model", str(tmp_path / "no-model")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["hyrax: error: --config needs a file name, got ''"]
