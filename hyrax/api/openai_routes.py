@@ -40,13 +40,16 @@ def _call_id(request: Request) -> str:
     as engine request `<id>-<k>-<nonce>`: a client may reuse an id (or two clients pick the
     same) while the first call's requests are still being aborted, and two requests must never
     share one engine id."""
-    given = request.headers.get(REQUEST_ID_HEADER)
-    if given is None:
+    given = request.headers.getlist(REQUEST_ID_HEADER)
+    if not given:
         return uuid.uuid4().hex
-    if not _REQUEST_ID.fullmatch(given):
+    if len(given) > 1:
+        raise APIError(400, f"{REQUEST_ID_HEADER} is given more than once; give one id", param=REQUEST_ID_HEADER,
+                       code="invalid_value")
+    if not _REQUEST_ID.fullmatch(given[0]):
         raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-100 characters of A-Z a-z 0-9 . _ : - "
                             "starting with a letter or digit", param=REQUEST_ID_HEADER, code="invalid_value")
-    return given
+    return given[0]
 
 
 def _check_choices(request: Request, n: int) -> None:

@@ -38,6 +38,14 @@ def test_a_malformed_request_id_is_400_naming_the_header(local, bad):
     assert_error(r, 400, param="X-Request-Id")
 
 
+def test_two_request_ids_in_one_call_are_400_not_one_picked(local):
+    """Two X-Request-Id headers: the call ran under the first and the second was dropped unsaid."""
+    r = HTTP.post(f"{local.url}/v1/completions", json=BODY, timeout=60,
+                  headers=[("X-Request-Id", "first"), ("X-Request-Id", "second")])
+    err = assert_error(r, 400, param="X-Request-Id")
+    assert "more than once" in err["message"]
+
+
 def test_admin_lists_the_calls_requests_under_its_id_and_a_reused_id_does_not_collide(local):
     """Two calls in flight with the same id: both run under distinct engine ids, both listed
     under the client's id. Each stream waits for the other to have started before listing."""
