@@ -195,3 +195,36 @@ def test_a_max_tokens_beyond_any_context_runs_as_a_large_one():
         engine.abort(i)
     while engine.has_unfinished() or engine.has_inflight():
         engine.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_lane_row_opens_its_next_page_without_a_view(overlap):
+    """A steady decode whose next token opens a page stays in the lane: the scheduler takes the
+    page for its row (in arrival order with the other decodes) instead of planning the request
+    through a view for a step. Once every request decodes steadily, no step plans a running
+    request through a view, while the requests cross several pages each (pages of 8 tokens,
+    40 outputs); the tokens are a run's without the lane (the plans are compared with the full
+    view's in the scenarios above)."""
+    model = tiny_model(HYBRID)
+    config = dict(page_size=8, prefix_cache=False, overlap=overlap)
+    prompts = make_prompts(6, seed=5, lo=3, hi=20)
+    params = [greedy(40)] * len(prompts)
+    engine = make_engine(model, **config)
+    # running requests with a token left to draw planned through a view, per step with every
+    # request steady (one whose last token the step in flight draws has a view, and no step)
+    views: list[int] = []
+    inner = engine.scheduler.schedule
+
+    def schedule(view):
+        if len(engine.running) == len(prompts) and all(len(r.output_ids) >= 3 for r in engine.running):
+            views.append(sum(len(r.ids) - r.num_prompt < r.params.max_tokens for r in view.running))
+        return inner(view)
+    engine.scheduler.schedule = schedule
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished() or engine.has_inflight():
+        engine.step()
+        engine.check_invariants()
+    assert_idle_clean(engine)
+    assert len(views) >= 16 and sum(views) == 0, views
+    ref, _ = _run(make_engine(model, **config), prompts, params, lane=False)
+    assert [engine.finished_requests[i].output_ids for i in ids] == ref

@@ -50,6 +50,11 @@ def claim(got: Scheduled, table: RequestTable, alloc: dict[str, IndexAllocator],
             alloc[name].claim(req.id, units)
         req.indices.update({name: tuple(t) for name, t in e.page_tables.items()})  # tuples: as the plan's, no copy
         req.indices.update({name: (slot,) for name, slot in e.slots.items()})
+    for rid, tables in got.opened.items():  # lane rows that opened a page (scheduler.py)
+        req = table.get(rid)
+        for name, units in got.grants[rid].items():
+            alloc[name].claim(rid, units)
+        req.indices.update(tables)
     now = time.monotonic()
     for rid in got.admitted:
         r = table.get(rid)

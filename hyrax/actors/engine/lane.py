@@ -13,15 +13,18 @@ a `DecodeBlock` (plan.py) with the index snapshot each row's tables came from, a
   that failed or was never submitted leaves no lane); a row whose indices changed while it
   still decodes in them (a window page released) takes its new tables and carries on;
 - advances every row one position and one draw in a few array operations, and leaves out the
-  rows whose next token opens a page, reaches a checkpoint boundary of the prefix cache, or
-  whose draw reaches max_tokens: they take the general path, as does every request not in
-  the lane. A request the general path plans as such a decode joins the lane for next step.
+  rows whose next token reaches a checkpoint boundary of the prefix cache or whose draw
+  reaches max_tokens: they take the general path, as does every request not in the lane. A
+  row whose next token opens a page stays (`LaneRows.openers`): the scheduler takes the page
+  for it. A request the general path plans as such a decode (or as one opening a page) joins
+  the lane for next step.
 
 Each lane row is exactly the entry the general path (`Scheduler._steady_decode`) makes for the
 request; test_decode_lane.py re-plans every step from a full view and compares.
 """
 from __future__ import annotations
 
+import dataclasses
 from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Mapping, NamedTuple, Sequence
@@ -39,10 +42,14 @@ _REQ_ID, _SAMPLE, _outputs = (attrgetter(f) for f in ("req_id", "sample", "outpu
 
 class LaneRows(NamedTuple):
     """The lane's rows for one step (advanced), with the index snapshot each row's tables came
-    from (what checking them next step compares)."""
+    from (what checking them next step compares). `openers`: the rows whose token opens a page
+    (the scheduler takes one per paged component for each, in arrival order with the other
+    decodes: `arrivals`, theirs), whose tables lack that page until it does."""
 
     block: DecodeBlock
     snaps: tuple[IndexSnapshot, ...]
+    openers: tuple[int, ...] = ()
+    arrivals: tuple[float, ...] = ()
 
 
 class Joiner(NamedTuple):
@@ -79,6 +86,16 @@ def steps_left(start: int, draw: int, max_tokens: int, page_size: int, checkpoin
     return left
 
 
+def steps_left_of(block: DecodeBlock, page_size: int, checkpoint_every: int | None) -> np.ndarray:
+    """`steps_left` of every row of `block`, as an array."""
+    starts, draws = block.starts, block.draws
+    left = np.minimum(page_size - 1 - starts % page_size, block.max_tokens - 1 - draws)
+    if checkpoint_every:
+        to_boundary = (-(starts + 1)) % checkpoint_every
+        left = np.minimum(left, np.where(to_boundary == 0, checkpoint_every, to_boundary) - 1)
+    return left
+
+
 def block_of(entries: Sequence[PlanEntry], max_tokens: Sequence[int], stops: Sequence[bool],
              page_size: int = 1, checkpoint_every: int | None = None) -> DecodeBlock:
     """The columns of steady decode entries (joiners: a few a step), one array each, made from
@@ -107,8 +124,14 @@ def _padded(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
     return np.array([(*t, *(-1,) * (width - len(t))) for t in rows], dtype=np.int64).reshape(-1, width)
 
 
-def _widened(t: np.ndarray, width: int) -> np.ndarray:
-    return t if t.shape[1] == width else np.pad(t, ((0, 0), (0, width - t.shape[1])), constant_values=-1)
+def widened(t: np.ndarray, width: int) -> np.ndarray:
+    """Page tables `t` (B, P) as (B, width), -1 in the new columns: `t` itself when as wide, else
+    a new array (not np.pad: ~30 us of argument handling for a few hundred values)."""
+    if t.shape[1] == width:
+        return t
+    out = np.full((t.shape[0], width), -1, dtype=t.dtype)
+    out[:, :t.shape[1]] = t
+    return out
 
 
 def concat(a: DecodeBlock, b: DecodeBlock) -> DecodeBlock:
@@ -116,7 +139,7 @@ def concat(a: DecodeBlock, b: DecodeBlock) -> DecodeBlock:
     tables = {}
     for name, ta in a.tables.items():
         w = max(ta.shape[1], b.tables[name].shape[1])
-        tables[name] = np.concatenate([_widened(ta, w), _widened(b.tables[name], w)])
+        tables[name] = np.concatenate([widened(ta, w), widened(b.tables[name], w)])
     return DecodeBlock(a.req_ids + b.req_ids, np.concatenate([a.ints, b.ints]), np.concatenate([a.floats, b.floats]),
                        tables, a.slot_names, a.seeds + b.seeds, a.logprobs + b.logprobs)
 
@@ -144,6 +167,11 @@ class DecodeLane:
         if not self.enabled or (rows is None and not joiners):
             return
         reqs = [] if rows is None else self._taken
+        if rows is not None and rows.openers:  # their new pages are claimed: carried on with those indices
+            snaps = list(rows.snaps)
+            for k in rows.openers:
+                snaps[k] = reqs[k].indices.snapshot()
+            rows = LaneRows(rows.block, tuple(snaps))
         if joiners:
             joined = list(map(requests.__getitem__, (j.entry.req_id for j in joiners)))
             more = LaneRows(block_of([j.entry for j in joiners], [j.max_tokens for j in joiners],
@@ -159,7 +187,8 @@ class DecodeLane:
         leaves those out); None when the lane's plan is neither the step in flight nor the last
         committed one. Reads two fields of each request; no per-request Python step when
         nothing changed. Left out: rows whose request changed, and rows with no step left
-        (`steps_left`): they take the general path."""
+        (`steps_left`) other than those whose token opens a page (`LaneRows.openers`): they take
+        the general path."""
         step, rows, reqs = self._step, self._rows, self._reqs
         self.clear()
         self._taken = []
@@ -183,16 +212,37 @@ class DecodeLane:
                           dtype=np.int64) if committed else None
         block = base.advanced(tokens)
         ok = block.ints[:, LEFT] >= 0
+        opens = None
+        if not ok.all():
+            block, opens = self._opening(block, ok)
+            ok |= opens
         if changed:
             ok[changed] = False
         if not ok.all():
             keep = np.flatnonzero(ok)
             ks = keep.tolist()
             block, snaps, reqs = block.rows(keep), tuple(snaps[k] for k in ks), [reqs[k] for k in ks]
+            opens = opens[keep] if opens is not None else None
         if not reqs:
             return None, set()
         self._taken = reqs
-        return LaneRows(block, snaps), set(map(id, reqs))
+        openers = tuple(np.flatnonzero(opens).tolist()) if opens is not None else ()
+        return (LaneRows(block, snaps, openers, tuple(reqs[k].arrival for k in openers)),
+                set(map(id, reqs)))
+
+    def _opening(self, block: DecodeBlock, ok: np.ndarray) -> tuple[DecodeBlock, np.ndarray]:
+        """(`block` with the rows that open a page given their steps left from there, those rows
+        as a mask): rows out of steps whose position starts a page, whose draw is below
+        max_tokens and that do not end on a checkpoint boundary."""
+        starts = block.starts
+        opens = ~ok & (starts % self.page_size == 0) & (block.draws < block.max_tokens)
+        if self.checkpoint_every:
+            opens &= (starts + 1) % self.checkpoint_every != 0
+        if not opens.any():
+            return block, opens
+        ints = block.ints.copy()
+        ints[opens, LEFT] = steps_left_of(block, self.page_size, self.checkpoint_every)[opens]
+        return dataclasses.replace(block, ints=ints), opens
 
     @staticmethod
     def _changed(rows: LaneRows, reqs: list[Request], committed: bool) -> tuple[list[int], dict[int, IndexSnapshot]]:
@@ -245,7 +295,7 @@ def refreshed(block: DecodeBlock, fresh: dict[int, IndexSnapshot]) -> DecodeBloc
         rows = [s[name] for s in snaps]
         lens = list(map(len, rows))
         width = max(old.shape[1], *lens)
-        t = tables[name] = _widened(old, width).copy()
+        t = tables[name] = widened(old, width).copy()
         t[ks] = _padded(rows, width)
         ints[ks, at_pages + j] = lens
     for j, name in enumerate(block.slot_names):

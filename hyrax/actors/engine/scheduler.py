@@ -10,17 +10,19 @@ depend on what else shares the step.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.indices import IndexSnapshot
-from hyrax.actors.engine.lane import Joiner, LaneRows, steady_lane_entry
+from hyrax.actors.engine.lane import Joiner, LaneRows, steady_lane_entry, widened
 from hyrax.actors.engine.mamba_track import TrackPolicy
-from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
+from hyrax.actors.engine.plan import LEFT, START, PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
 from hyrax.actors.engine.view import FreePool, RequestView, SchedulerView, Tokens
 from hyrax.actors.model.components import captures_mid_step
@@ -38,6 +40,9 @@ class Scheduled:
     # the steady decodes it planned as entries
     lane: LaneRows | None = None
     joiners: tuple[Joiner, ...] = ()
+    # the lane rows that opened a page: req id -> component -> its page table with that page
+    # (what claiming the plan sets its indices to)
+    opened: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,17 @@ def _sum_needs(need: Mapping[str, int], others) -> dict[str, int]:
 
 
 _by_arrival = attrgetter("arrival")
+
+
+class _Opener(NamedTuple):
+    """A lane row whose token opens a page, in the scheduler's queue of decodes."""
+
+    row: int
+    arrival: float
+
+
+def _arrival_of_item(item: tuple) -> float:
+    return item[1].arrival
 
 
 # Prefill order "shortest": prompts that arrived within this many seconds of the oldest prompt
@@ -231,8 +247,22 @@ class Scheduler:
         # before it leaves them free, so that admitting never costs a running request its pages
         # (none to admit, as in most steps: nothing to work out)
         unplanned = {r.id: self._chunk_need(r) for r in later} if admitting and view.waiting else {}
-        queue = [(False, r) for r in decodes] + prefill_order(later, view.waiting, self.config.prefill_order)
+        queue = [(False, r) for r in decodes]
+        opened: dict[int, tuple[int, ...]] = {}  # lane row -> the page it opens of each paged pool
+        if lane is not None and lane.openers:
+            if not self._can_open(lane):
+                return NeedRoom(widen=True)
+            # the rows opening a page take it in arrival order with the other decodes, as views would
+            queue = sorted(queue + list(zip(repeat(None), map(_Opener, lane.openers, lane.arrivals))),
+                           key=_arrival_of_item)
+        queue += prefill_order(later, view.waiting, self.config.prefill_order)
         for waiting, r in queue:
+            if waiting is None:  # a lane row opens a page: one of each paged pool, or a full view decides
+                need = dict.fromkeys(self.paged_names, 1)
+                if not pools.fits(need):
+                    return NeedRoom(widen=True)
+                opened[r.row] = tuple(pools.take(name, 1)[0] for name in self.paged_names)
+                continue
             if waiting:
                 if not admitting:
                     continue
@@ -298,10 +328,59 @@ class Scheduler:
                 # the lane now, with the indices the engine's claim of this plan gives it (None)
                 # rather than through one more step on the general path
                 joiners.append(Joiner(e, None, r.params.max_tokens, bool(r.params.stop or r.params.stop_token_ids)))
+        tables = {}
+        if opened:
+            lane, tables = self._opened(lane, opened, grants)
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic,
                         decode=lane.block if lane is not None else None)
-        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short, lane, tuple(joiners))
+        return Scheduled(plan, tuple(r.id for r in admitted), grants, pressure, short, lane, tuple(joiners), tables)
+
+    def _can_open(self, lane: LaneRows) -> bool:
+        """Whether each lane row opening a page needs exactly that page of each paged component:
+        its table ends before it, and a window's live pages before it are all held (what
+        `_pages_to_add` finds for such a decode); otherwise a full view plans the step."""
+        block, ps = lane.block, self.page_size
+        ks = np.asarray(lane.openers, dtype=np.int64)
+        rows = block.ints[ks]
+        starts = rows[:, START]
+        page = starts // ps
+        at = LEFT + 1 + len(block.slot_names)  # the page-table lengths, in `block.tables` order
+        if (rows[:, at:at + len(block.tables)] != page[:, None]).any():
+            return False
+        for c in self.paged:
+            if c.kind == WINDOW:  # the first live row of a window (`live_rows`) and every page after it held
+                first = np.maximum(starts - (c.window - 1), 0) // ps
+                t = block.tables[c.name][ks]
+                cols = np.arange(t.shape[1])
+                if ((t < 0) & (cols >= first[:, None]) & (cols < page[:, None])).any():
+                    return False
+        return True
+
+    def _opened(self, lane: LaneRows, opened: dict[int, tuple[int, ...]], grants: dict) -> tuple[LaneRows, dict]:
+        """The lane with each opening row's page (`opened`: row -> a unit per paged component, in
+        `paged_names` order) in its tables (new arrays), the pages recorded in `grants`, and each
+        such row's tables as its indices become ({req id: {name: table}})."""
+        block, names = lane.block, self.paged_names
+        ks = np.fromiter(opened, dtype=np.int64, count=len(opened))
+        units = np.array(list(opened.values()), dtype=np.int64).reshape(len(ks), len(names))
+        ints = block.ints.copy()
+        at = LEFT + 1 + len(block.slot_names) + np.array([list(block.tables).index(n) for n in names], dtype=np.int64)
+        cols = ints[ks[:, None], at]  # each row's new page's column: its tables' length
+        ints[ks[:, None], at] = cols + 1
+        new_tables = dict(block.tables)
+        for j, name in enumerate(names):
+            t = block.tables[name]
+            width = max(t.shape[1], int(cols[:, j].max()) + 1)
+            t = new_tables[name] = widened(t, width) if width > t.shape[1] else t.copy()
+            t[ks, cols[:, j]] = units[:, j]
+        tables = {}
+        for k, got in opened.items():
+            rid, snap = block.req_ids[k], lane.snaps[k]
+            grants[rid] = {name: (unit,) for name, unit in zip(names, got)}
+            tables[rid] = {name: snap[name] + (unit,) for name, unit in zip(names, got)}
+        block = dataclasses.replace(block, ints=ints, tables=new_tables)
+        return lane._replace(block=block), tables
 
     def _steady_decode(self, r: RequestView) -> PlanEntry | None:
         """Most entries of a step: one decode token inside a page `r` holds, which takes no unit
