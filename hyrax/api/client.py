@@ -113,9 +113,11 @@ class EngineClient:
         return self.admitted + n > self.max_inflight
 
     def check_choices(self, n: int) -> None:
-        """ValueError when one call asks for more than `max_choices` choices (the caller's fault, 400)."""
-        if n > self.max_choices:
-            raise ValueError(f"this request asks for {n} choices (prompts x n); the limit is {self.max_choices}")
+        """ValueError when one call asks for more choices than it may (the caller's fault, 400):
+        more than `max_choices`, or than `max_inflight`, which no wait would ever admit."""
+        limit = min(self.max_choices, self.max_inflight)
+        if n > limit:
+            raise ValueError(f"this request asks for {n} choices (prompts x n); the limit is {limit}")
 
     def reserve(self, n: int) -> Reservation:
         """Admit `n` choices or raise: ValueError past `max_choices` (the caller's fault, 400),

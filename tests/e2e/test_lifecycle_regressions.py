@@ -148,7 +148,8 @@ def test_one_request_asking_for_more_choices_than_the_cap_is_400(local):
 def test_the_inflight_limit_counts_choices_not_http_requests(local):
     inner = local.client._inner
     old = inner.max_inflight
-    inner.max_inflight = 4
+    inner.max_inflight = 7
+    held = inner.reserve(2)  # another call's two choices in flight
     try:
         body = {"model": MODEL, "prompt": ["a b", "c d", "e f"], "n": 2, "max_tokens": 1}  # 6 choices
         resp = HTTP.post(f"{local.url}/v1/completions", json=body, timeout=60)
@@ -157,6 +158,7 @@ def test_the_inflight_limit_counts_choices_not_http_requests(local):
         body["n"] = 1  # 3 choices fit
         assert HTTP.post(f"{local.url}/v1/completions", json=body, timeout=60).status_code == 200
     finally:
+        held.release_all()
         inner.max_inflight = old
     assert inner.admitted == 0
 

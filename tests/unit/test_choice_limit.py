@@ -35,13 +35,17 @@ class IdleReplica:
         return {"role": self.role, "replica": self.index, "healthy": True, "stuck": None}
 
 
+def serve(tok, **limits) -> tuple[TestClient, EngineClient]:
+    client = EngineClient(ModelInfo("m", 2048, tok, None, 264, (EOS,)), [IdleReplica()], **limits)
+    app = create_app(client, GatewaySettings(admin_token="t"))
+    app.state.ready = True
+    return TestClient(app), client
+
+
 @pytest.fixture
 def gateway():
     tok = CountingTokenizer()
-    client = EngineClient(ModelInfo("m", 2048, tok, None, 264, (EOS,)), [IdleReplica()], max_choices=8)
-    app = create_app(client, GatewaySettings(admin_token="t"))
-    app.state.ready = True
-    return TestClient(app), tok
+    return serve(tok, max_choices=8)[0], tok
 
 
 @pytest.mark.parametrize("prompt", [["ab"] * 5, [[97, 98]] * 5], ids=["texts", "token_ids"])
@@ -54,3 +58,14 @@ def test_a_call_over_the_choice_limit_is_refused_before_its_prompts_are_read(gat
     err = r.json()["error"]
     assert err["code"] == "too_many_choices" and "10 choices" in err["message"] and "8" in err["message"]
     assert tok.encoded == 0 and built == []
+
+
+def test_a_call_of_more_choices_than_the_server_ever_holds_in_flight_is_400_not_a_retry_later():
+    """With --max-inflight below the per-call cap, such a call was a 503 with Retry-After on an
+    idle server: a client that follows Retry-After retries it forever."""
+    http, client = serve(ByteTokenizer(264, EOS), max_inflight=4)
+    r = http.post("/v1/completions", json={"model": "m", "prompt": "ab", "n": 5, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "too_many_choices" and "5 choices" in err["message"] and "4" in err["message"]
+    assert client.admitted == 0
