@@ -220,26 +220,39 @@ class EngineLoop:
         `last`, in order; a stream's last item ends it."""
         streams = self.streams
         batches: dict[Sink, list] = {}  # a sink is its own key (hashed by identity)
-        items = [(o.req_id, self._item(o)) for o in outs if o.req_id in streams]
-        if len(items) < len(outs):
-            self._drop_unstreamed(outs)
-        if last is not None:
-            items.append(last)
-        for rid, item in items:
+        item_of, unstreamed = self._item, []
+        # one pass: an output whose request has no stream (any more) is dropped after the loop
+        for o in outs:
+            rid = o.req_id
             sink = streams.get(rid)
             if sink is None:
+                unstreamed.append(o)
                 continue
             batch = batches.get(sink)
             if batch is None:
                 batch = batches[sink] = []
-            batch.append((rid, item))
-            if is_last(item):
-                del streams[rid]
-                if sink.on_end is not None:
-                    sink.on_end(rid)
+            batch.append((rid, item_of(o)))
+            if o.finished or o.handoff is not None:  # `is_last` of the item
+                self._end(streams, sink, rid)
+        if unstreamed:
+            self._drop_unstreamed(unstreamed)
+        if last is not None:
+            rid, item = last
+            sink = streams.get(rid)
+            if sink is not None:
+                batches.setdefault(sink, []).append(last)
+                if is_last(item):
+                    self._end(streams, sink, rid)
         for sink, batch in batches.items():
             sink.post(batch)
         self.batches_posted += len(batches)
+
+    @staticmethod
+    def _end(streams: dict, sink: Sink, rid: str) -> None:
+        """The stream of `rid` got its last item."""
+        del streams[rid]
+        if sink.on_end is not None:
+            sink.on_end(rid)
 
     def _drop_unstreamed(self, outs) -> None:
         """A request that ended with no stream to tell (its stream ended with its hand-off, and
