@@ -33,7 +33,9 @@ SHUTTING_DOWN = "the replica is shutting down"
 
 
 def _ack_in_process(source, request_id: str) -> None:
-    source.release(request_id)
+    """Queued for the source loop's next turn: the importer's loop thread holds its own lock
+    here, and two loops importing from each other would each wait for the other's lock."""
+    source.release_soon(request_id)
 
 
 class TurnLock:

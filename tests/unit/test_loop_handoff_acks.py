@@ -1,0 +1,67 @@
+"""Two in-process loops hand requests to each other (bench/prefix.py, the in-process PD path):
+the importer acknowledges to the source loop while its own loop thread holds its own lock."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from engine_helpers import HYBRID, assert_idle_clean, greedy, make_engine, tiny_model
+from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.request import State
+from hyrax.actors.engine.step_feed import Sink
+
+
+def _offer(loop: EngineLoop, rid: str) -> dict:
+    """`rid` run to its third token on `loop`'s engine, then offered with `loop` as its source."""
+    engine = loop.engine
+    with loop.lock:
+        engine.add_request([1, 2, 3, 4, 5, 6], greedy(max_tokens=40, ignore_eos=True), rid)
+        while len(engine.requests[rid].output_ids) < 3:
+            engine.step()
+        handoff = engine.export_running(rid)
+        engine.step_outputs_flush()
+    assert handoff is not None and engine.requests[rid].state == State.OFFERED
+    return dict(handoff, source=loop)
+
+
+def test_two_loops_importing_from_each_other_at_once_do_not_deadlock():
+    """The acknowledgement took the source loop's lock from the importer's loop thread, which
+    holds its own: two loops importing from each other at the same moment each waited for the
+    other's lock for good, and every stream of both replicas hung. Both imports here finish
+    admitting at the same moment (a barrier), then acknowledge."""
+    a = EngineLoop(make_engine(tiny_model(HYBRID)), "a")
+    b = EngineLoop(make_engine(tiny_model(HYBRID)), "b")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    firsts: dict[str, dict] = {}
+    try:
+        to_b, to_a = _offer(a, "from-a"), _offer(b, "from-b")
+        both = threading.Barrier(2, timeout=5)
+        for loop in (a, b):
+            inner = loop.engine.import_request
+
+            def import_then_wait(handoff, inner=inner):
+                out = inner(handoff)
+                both.wait()  # each loop thread holds its own lock here
+                return out
+            loop.engine.import_request = import_then_wait
+        sink = Sink(lambda batch: [firsts.setdefault(rid, item) for rid, item in batch], aloop)
+        a.submit_imported(to_a, sink)
+        b.submit_imported(to_b, sink)
+        deadline = time.monotonic() + 10
+        while len(firsts) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(firsts) == ["from-a", "from-b"], f"the imports never answered: {sorted(firsts)} (deadlock)"
+        assert all(item.get("imported") == "verified" for item in firsts.values()), firsts
+        for loop, rid in ((a, "from-a"), (b, "from-b")):  # each source freed its offer
+            deadline = time.monotonic() + 10
+            while rid in loop.engine.requests or loop.engine.has_unfinished():
+                assert time.monotonic() < deadline, f"{rid} was never released at its source"
+                time.sleep(0.01)
+    finally:
+        aloop.call_soon_threadsafe(aloop.stop)
+        a.shutdown()
+        b.shutdown()
+    assert_idle_clean(a.engine)
+    assert_idle_clean(b.engine)
