@@ -75,7 +75,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                             "counts as hung and is killed and replaced like a dead one (its requests are rebuilt "
                             "on other replicas)")
     gw = p.add_argument_group("gateway")
-    gw.add_argument("--admin-token-file", default=None,
+    gw.add_argument("--admin-token-file", default=None, type=non_empty,
                     help=f"where a generated admin token is written (default {DEFAULT_TOKEN_FILE}; while another "
                          f"running hyrax serve holds that default file, {DEFAULT_TOKEN_FILE.name}.<port> beside it, "
                          f"<port> being --port; a given file that a running server holds is an error; nothing is "
@@ -220,8 +220,12 @@ def _claim(path: Path) -> int | None:
     """Open `path` (created 600 if missing) holding an exclusive lock, or None when a running
     server holds it. Nothing is truncated before the lock is ours; the kernel drops the lock
     when this process exits, however it exits."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not path.parent.exists():  # a parent that is a file is os.open's 'Not a directory'
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise HyraxInputError(f"cannot write the admin token to {path}: {e.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -62,6 +62,26 @@ def test_serve_refuses_an_admin_token_no_client_could_send(monkeypatch):
         resolve_admin_token(build_parser().parse_args(["serve"]))
 
 
+@pytest.mark.parametrize("where, why", [("", "Is a directory"), ("file/tok", "Not a directory")],
+                         ids=["a_directory", "below_a_file"])
+def test_serve_answers_a_token_file_it_cannot_write_with_one_line(tmp_path, capsys, monkeypatch, where, why):
+    """An --admin-token-file that is a directory, or below a file, was an OSError traceback."""
+    from hyrax.cluster import serve
+
+    class Socket:
+        def close(self):
+            pass
+
+    monkeypatch.delenv("HYRAX_ADMIN_TOKEN", raising=False)
+    monkeypatch.setattr(serve, "validate", lambda a: (None,) * 5)
+    monkeypatch.setattr(serve, "bind_gateway", lambda host, port: Socket())
+    monkeypatch.setattr(serve, "_deploy_and_serve", lambda *a: pytest.fail("serve went on past the token"))
+    (tmp_path / "file").write_text("")
+    path = tmp_path / where
+    assert cli.main(["serve", "--admin-token-file", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"hyrax: error: cannot write the admin token to {path}: {why}"]
+
+
 def test_an_answer_that_is_not_json_is_a_one_line_error(tmp_path, capsys):
     """--url pointing at something else than a hyrax server was a JSONDecodeError traceback."""
     import threading

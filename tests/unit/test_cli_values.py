@@ -25,6 +25,8 @@ REFUSED = [
     ("serve", "--num-cpus", "0"), ("serve", "--max-inflight", "0"),
     # serve: an empty served name silently became the default one
     ("serve", "--served-model-name", ""),
+    # serve: an empty token file name silently meant the default file
+    ("serve", "--admin-token-file", ""),
     # serve: deployment shape (0 replicas silently became 1)
     ("serve", "--decode-replicas", "0"), ("serve", "--prefill-replicas", "0"), ("serve", "--prefill-tp", "0"),
     ("serve", "--decode-tp", "-1"), ("serve", "--replicas", "0"), ("serve", "--tp", "0"),
