@@ -148,9 +148,9 @@ class RoleCoordinator:
             except Exception as e:  # noqa: BLE001 - any failure to start counts as one attempt
                 self.last_error = f"restart {self.restarts} failed: {e}"
                 time.sleep(1.0)
+        self.down = not self.loop.stopping  # the deployment controller replaces it (also if failing them raises)
         ids = self.engine.fail_all("error")
         self.loop.healthy = True  # nothing left to run; new requests get a clear error from the ranks check
-        self.down = not self.loop.stopping  # the deployment controller replaces it
         self.last_error = (f"replica down after {self.restart_budget.used()} rank restarts within "
                            f"{RESTART_WINDOW_S:g} s; failed {len(ids)} requests")
 

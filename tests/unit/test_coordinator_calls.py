@@ -210,3 +210,44 @@ def test_a_lapsed_gateways_request_whose_backup_cannot_be_discarded_still_ends_a
         loop.shutdown()
         aloop.call_soon_threadsafe(aloop.stop)
     assert not engine.has_unfinished()
+
+
+def test_a_recovery_that_raises_ends_every_stream_and_the_replica_reports_down():
+    """A rank failed, its restarts were used up, and failing the requests raised (an engine bug
+    there): the error escaped the loop's guard and ended the loop thread. Every stream of the
+    replica then waited forever, later requests were queued and never run, and the replica never
+    said it was down (the controller replaces only a replica that does). Now its streams end with
+    the error, later ones are refused, and it reports itself down."""
+    from hyrax.actors.engine.executor import RankFailure
+    from hyrax.actors.restart_budget import RestartBudget
+
+    engine = make_engine(tiny_model(HYBRID))
+    coord = SimpleNamespace(healthy=True, down=False, last_error=None, restarts=0, engine=engine,
+                            restart_budget=RestartBudget(0, 600.0))
+    loop = coord.loop = EngineLoop(engine, "recovery-raises", on_rank_failure=lambda e: Coordinator._recover(coord, e))
+    step, fail_all = engine.step, engine.fail_all
+
+    def step_then_lose_a_rank():
+        if engine.stats.finished or any(len(r.output_ids) >= 3 for r in engine.running):
+            raise RankFailure("execute failed on a rank: ActorDiedError")
+        return step()
+
+    def fail_all_with_a_bug(*args, **kw):
+        engine.fail_all = fail_all  # once
+        raise RuntimeError("a bug in failing the requests")
+    engine.step, engine.fail_all = step_then_lose_a_rank, fail_all_with_a_bug
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    items: dict[str, list] = {"r0": [], "later": []}
+    sink = Sink(lambda batch: [items[rid].append(item) for rid, item in batch], aloop)
+    try:
+        loop.submit("r0", [1, 2, 3, 4, 5, 6], {"max_tokens": 40, "ignore_eos": True}, sink)
+        _wait_for(lambda: items["r0"] and is_last(items["r0"][-1]), "the stream of the failed replica never ended")
+        assert "error" in items["r0"][-1], items["r0"][-1]
+        assert coord.down and not coord.healthy and not loop.healthy
+        loop.submit("later", [1, 2, 3], {"max_tokens": 4}, sink)
+        _wait_for(lambda: items["later"] and is_last(items["later"][-1]), "a later request was never answered")
+        assert "error" in items["later"][-1], items["later"][-1]
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)

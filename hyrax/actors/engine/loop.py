@@ -164,21 +164,36 @@ class EngineLoop:
         """`work()` (a step, or the checks between steps, which call the ranks too), or None when
         it failed: a rank that failed is recovered (`on_rank_failure`: ranks replaced, requests
         rebuilt); any other error is logged and treated alike (an engine bug must neither wedge
-        every stream nor end this thread)."""
+        every stream nor end this thread). A recovery that fails too gives up (`_give_up`)."""
         try:
-            return work()
-        except RankFailure as e:
-            if self.on_rank_failure is None:
-                raise
-            self.on_rank_failure(e)
+            try:
+                return work()
+            except RankFailure as e:
+                if self.on_rank_failure is None:
+                    raise
+                self.on_rank_failure(e)
+            except Exception as e:  # noqa: BLE001
+                log.exception("engine loop work failed; failing the replica's requests")
+                self.last_error = f"{type(e).__name__}: {e}"
+                if self.on_rank_failure is not None:
+                    self.on_rank_failure(e)  # replace the ranks: their state is suspect
+                else:
+                    self.engine.fail_all("error", ranks_alive=True)  # the same ranks serve on
         except Exception as e:  # noqa: BLE001
-            log.exception("engine loop work failed; failing the replica's requests")
-            self.last_error = f"{type(e).__name__}: {e}"
-            if self.on_rank_failure is not None:
-                self.on_rank_failure(e)  # replace the ranks: their state is suspect
-            else:
-                self.engine.fail_all("error", ranks_alive=True)  # the same ranks serve on
+            self._give_up(e)
         return None
+
+    def _give_up(self, err: Exception) -> None:
+        """Under the lock: recovering from a failure failed too, and what the engine holds is not
+        known any more. Every open stream ends with the error (the requests already failed end
+        as such), the replica reports itself unhealthy, and the loop stops: what arrives later
+        is refused (open_stream), never queued for a step that would not come."""
+        log.exception("recovering the replica failed; it stops serving")
+        self.healthy, self.stopping = False, True
+        self.last_error = f"the replica could not recover: {type(err).__name__}: {err}"
+        self._deliver(self.engine.step_outputs_flush())
+        for rid in list(self.streams):
+            self._deliver([], (rid, error_item(self.last_error, 503)))
 
     def _watch(self) -> None:
         """Cheap checks between steps: stuck (work queued, nothing running, no progress) and,
