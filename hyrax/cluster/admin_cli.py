@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
-from hyrax.cluster.arg_types import is_bearer_token, non_negative_int, positive_int
+from hyrax.cluster.arg_types import is_bearer_token, non_empty, non_negative_int, positive_int
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
 
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("admin", help="call the admin API of a running server",
                        description="Inspect and control a running Hyrax server through its admin API.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
-    p.add_argument("--token-file", default=None,
+    p.add_argument("--token-file", default=None, type=non_empty,
                    help=f"file holding the admin token (default: $HYRAX_ADMIN_TOKEN, else {DEFAULT_TOKEN_FILE}); "
                         f"a server started while another held that file wrote {DEFAULT_TOKEN_FILE.name}.<port> "
                         f"beside it (<port>: its --port; its banner names the file): pass that file here")

@@ -41,7 +41,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "(org/name[@revision], never downloaded), or 'demo' (default)")
     p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
-    p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one on 127.0.0.1)")
+    p.add_argument("--address", default=None, type=non_empty,
+                   help="join this Ray cluster (default: start a local one on 127.0.0.1)")
     p.add_argument("--deployment", default="hyrax",
                    help="name of the deployment on the Ray cluster; without --attach, one of that name must not exist yet")
     p.add_argument("--attach", action="store_true",

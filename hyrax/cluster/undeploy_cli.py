@@ -7,13 +7,14 @@ import argparse
 import sys
 
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster.arg_types import non_empty
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("undeploy", help="stop a deployment's replicas and its controller",
                        description="Stop every replica of a deployment on a Ray cluster, and its controller. "
                                    "Gateways still attached to it lose their replicas.")
-    p.add_argument("--address", required=True, help="the Ray cluster the deployment runs on")
+    p.add_argument("--address", required=True, type=non_empty, help="the Ray cluster the deployment runs on")
     p.add_argument("--deployment", default="hyrax", help="the deployment's name")
     p.set_defaults(func=run)
     return p

@@ -25,8 +25,10 @@ REFUSED = [
     ("serve", "--num-cpus", "0"), ("serve", "--max-inflight", "0"),
     # serve: an empty served name silently became the default one
     ("serve", "--served-model-name", ""),
-    # serve: an empty token file name silently meant the default file
-    ("serve", "--admin-token-file", ""),
+    # an empty file name or address silently meant the default one (a local Ray cluster: undeploy started
+    # one only to find no deployment there)
+    ("serve", "--admin-token-file", ""), ("serve", "--address", ""), ("undeploy", "--address", ""),
+    ("admin", "--token-file", ""),
     # serve: deployment shape (0 replicas silently became 1)
     ("serve", "--decode-replicas", "0"), ("serve", "--prefill-replicas", "0"), ("serve", "--prefill-tp", "0"),
     ("serve", "--decode-tp", "-1"), ("serve", "--replicas", "0"), ("serve", "--tp", "0"),
