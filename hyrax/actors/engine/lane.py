@@ -32,7 +32,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from hyrax.actors.engine.indices import IndexSnapshot, IndexTable
-from hyrax.actors.engine.plan import LEFT, PLACEHOLDER, DecodeBlock, PlanEntry, StepPlan
+from hyrax.actors.engine.plan import LEFT, MAX_TOKENS, PLACEHOLDER, DecodeBlock, PlanEntry, StepPlan
 from hyrax.actors.engine.request import Request, State
 
 _state = attrgetter("state")
@@ -83,16 +83,6 @@ def steps_left(start: int, draw: int, max_tokens: int, page_size: int, checkpoin
     if checkpoint_every:
         to_boundary = (-(start + 1)) % checkpoint_every  # steps until start + j + 1 is a boundary (0: now)
         left = min(left, (to_boundary or checkpoint_every) - 1)
-    return left
-
-
-def steps_left_of(block: DecodeBlock, page_size: int, checkpoint_every: int | None) -> np.ndarray:
-    """`steps_left` of every row of `block`, as an array."""
-    starts, draws = block.starts, block.draws
-    left = np.minimum(page_size - 1 - starts % page_size, block.max_tokens - 1 - draws)
-    if checkpoint_every:
-        to_boundary = (-(starts + 1)) % checkpoint_every
-        left = np.minimum(left, np.where(to_boundary == 0, checkpoint_every, to_boundary) - 1)
     return left
 
 
@@ -206,43 +196,49 @@ class DecodeLane:
         if not same or committed:
             changed, fresh = self._changed(rows, reqs, committed)
             if fresh:  # new snapshots of indices the rows still decode in: the rows carry on with them
-                base = refreshed(base, fresh)
+                base = refreshed(base, fresh, snaps)
                 snaps = tuple(fresh[k] if k in fresh else s for k, s in enumerate(snaps))
         tokens = np.array([o[-1] if o else PLACEHOLDER for o in map(_outputs, reqs)],
                           dtype=np.int64) if committed else None
         block = base.advanced(tokens)
         ok = block.ints[:, LEFT] >= 0
-        opens = None
+        opening: list[int] = []
         if not ok.all():
-            block, opens = self._opening(block, ok)
-            ok |= opens
+            block, opening = self._opening(block, ok)
+            if opening:
+                ok[opening] = True
         if changed:
             ok[changed] = False
         if not ok.all():
             keep = np.flatnonzero(ok)
             ks = keep.tolist()
             block, snaps, reqs = block.rows(keep), tuple(snaps[k] for k in ks), [reqs[k] for k in ks]
-            opens = opens[keep] if opens is not None else None
+            if opening:
+                at = {k: i for i, k in enumerate(ks)}
+                opening = [at[k] for k in opening if k in at]
         if not reqs:
             return None, set()
         self._taken = reqs
-        openers = tuple(np.flatnonzero(opens).tolist()) if opens is not None else ()
-        return (LaneRows(block, snaps, openers, tuple(reqs[k].arrival for k in openers)),
+        return (LaneRows(block, snaps, tuple(opening), tuple(reqs[k].arrival for k in opening)),
                 set(map(id, reqs)))
 
-    def _opening(self, block: DecodeBlock, ok: np.ndarray) -> tuple[DecodeBlock, np.ndarray]:
-        """(`block` with the rows that open a page given their steps left from there, those rows
-        as a mask): rows out of steps whose position starts a page, whose draw is below
-        max_tokens and that do not end on a checkpoint boundary."""
-        starts = block.starts
-        opens = ~ok & (starts % self.page_size == 0) & (block.draws < block.max_tokens)
-        if self.checkpoint_every:
-            opens &= (starts + 1) % self.checkpoint_every != 0
-        if not opens.any():
-            return block, opens
+    def _opening(self, block: DecodeBlock, ok: np.ndarray) -> tuple[DecodeBlock, list[int]]:
+        """(`block` with the rows that open a page given their steps left from there, those
+        rows): rows out of steps whose position starts a page, whose draw is below max_tokens
+        and that do not end on a checkpoint boundary. A few rows a step: looked at one by one
+        (array operations on the whole block cost more, ~10 us each with the caches cold)."""
+        ps, every = self.page_size, self.checkpoint_every
+        out = np.flatnonzero(~ok).tolist()
+        rows, lefts = [], []
+        for k, (start, draw, _, limit) in zip(out, block.ints[out, :MAX_TOKENS + 1].tolist()):
+            if start % ps == 0 and draw < limit and not (every and (start + 1) % every == 0):
+                rows.append(k)
+                lefts.append(steps_left(start, draw, limit, ps, every))
+        if not rows:
+            return block, rows
         ints = block.ints.copy()
-        ints[opens, LEFT] = steps_left_of(block, self.page_size, self.checkpoint_every)[opens]
-        return dataclasses.replace(block, ints=ints), opens
+        ints[rows, LEFT] = lefts
+        return dataclasses.replace(block, ints=ints), rows
 
     @staticmethod
     def _changed(rows: LaneRows, reqs: list[Request], committed: bool) -> tuple[list[int], dict[int, IndexSnapshot]]:
@@ -282,23 +278,34 @@ class DecodeLane:
         return out, fresh
 
 
-def refreshed(block: DecodeBlock, fresh: dict[int, IndexSnapshot]) -> DecodeBlock:
+def refreshed(block: DecodeBlock, fresh: dict[int, IndexSnapshot], old: Sequence[IndexSnapshot]) -> DecodeBlock:
     """`block` with rows `fresh` (row -> snapshot) taking their page tables and slots from the
-    snapshot (new arrays: a block is never written once made); a few array operations per
-    component, whatever the number of rows."""
-    ks, snaps = list(fresh), list(fresh.values())
-    ints = block.ints.copy()
+    snapshot (new arrays: a block is never written once made), where they differ from `old`
+    (each row's snapshot before; an index write replaces only the value it changes, so a
+    component whose value is the same object is left as it is - a window page released
+    changes that window's table alone); a few array operations per changed component."""
+    ks = list(fresh)
+    ints = None
     at_slots = LEFT + 1
     at_pages = at_slots + len(block.slot_names)
-    tables = {}
-    for j, (name, old) in enumerate(block.tables.items()):
-        rows = [s[name] for s in snaps]
+    tables = dict(block.tables)
+    for j, name in enumerate(block.tables):
+        rows = [fresh[k][name] for k in ks]
+        was = [old[k][name] for k in ks]
+        if all(map(is_, rows, was)):
+            continue
         lens = list(map(len, rows))
-        width = max(old.shape[1], *lens)
-        t = tables[name] = widened(old, width).copy()
+        t = tables[name]
+        width = max(t.shape[1], *lens)
+        t = tables[name] = widened(t, width).copy() if width == t.shape[1] else widened(t, width)
         t[ks] = _padded(rows, width)
-        ints[ks, at_pages + j] = lens
+        if lens != list(map(len, was)):
+            ints = block.ints.copy() if ints is None else ints
+            ints[ks, at_pages + j] = lens
     for j, name in enumerate(block.slot_names):
-        ints[ks, at_slots + j] = [s[name][0] for s in snaps]
-    return DecodeBlock(block.req_ids, ints, block.floats, tables, block.slot_names, block.seeds, block.logprobs,
-                       block.tokens)
+        slots = [fresh[k][name] for k in ks]
+        if not all(map(is_, slots, [old[k][name] for k in ks])):
+            ints = block.ints.copy() if ints is None else ints
+            ints[ks, at_slots + j] = [u[0] for u in slots]
+    return DecodeBlock(block.req_ids, block.ints if ints is None else ints, block.floats, tables, block.slot_names,
+                       block.seeds, block.logprobs, block.tokens)

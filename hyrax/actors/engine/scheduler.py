@@ -338,22 +338,19 @@ class Scheduler:
 
     def _can_open(self, lane: LaneRows) -> bool:
         """Whether each lane row opening a page needs exactly that page of each paged component:
-        its table ends before it, and a window's live pages before it are all held (what
-        `_pages_to_add` finds for such a decode); otherwise a full view plans the step."""
-        block, ps = lane.block, self.page_size
-        ks = np.asarray(lane.openers, dtype=np.int64)
-        rows = block.ints[ks]
-        starts = rows[:, START]
-        page = starts // ps
-        at = LEFT + 1 + len(block.slot_names)  # the page-table lengths, in `block.tables` order
-        if (rows[:, at:at + len(block.tables)] != page[:, None]).any():
-            return False
-        for c in self.paged:
-            if c.kind == WINDOW:  # the first live row of a window (`live_rows`) and every page after it held
-                first = np.maximum(starts - (c.window - 1), 0) // ps
-                t = block.tables[c.name][ks]
-                cols = np.arange(t.shape[1])
-                if ((t < 0) & (cols >= first[:, None]) & (cols < page[:, None])).any():
+        its table (the row's snapshot's) ends before it, and a window's live pages before it
+        are all held (what `_pages_to_add` finds for such a decode); otherwise a full view
+        plans the step. A few rows a step: in Python, no array operation."""
+        ps = self.page_size
+        starts = lane.block.ints[list(lane.openers), START].tolist()
+        for k, start in zip(lane.openers, starts):
+            snap, page = lane.snaps[k], start // ps
+            for c in self.paged:
+                table = snap.get(c.name)
+                if table is None or len(table) != page:
+                    return False
+                # a window's first live row (`live_rows`) and every page after it held
+                if c.kind == WINDOW and min(table[max(start - (c.window - 1), 0) // ps:], default=0) < 0:
                     return False
         return True
 
@@ -362,23 +359,23 @@ class Scheduler:
         `paged_names` order) in its tables (new arrays), the pages recorded in `grants`, and each
         such row's tables as its indices become ({req id: {name: table}})."""
         block, names = lane.block, self.paged_names
-        ks = np.fromiter(opened, dtype=np.int64, count=len(opened))
-        units = np.array(list(opened.values()), dtype=np.int64).reshape(len(ks), len(names))
-        ints = block.ints.copy()
-        at = LEFT + 1 + len(block.slot_names) + np.array([list(block.tables).index(n) for n in names], dtype=np.int64)
-        cols = ints[ks[:, None], at]  # each row's new page's column: its tables' length
-        ints[ks[:, None], at] = cols + 1
-        new_tables = dict(block.tables)
-        for j, name in enumerate(names):
-            t = block.tables[name]
-            width = max(t.shape[1], int(cols[:, j].max()) + 1)
-            t = new_tables[name] = widened(t, width) if width > t.shape[1] else t.copy()
-            t[ks, cols[:, j]] = units[:, j]
-        tables = {}
+        ks = list(opened)
+        tables, grown = {}, []
         for k, got in opened.items():
             rid, snap = block.req_ids[k], lane.snaps[k]
             grants[rid] = {name: (unit,) for name, unit in zip(names, got)}
             tables[rid] = {name: snap[name] + (unit,) for name, unit in zip(names, got)}
+            grown.append([len(tables[rid][name]) for name in names])
+        at = [LEFT + 1 + len(block.slot_names) + list(block.tables).index(n) for n in names]
+        ints = block.ints.copy()
+        ints[np.array(ks)[:, None], at] = grown  # each row's page-table lengths, one longer
+        new_tables = dict(block.tables)
+        for j, name in enumerate(names):
+            t = block.tables[name]
+            cols = [row[j] - 1 for row in grown]
+            width = max(t.shape[1], max(cols) + 1)
+            t = new_tables[name] = widened(t, width) if width > t.shape[1] else t.copy()
+            t[ks, cols] = [got[j] for got in opened.values()]
         block = dataclasses.replace(block, ints=ints, tables=new_tables)
         return lane._replace(block=block), tables
 
