@@ -36,24 +36,21 @@ def test_no_window_page_outlives_its_rows(overlap, prefix_cache):
 
 @pytest.mark.parametrize("keeps", [(7,), (15,), (3, 16), (0, 31, 5)])
 def test_block_rows_that_free_a_page_are_the_scalar_rule(keeps):
-    """The decode block's rows whose step frees a window page (`Results._frees_pages`, one array
-    pass) are exactly those for which the per-row rule (`_frees_page`) holds, for one and for
-    several window lengths, on positions around every page boundary."""
+    """The decode block's rows whose step frees a window page (`Results._frees_pages`, the rule
+    inline for one window) are exactly those for which the per-row rule (`_frees_page`) holds,
+    for one and for several window lengths, on positions around every page boundary."""
     import numpy as np
-
-    from hyrax.actors.engine.results import FREES_ARRAY_FROM
 
     engine = make_engine(tiny_model(HYBRID), deterministic=False)
     results = engine.results
     results._keep = keeps
     starts = np.arange(0, 4 * results.page_size + 40, dtype=np.int64)
     rng = np.random.default_rng(0)
-    for order in (starts, rng.permutation(starts)):
-        want = {k for k, s in enumerate(order.tolist()) if results._frees_page(s)}
+    for order in (starts.tolist(), rng.permutation(starts).tolist()):
+        want = {k for k, s in enumerate(order) if results._frees_page(s)}
         assert want  # the positions cross pages: some rows free one
-        assert set(results._frees_pages(order, order.tolist())) == want  # as one array
-        for n in (1, 5, FREES_ARRAY_FROM - 1):  # small blocks: tested row by row
-            part = order[:n]
-            assert set(results._frees_pages(part, part.tolist())) == {k for k in want if k < n}
-    for few in ([0, 1], [0] * FREES_ARRAY_FROM):
-        assert results._frees_pages(np.array(few, dtype=np.int64), few) == ()
+        assert set(results._frees_pages(order)) == want
+        for n in (1, 5, 39):
+            assert set(results._frees_pages(order[:n])) == {k for k in want if k < n}
+    for few in ([0, 1], [0] * 40):
+        assert results._frees_pages(few) == ()
