@@ -127,9 +127,18 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     for k, v in data.items():
         dest = str(k).replace("-", "_")
         if dest not in actions or dest in ("config", "help"):
-            raise HyraxInputError(f"--config: unknown option {k!r}")
+            raise HyraxInputError(f"--config: unknown option {k!r}{_negated_switch(actions, dest, v)}")
         defaults[dest] = _yaml_default(actions[dest], str(k), v)
     parser.set_defaults(**defaults)
+
+
+def _negated_switch(actions: dict, dest: str, value) -> str:
+    """For a key spelled as an on/off switch's `--no-` flag (`no-prefix-cache`), the spelling the
+    file takes: the switch's own name with the opposite boolean."""
+    name = dest.removeprefix("no_")
+    if name == dest or not isinstance(actions.get(name), argparse.BooleanOptionalAction):
+        return ""
+    return f"; write {name.replace('_', '-')}: {'true' if value is False else 'false'}"
 
 
 def _yaml_default(action: argparse.Action, key: str, value):

@@ -36,6 +36,10 @@ def test_values_become_the_engine_config_and_flags_win(tmp_path):
     ("max-running:\n", "max-running needs one value"),
     ("kv-capacity-tokens: [1, 2]\n", "kv-capacity-tokens needs one value"),
     ("no-such-option: 1\n", "unknown option 'no-such-option'"),
+    # a switch's --no- flag as a key: the error names the spelling the file takes
+    ("no-prefix-cache: true\n", "unknown option 'no-prefix-cache'; write prefix-cache: false"),
+    ("no-prefix-cache: false\n", "unknown option 'no-prefix-cache'; write prefix-cache: true"),
+    ("no_compiled_graph: true\n", "unknown option 'no_compiled_graph'; write compiled-graph: false"),
 ])
 def test_a_value_the_flag_would_refuse_is_an_error_naming_it(tmp_path, text, named):
     with pytest.raises(HyraxInputError, match=named):
