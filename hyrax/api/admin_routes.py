@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hyrax.actors.engine.commands import Resume, Retract
 from hyrax.actors.engine.lifecycle import Outcome
@@ -15,32 +15,35 @@ from hyrax.api.schemas import Body, Text
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=JSONRoute)
 
 
-class RetractBody(Body):
+class SelectBody(Body):
+    """Which requests: ids (each named once), a count, or all (hyrax/actors/engine/selection.py)."""
     request_ids: list[Text] | None = Field(default=None, min_length=1)
     count: int | None = Field(default=None, ge=1)
     all: bool = False
-    mode: str | None = Field(default=None, pattern="^(cpu_tensor|host_pool|recompute)$")
-    hold: bool = False
 
-    @model_validator(mode="after")
-    def _one_selector(self):
-        n = sum([self.request_ids is not None, self.count is not None, bool(self.all)])
-        if n != 1:
-            raise ValueError("give exactly one of request_ids, count, all")
-        return self
-
-
-class ResumeBody(Body):
-    """The same selectors as retract: request ids, a count (oldest retracted first), or all."""
-    request_ids: list[Text] | None = Field(default=None, min_length=1)
-    count: int | None = Field(default=None, ge=1)
-    all: bool = False
+    @field_validator("request_ids")
+    @classmethod
+    def _each_once(cls, ids):
+        seen = set()
+        twice = [i for i in ids or () if i in seen or seen.add(i)]
+        if twice:
+            raise ValueError(f"request {twice[0]!r} is named twice; name each request once")
+        return ids
 
     @model_validator(mode="after")
     def _one_selector(self):
         if sum([self.request_ids is not None, self.count is not None, bool(self.all)]) != 1:
             raise ValueError("give exactly one of request_ids, count, all")
         return self
+
+
+class RetractBody(SelectBody):
+    mode: str | None = Field(default=None, pattern="^(cpu_tensor|host_pool|recompute)$")
+    hold: bool = False
+
+
+class ResumeBody(SelectBody):
+    """The same selectors as retract."""
 
 
 def _selection(body) -> Selection:
