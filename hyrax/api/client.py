@@ -268,12 +268,14 @@ class EngineClient:
             return Outcome.NO_TARGET, None
         if request_id in self.migrate_to:  # already on its way: leave the target it goes to
             return Outcome.NOT_RUNNING, None
-        self.migrate_to[request_id] = target
-        ok = await src.run(MigrateOut(request_id))
-        if not ok:
-            self.migrate_to.pop(request_id, None)
-            return Outcome.NOT_RUNNING, None
-        return Outcome.MIGRATING, target
+        self.migrate_to[request_id] = target  # before the export: its hand-off may come before the answer
+        ok = False
+        try:
+            ok = await src.run(MigrateOut(request_id))
+        finally:  # not exported (or no answer: a timeout, a rank failure): nothing is on its way
+            if not ok:
+                self.migrate_to.pop(request_id, None)
+        return (Outcome.MIGRATING, target) if ok else (Outcome.NOT_RUNNING, None)
 
     async def drain(self, backend, wait_s: float = 30.0) -> dict:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
