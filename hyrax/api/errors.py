@@ -16,7 +16,7 @@ log = logging.getLogger("hyrax.api")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 503: "service_unavailable", 500: "internal_error"}
+          415: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}  # 500: OpenAI's type
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}  # Starlette's own errors (no route, wrong method)
 
 

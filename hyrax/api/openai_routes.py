@@ -182,9 +182,12 @@ def _sse(obj) -> str:
 
 
 def _choice_error(c: Choice) -> APIError:
-    """The error a choice ended in (the replica's message; 503 for a replica that failed)."""
+    """The error a choice ended in (the replica's message): 503 for a replica that failed, 500
+    for one that could not admit the request (a bug), else the input's fault."""
     if c.error_status == 503:
         return APIError(503, c.error, code="unavailable", headers={"Retry-After": "1"})
+    if c.error_status >= 500:
+        return APIError(c.error_status, c.error, code="internal_error")
     return APIError(c.error_status, c.error, code="invalid_value")
 
 
