@@ -7,12 +7,13 @@ import hmac
 from fastapi import Request
 
 from hyrax.api.errors import APIError
+from hyrax.api.headers import single
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}  # RFC 9110: a 401 says which scheme to use
 
 
 def _bearer(request: Request) -> str | None:
-    h = request.headers.get("authorization", "")
+    h = single(request, "Authorization") or ""
     if h[:7].lower() == "bearer ":
         return h[7:].strip()
     return None

@@ -2,7 +2,8 @@
 charset is a 415, UTF-16 or UTF-32 bytes a 400), and nothing silently ignored: a key given twice
 in one object is a 400 naming it (json.loads would keep the last). A body the parser cannot take
 (a number too long, nesting too deep) is a 400 saying so, not FastAPI's "There was an error
-parsing the body". Every router with JSON bodies uses `JSONRoute`."""
+parsing the body". Content-Type given twice is a 400 (`headers.single`). Every router with JSON
+bodies uses `JSONRoute`."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException  # what FastAPI raises for a body
 from fastapi.routing import APIRoute
 
 from hyrax.api.errors import APIError
+from hyrax.api.headers import single
 
 _UTF8 = ("utf-8", "utf8")
 
@@ -79,6 +81,7 @@ class JSONRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request):
+            single(request, "Content-Type")  # before FastAPI picks how to read the body by the first one
             try:
                 return await handler(JSONRequest(request.scope, request.receive))
             except HTTPException as e:

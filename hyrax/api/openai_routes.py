@@ -13,6 +13,7 @@ from hyrax.api.errors import APIError, error_body
 from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
+from hyrax.api.headers import single
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import grammar_of
 from hyrax.api.text import TextStream, render_chat, template_error
@@ -40,16 +41,13 @@ def _call_id(request: Request) -> str:
     as engine request `<id>-<k>-<nonce>`: a client may reuse an id (or two clients pick the
     same) while the first call's requests are still being aborted, and two requests must never
     share one engine id."""
-    given = request.headers.getlist(REQUEST_ID_HEADER)
-    if not given:
+    given = single(request, REQUEST_ID_HEADER)
+    if given is None:
         return uuid.uuid4().hex
-    if len(given) > 1:
-        raise APIError(400, f"{REQUEST_ID_HEADER} is given more than once; give one id", param=REQUEST_ID_HEADER,
-                       code="invalid_value")
-    if not _REQUEST_ID.fullmatch(given[0]):
+    if not _REQUEST_ID.fullmatch(given):
         raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-100 characters of A-Z a-z 0-9 . _ : - "
                             "starting with a letter or digit", param=REQUEST_ID_HEADER, code="invalid_value")
-    return given[0]
+    return given
 
 
 def _check_choices(request: Request, n: int) -> None:

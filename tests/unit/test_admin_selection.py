@@ -5,29 +5,15 @@ that knows no request, so no engine is needed."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
-from hyrax.actors.model.tokenizer import ByteTokenizer
-from hyrax.api.app import GatewaySettings, create_app
-from hyrax.api.client import EngineClient, ModelInfo
+from gateway_fakes import gateway
 
 ADMIN = {"Authorization": "Bearer t"}
 
 
-class EmptyReplica:
-    role, index = "colocated", 0
-
-    async def run(self, cmd):
-        raise AssertionError(f"a refused call reached the replica: {cmd}")
-
-    async def health(self) -> dict:
-        return {"role": self.role, "replica": self.index, "healthy": True, "stuck": None}
-
-
 @pytest.fixture
 def http():
-    client = EngineClient(ModelInfo("m", 2048, ByteTokenizer(264, 256), None, 264, (256,)), [EmptyReplica()])
-    return TestClient(create_app(client, GatewaySettings(admin_token="t")))
+    return gateway()
 
 
 @pytest.mark.parametrize("path", ["/admin/retract", "/admin/resume"])

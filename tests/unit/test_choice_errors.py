@@ -8,17 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
+from gateway_fakes import Replica, gateway
 from hyrax.actors.engine.step_feed import error_item
-from hyrax.actors.model.tokenizer import ByteTokenizer
-from hyrax.api.app import GatewaySettings, create_app
-from hyrax.api.client import EngineClient, ModelInfo
 
 
-class FailingReplica:
-    role, index = "colocated", 0
-
+class FailingReplica(Replica):
     def __init__(self, status: int):
         self.status = status
 
@@ -27,15 +22,9 @@ class FailingReplica:
             yield error_item("the replica could not admit this request: KeyError: 3", self.status)
         return stream()
 
-    async def health(self) -> dict:
-        return {"role": self.role, "replica": self.index, "healthy": True, "stuck": None}
 
-
-def _gateway(status: int) -> TestClient:
-    client = EngineClient(ModelInfo("m", 2048, ByteTokenizer(264, 256), None, 264, (256,)), [FailingReplica(status)])
-    app = create_app(client, GatewaySettings(admin_token="t"))
-    app.state.ready = True
-    return TestClient(app)
+def _gateway(status: int):
+    return gateway(FailingReplica(status))
 
 
 BODIES = {"/v1/completions": {"model": "m", "prompt": "hi"},
