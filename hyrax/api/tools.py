@@ -2,7 +2,8 @@
 renders, the grammar the answer must match, the syntax its calls are read back in); the
 answer becomes OpenAI's `tool_calls` in `tool_parser.py`.
 
-- `none` (the default without tools): a text answer; the template does not see the tools.
+- `none` (the default without tools): a text answer, not read back as calls; the template still
+  renders the tools given (as OpenAI's API and vLLM by default: the model sees them, calls none).
 - `required`: the answer is `{"name": <one of the tools>, "arguments": <its parameters>}`,
   constrained to the tools' JSON schemas; it becomes one call.
 - a named function: the answer is that function's arguments, constrained to its schema.
@@ -140,12 +141,12 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
             raise APIError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls", code="invalid_value")
         return ToolPlan()
     choice = choice or "auto"
-    if choice == "none":
-        return ToolPlan()
     rendered = [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools]
     by_name = {t.function.name: t.function for t in body.tools}
     if len(by_name) != len(body.tools):
         raise APIError(400, "tool names must be unique", param="tools", code="invalid_value")
+    if choice == "none":  # the model sees the tools and calls none (OpenAI; vLLM's default)
+        return ToolPlan(rendered)
     if choice == "auto":
         return _plan_auto(body, template, tokenizer, rendered)
     if choice == "required":
