@@ -16,7 +16,7 @@ from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, r
 from hyrax.api.headers import single
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import grammar_of
-from hyrax.api.text import TextStream, render_chat, template_error
+from hyrax.api.text import TextStream, encode, render_chat, template_error
 from hyrax.api.tool_parser import ToolCallParser
 from hyrax.api.tools import plan_tools
 
@@ -78,12 +78,12 @@ def _prompt_count(body: CompletionRequest) -> int:
     return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
 
-def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
+async def _prompts(body: CompletionRequest, tok, vocab: int) -> list[list[int]]:
     p = body.prompt
     if isinstance(p, str):
-        out = [tok.encode(p)]
+        out = await encode(tok, [p])
     elif p and all(isinstance(x, str) for x in p):
-        out = [tok.encode(x) for x in p]
+        out = await encode(tok, p)
     elif p and all(isinstance(x, int) for x in p):
         out = [list(p)]
     elif p and all(isinstance(x, list) for x in p):
@@ -239,7 +239,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                        code="unsupported_parameter")
     _check_choices(request, _prompt_count(body) * body.n)
     info = request.app.state.client.model
-    prompts = _prompts(body, info.tokenizer, info.vocab_size)
+    prompts = await _prompts(body, info.tokenizer, info.vocab_size)
     choices = _choices(request, body, call_id, prompts, body.max_tokens, 16, body.logprobs, grammar_of(body))
     reservation = _admit(request, choices)
     client = request.app.state.client
@@ -317,7 +317,7 @@ async def chat(body: ChatRequest, request: Request, response: Response):
         prompt = render_chat(info.chat_template, [m.for_template() for m in body.messages], tools=tools.tools)
     except Exception as e:  # noqa: BLE001 - a template error is the checkpoint's problem, reported clearly
         raise APIError(400, template_error(e), param="messages", code="invalid_value") from None
-    ids = info.tokenizer.encode(prompt)
+    ids, = await encode(info.tokenizer, [prompt])
     max_tokens = _chat_max_tokens(body)
     choices = _choices(request, body, call_id, [ids], max_tokens, CHAT_DEFAULT_MAX_TOKENS,
                        (body.top_logprobs or 0) if want_lp else None, tools.grammar or grammar, prompt_param="messages")

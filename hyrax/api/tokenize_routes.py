@@ -8,7 +8,7 @@ from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from hyrax.api.text import template_error, render_chat
+from hyrax.api.text import encode, template_error, render_chat
 
 router = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONRoute)
 
@@ -33,7 +33,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
             raise APIError(400, template_error(e), param="messages", code="invalid_value") from None
     else:
         text = body.prompt
-    ids = info.tokenizer.encode(text)
+    ids, = await encode(info.tokenizer, [text])
     return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids, "token_strs": None}
 
 

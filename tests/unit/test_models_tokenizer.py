@@ -79,3 +79,36 @@ def test_generation_config_eos_ids_join_the_config_eos(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("full", eos_token_id=(2,)).to_hf_dict()))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
     assert ModelConfig.from_dir(tmp_path).eos_token_id == (2, 7, 9)
+
+
+def test_encoding_a_long_text_lets_other_threads_run_and_gives_the_same_ids():
+    """The gateway tokenizes a long prompt on a worker thread so that its event loop goes on
+    serving others; that helps only if encoding lets go of the GIL (tokenizers' `encode` holds
+    it throughout: a 4 MB prompt stopped every other thread of the gateway for ~4 s). A ticker
+    thread must get to run while a ~0.5 s encoding is under way."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    path = Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo" / "tokenizer.json"
+    tok, text = load_tokenizer(path.parent, 264), "hello world, this is some text. " * 16_000
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    while not ticks:
+        time.sleep(0.001)
+    before = len(ticks)
+    ids = tok.encode(text)
+    during = len(ticks) - before
+    stop.set()
+    ticker.join()
+    assert during >= 10, f"the ticker ran {during} times while the text was encoded"
+    assert ids == Tokenizer.from_file(str(path)).encode(text).ids

@@ -99,9 +99,11 @@ class HFTokenizer:
         self.add_bos = bool(tc.get("add_bos_token", False)) and self.bos_token_id is not None
 
     def encode(self, text: str) -> list[int]:
+        """Through `encode_batch`, which lets go of the GIL while it works (`encode` holds it:
+        seconds for a long prompt, during which no other thread of the process runs)."""
         if isinstance(text, ChatPrompt):
-            return self._tok.encode(text, add_special_tokens=False).ids
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
