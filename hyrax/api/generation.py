@@ -44,8 +44,8 @@ async def run_choices(client, choices: list[Choice], metrics=None,
         try:
             async for item in client.generate(c.request_id, c.prompt_ids, c.params):
                 await q.put((c, item))
-        except Exception as e:  # noqa: BLE001 - a replica failure ends this choice with an error
-            await q.put((c, error_item(f"replica failed: {type(e).__name__}")))
+        except Exception as e:  # noqa: BLE001 - a replica failure ends this choice with an error (503: retry)
+            await q.put((c, error_item(f"replica failed: {type(e).__name__}", 503)))
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     open_ = len(choices)
