@@ -308,3 +308,19 @@ def test_ranks_lost_keep_an_operators_hold_on_a_retracted_request():
         eng.step()
     assert eng.finished_requests[rid].output_ids == want
     assert_idle_clean(eng)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_requests_rebuilt_after_the_ranks_were_lost_decode_to_the_end(deterministic):
+    """Running requests rebuilt by prefill after the ranks were lost and restarted go on to
+    their last token. Recovery gave them a plain dict for indices, without the snapshot the
+    decode lane takes of a request's indices: every step after their rebuild raised, so over
+    Ray each one counted as another rank failure until the replica gave up and failed them."""
+    eng = make_engine(tiny_model(HYBRID), deterministic=deterministic)
+    ids = [eng.add_request(p, greedy(max_tokens=12, ignore_eos=True)) for p in make_prompts(2, seed=1, lo=6, hi=10)]
+    while min(len(eng.requests[i].output_ids) for i in ids) < 3:
+        eng.step()
+    eng.reset_for_recovery()
+    run_to_completion(eng)
+    assert [eng.finished_requests[i].finish_reason for i in ids] == ["length", "length"]
+    assert_idle_clean(eng)

@@ -24,6 +24,7 @@ from typing import Callable
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.batch_cap import BatchCap
 from hyrax.actors.engine.executor import Executor, StepCorruptHit, StepError, StepOutOfMemory
+from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.plan import StepPlan
@@ -143,7 +144,7 @@ class Recovery:
         self.reset()
         live = self.table.rebuild_all()
         for req in live:
-            req.indices, req.backup, req.num_computed, req.export_payload = {}, None, 0, None
+            req.indices, req.backup, req.num_computed, req.export_payload = IndexTable(), None, 0, None
         # in place: the state mover and the free point hold these same dicts
         self.alloc.update({n: IndexAllocator(n, a.capacity) for n, a in self.alloc.items()})
         self.host_alloc.update({n: IndexAllocator(a.name, a.capacity) for n, a in self.host_alloc.items()})
