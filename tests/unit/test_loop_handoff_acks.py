@@ -65,3 +65,66 @@ def test_two_loops_importing_from_each_other_at_once_do_not_deadlock():
         b.shutdown()
     assert_idle_clean(a.engine)
     assert_idle_clean(b.engine)
+
+
+def test_a_rank_lost_during_a_migrations_export_is_recovered_and_the_request_can_move_later():
+    """A rank died while a running request was exported for a migration: the export raised out
+    of the admin command (outside the loop's guard), the gateway kept the request marked as on
+    its way (every later migration of it answered "not running" until it ended), and the rank
+    was left for the next step to find. Now the failure is recovered at once, as in a step: the
+    migration answers that the request is not running (it is being rebuilt), its stream goes on,
+    and a later migration moves it."""
+    from hyrax.actors.engine.executor import RankFailure
+    from hyrax.api.client import EngineClient, LocalBackend, ModelInfo
+
+    model = tiny_model(HYBRID)
+    recovered: list[Exception] = []
+
+    def recover(engine):
+        return lambda e: (recovered.append(e), engine.reset_for_recovery())
+    engines = [make_engine(model, deterministic=False, prefix_cache=False) for _ in range(2)]
+    loops = [EngineLoop(e, f"m{k}", on_rank_failure=recover(e)) for k, e in enumerate(engines)]
+    executor = engines[0].executor
+    save = executor.save
+
+    def save_on_a_dead_rank(*args, **kw):
+        executor.save = save  # once
+        raise RankFailure("save failed on a rank: ActorDiedError")
+    source, target = LocalBackend(loops[0], "colocated", 0), LocalBackend(loops[1], "colocated", 1)
+    client = EngineClient(ModelInfo("t", 4096, None, None, 96), [source, target], cache_route_margin=None)
+
+    async def scenario():
+        items = []
+
+        async def consume():
+            async for item in client.generate("r1", [5, 6, 7, 8], {"max_tokens": 60, "ignore_eos": True}):
+                items.append(item)
+
+        def tokens():
+            return sum(len(i.get("token_ids", [])) for i in items)
+        task = asyncio.ensure_future(consume())
+        while tokens() < 3:
+            await asyncio.sleep(0.005)
+        executor.save = save_on_a_dead_rank
+        outcome, _ = await client.migrate("r1", target)
+        assert outcome.value == "not_running" and len(recovered) == 1, (outcome, recovered)
+        seen = tokens()
+        while tokens() < seen + 3:  # rebuilt and running again at the source
+            await asyncio.sleep(0.005)
+        outcome, _ = await client.migrate("r1", target)
+        assert outcome.value == "migrating", outcome
+        await asyncio.wait_for(task, 60)
+        return items
+
+    try:
+        items = asyncio.run(scenario())
+        assert items[-1]["finish_reason"] == "length", items[-1]
+        assert sum(len(i.get("token_ids", [])) for i in items) == 60
+        for loop in loops:
+            deadline = time.monotonic() + 10
+            while not loop.is_idle_clean():
+                assert time.monotonic() < deadline, f"{loop.engine.counts()}"
+                time.sleep(0.01)
+    finally:
+        for loop in loops:
+            loop.shutdown()

@@ -161,7 +161,7 @@ class EngineLoop:
         return outs
 
     def _guarded(self, work: Callable[[], T]) -> T | None:
-        """`work()` (a step, or the checks between steps, which call the ranks too), or None when
+        """`work()` (a step, the checks between steps, an export: they call the ranks), or None when
         it failed: a rank that failed is recovered (`on_rank_failure`: ranks replaced, requests
         rebuilt); any other error is logged and treated alike (an engine bug must neither wedge
         every stream nor end this thread). A recovery that fails too gives up (`_give_up`)."""
@@ -444,7 +444,8 @@ class EngineLoop:
             req = self.engine.requests.get(request_id)
             if req is None or request_id not in self.streams or req.state != State.RUNNING:
                 return False
-            exported = self.engine.export_running(request_id)
+            # a rank lost during the export is recovered now, as in a step (the request is rebuilt)
+            exported = self._guarded(lambda: self.engine.export_running(request_id))
             if exported is None:
                 return False
             # tokens the export's sync committed go out first: the stream ends with the hand-off
