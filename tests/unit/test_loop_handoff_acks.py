@@ -128,3 +128,39 @@ def test_a_rank_lost_during_a_migrations_export_is_recovered_and_the_request_can
     finally:
         for loop in loops:
             loop.shutdown()
+
+
+def test_an_acknowledgement_that_raises_does_not_end_the_loop_thread():
+    """An acknowledgement queued by `release_soon` is applied when the loop opens the queued
+    streams, outside the guard around steps: an error in freeing the offer (an engine bug) ended
+    the loop thread, and every later request of the replica waited forever."""
+    loop = EngineLoop(make_engine(tiny_model(HYBRID)), "ack-raises")
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    last: dict[str, dict] = {}
+    try:
+        _offer(loop, "m0")
+        release, raised = loop.engine.release_handoff, []
+
+        def release_with_a_bug(rid):
+            loop.engine.release_handoff = release  # once
+            raised.append(rid)
+            raise RuntimeError("a bug in freeing an offer")
+        loop.engine.release_handoff = release_with_a_bug
+        loop.release_soon("m0")
+        deadline = time.monotonic() + 10
+        while not raised:
+            assert time.monotonic() < deadline, "the acknowledgement was never applied"
+            time.sleep(0.01)
+        sink = Sink(lambda batch: [last.__setitem__(rid, item) for rid, item in batch if item["finished"]], aloop)
+        loop.submit("after", [1, 2, 3, 4, 5], {"max_tokens": 3, "ignore_eos": True}, sink)
+        deadline = time.monotonic() + 10
+        while "after" not in last:
+            assert time.monotonic() < deadline, f"the next request never ended (loop thread alive: {loop.thread.is_alive()})"
+            time.sleep(0.01)
+        assert last["after"]["finish_reason"] == "length", last["after"]
+        assert "a bug in freeing an offer" in loop.last_error
+    finally:
+        aloop.call_soon_threadsafe(aloop.stop)
+        loop.shutdown()
+    assert_idle_clean(loop.engine)

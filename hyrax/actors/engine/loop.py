@@ -161,7 +161,7 @@ class EngineLoop:
         return outs
 
     def _guarded(self, work: Callable[[], T]) -> T | None:
-        """`work()` (a step, the checks between steps, an export: they call the ranks), or None when
+        """`work()` (a step, the checks between steps, an export, an acknowledgement), or None when
         it failed: a rank that failed is recovered (`on_rank_failure`: ranks replaced, requests
         rebuilt); any other error is logged and treated alike (an engine bug must neither wedge
         every stream nor end this thread). A recovery that fails too gives up (`_give_up`)."""
@@ -340,7 +340,7 @@ class EngineLoop:
         while self._opening:
             request_id, sink, admit = self._opening.popleft()
             if sink is None:  # an acknowledgement queued by `release_soon`, not a stream
-                admit()
+                self._guarded(admit)  # an error freeing the offer must not end the loop thread
                 continue
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
