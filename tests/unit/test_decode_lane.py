@@ -228,3 +228,26 @@ def test_a_lane_row_opens_its_next_page_without_a_view(overlap):
     assert len(views) >= 16 and sum(views) == 0, views
     ref, _ = _run(make_engine(model, **config), prompts, params, lane=False)
     assert [engine.finished_requests[i].output_ids for i in ids] == ref
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_whose_indices_are_a_plain_mapping_decode_on_off_the_lane(overlap):
+    """Indices that are not an IndexTable (a plain dict: made by hand, or rebuilt by a path
+    that forgot the type) have no snapshot to carry a lane row with; a request that opens a page
+    with them must not fail the step (AttributeError on `snapshot`): its row leaves the lane
+    and the general path plans it. The tokens are a run's without the lane."""
+    model = tiny_model(HYBRID)
+    config = dict(page_size=8, prefix_cache=False, overlap=overlap)
+    prompts = make_prompts(4, seed=5, lo=3, hi=12)
+    engine = make_engine(model, **config)
+    ids = [engine.add_request(p, greedy(30)) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    for r in engine.running:
+        r.indices = dict(r.indices)
+    while engine.has_unfinished() or engine.has_inflight():
+        engine.step()
+        engine.check_invariants()
+    assert_idle_clean(engine)
+    ref, _ = _run(make_engine(model, **config), prompts, [greedy(30)] * len(prompts), lane=False)
+    assert [engine.finished_requests[i].output_ids for i in ids] == ref

@@ -205,13 +205,13 @@ class Engine:
             self.caching.attach(self.waiting[:max(max_running - len(self.running), 0)])
         else:  # a retracted request goes first: prefixes waiting requests matched must not keep its restore from room
             self._unlock_queued_hits()
-        lane, lane_ids = self.lane.take(self.inflight.plan, self._committed_step)
+        lane, lane_reqs = self.lane.take(self.inflight.plan, self._committed_step)
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
-                self.config.max_batch_tokens, admit_new, self.reserve_ratio, lane, lane_ids, bool(self.table.offered)))
+                self.config.max_batch_tokens, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered)))
             if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
-                lane, lane_ids = None, frozenset()
+                lane, lane_reqs = None, ()
                 continue
             if got.short and self.caching.evict(got.short):
                 # cached prefixes go before any request is retracted or kept waiting; their units

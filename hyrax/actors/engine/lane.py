@@ -61,6 +61,13 @@ class Joiner(NamedTuple):
     stops: bool  # the request has stop token ids or stop strings
 
 
+def _snapshot_of(req: Request) -> IndexSnapshot:
+    """The snapshot of `req`'s indices as they are now; indices that are not an IndexTable (made
+    by hand) give a copy no later snapshot is, so that next step the row leaves the lane."""
+    idx = req.indices
+    return idx.snapshot() if type(idx) is IndexTable else IndexSnapshot(idx)
+
+
 def steady_lane_entry(e: PlanEntry) -> bool:
     """Whether an entry the general path made as a steady decode may join the lane: its sampling
     reads no token history (no penalties, bias, min_tokens or grammar), so advancing it needs
@@ -160,20 +167,20 @@ class DecodeLane:
         if rows is not None and rows.openers:  # their new pages are claimed: carried on with those indices
             snaps = list(rows.snaps)
             for k in rows.openers:
-                snaps[k] = reqs[k].indices.snapshot()
+                snaps[k] = _snapshot_of(reqs[k])
             rows = LaneRows(rows.block, tuple(snaps))
         if joiners:
             joined = list(map(requests.__getitem__, (j.entry.req_id for j in joiners)))
             more = LaneRows(block_of([j.entry for j in joiners], [j.max_tokens for j in joiners],
                                      [j.stops for j in joiners], self.page_size, self.checkpoint_every),
-                            tuple(j.snap if j.snap is not None else r.indices.snapshot()
+                            tuple(j.snap if j.snap is not None else _snapshot_of(r)
                                   for j, r in zip(joiners, joined)))
             reqs = reqs + joined
             rows = more if rows is None else LaneRows(concat(rows.block, more.block), rows.snaps + more.snaps)
         self._step, self._rows, self._reqs = plan.step, rows, reqs
 
-    def take(self, in_flight: StepPlan | None, committed_step: int | None) -> tuple[LaneRows | None, set[int]]:
-        """The rows for the next step, advanced, and the `id()`s of their requests (the view
+    def take(self, in_flight: StepPlan | None, committed_step: int | None) -> tuple[LaneRows | None, Sequence[Request]]:
+        """The rows for the next step, advanced, and their requests in row order (the view
         leaves those out); None when the lane's plan is neither the step in flight nor the last
         committed one. Reads two fields of each request; no per-request Python step when
         nothing changed. Left out: rows whose request changed, and rows with no step left
@@ -183,9 +190,9 @@ class DecodeLane:
         self.clear()
         self._taken = []
         if step is None or rows is None:
-            return None, set()
+            return None, ()
         if (in_flight.step if in_flight is not None else committed_step) != step:
-            return None, set()
+            return None, ()
         try:
             same = all(map(is_, map(_state, reqs), [State.RUNNING] * len(reqs))) and all(
                 map(is_, map(_snap, reqs), rows.snaps))
@@ -217,10 +224,9 @@ class DecodeLane:
                 at = {k: i for i, k in enumerate(ks)}
                 opening = [at[k] for k in opening if k in at]
         if not reqs:
-            return None, set()
+            return None, ()
         self._taken = reqs
-        return (LaneRows(block, snaps, tuple(opening), tuple(reqs[k].arrival for k in opening)),
-                set(map(id, reqs)))
+        return LaneRows(block, snaps, tuple(opening), tuple(reqs[k].arrival for k in opening)), reqs
 
     def _opening(self, block: DecodeBlock, ok: np.ndarray) -> tuple[DecodeBlock, list[int]]:
         """(`block` with the rows that open a page given their steps left from there, those

@@ -145,12 +145,15 @@ def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
 
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
                in_flight: StepPlan | None, max_running: int, max_units: int, admit_new: bool,
-               reserve_ratio: float, lane: LaneRows | None = None, lane_ids: set[int] | frozenset = frozenset(),
+               reserve_ratio: float, lane: LaneRows | None = None, lane_reqs: Sequence[Request] = (),
                offers_held: bool = False) -> SchedulerView:
     """A snapshot of the request table and the allocators. `max_units`: the most units one step
     can take from a pool (a prefix of each free list that long is enough). `lane`: rows of
-    running requests planned without a view; `lane_ids`, the `id()`s of those requests."""
-    rest = [r for r in running if id(r) not in lane_ids] if lane_ids else running  # the lane's have no view
+    running requests planned without a view; `lane_reqs`, those requests (running, each once)."""
+    rest = running  # the lane's requests have no view; when the lane holds every running request, none has
+    if lane_reqs:
+        lane_ids = set(map(id, lane_reqs)) if len(lane_reqs) < len(running) else None
+        rest = [r for r in running if id(r) not in lane_ids] if lane_ids is not None else []
     ahead = {}
     if in_flight is not None and rest:
         ahead = {e.req_id: (e.start + len(e.token_ids), e.sample is not None) for e in in_flight.entries}
