@@ -147,7 +147,7 @@ class ReplicaFeed:
                 batch = await ref
                 self.messages += 1
                 self.fanout.dispatch(batch)
-            end: object = error_item("the replica's feed ended")
+            end: object = error_item("the replica's feed ended", 503)  # the server's side: retry elsewhere
         except asyncio.CancelledError:  # this side is done (its event loop is closing): so is the
             self.ended = True            # feed on the replica, which would otherwise wait on it forever
             try:
@@ -159,7 +159,7 @@ class ReplicaFeed:
             end = LOST
         except Exception as e:  # noqa: BLE001 - every stream of this feed must end, whatever happened
             logging.getLogger("hyrax.gateway").exception("a replica's feed failed")
-            end = error_item(f"the replica's feed failed: {type(e).__name__}: {e}")
+            end = error_item(f"the replica's feed failed: {type(e).__name__}: {e}", 503)
         self.ended = True
         self.fanout.broadcast(end)
 

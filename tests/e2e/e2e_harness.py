@@ -226,7 +226,9 @@ async def _retract_randomly(http: httpx.AsyncClient, url: str, done: asyncio.Eve
             continue
         r = await http.get(f"{url}/admin/requests", headers=ADMIN)
         assert r.status_code == 200, r.text
-        running = [q["id"] for q in r.json()["requests"] if q["state"] == "running"]
+        # each id once: a request in the middle of a hand-off is listed by both replicas, and an
+        # id named twice is refused
+        running = list(dict.fromkeys(q["id"] for q in r.json()["requests"] if q["state"] == "running"))
         if running:
             mode, hold = RETRACTIONS[turn % len(RETRACTIONS)]
             victims = rng.sample(running, min(len(running), rng.randint(1, 4)))
