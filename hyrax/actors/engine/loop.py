@@ -260,9 +260,25 @@ class EngineLoop:
                 batches.setdefault(sink, []).append(last)
                 if is_last(item):
                     self._end(streams, sink, rid)
-        for sink, batch in batches.items():
-            sink.post(batch)
-        self.batches_posted += len(batches)
+        gone = [sink for sink, batch in batches.items() if not sink.post(batch)]
+        self.batches_posted += len(batches) - len(gone)
+        for sink in gone:
+            self._drop_consumer(sink)
+
+    def _drop_consumer(self, sink: Sink) -> None:
+        """Under the lock: a consumer whose event loop closed with streams still open (an
+        in-process caller that never finalised them): its requests are aborted, as streams
+        abandoned one by one are."""
+        rids = [rid for rid, s in self.streams.items() if s is sink]
+        log.warning("a consumer's event loop closed with %d streams open: aborting them", len(rids))
+        for rid in rids:
+            del self.streams[rid]
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+            self.engine.finished_requests.pop(rid, None)
+        self._local.pop(sink.aloop, None)
+        if rids:
+            self._deliver(self.engine.step_outputs_flush())
 
     @staticmethod
     def _end(streams: dict, sink: Sink, rid: str) -> None:

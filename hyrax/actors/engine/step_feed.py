@@ -39,9 +39,16 @@ class Sink:
         self.deliver, self.on_end = deliver, on_end
         self.posted = 0  # batches posted: the messages this consumer was sent
 
-    def post(self, batch: Batch) -> None:
+    def post(self, batch: Batch) -> bool:
+        """False when the consumer's event loop is closed: nobody reads its streams any more."""
+        try:
+            self.aloop.call_soon_threadsafe(self.deliver, batch)
+        except RuntimeError:
+            if not self.aloop.is_closed():
+                raise
+            return False
         self.posted += 1
-        self.aloop.call_soon_threadsafe(self.deliver, batch)
+        return True
 
 
 class Fanout:
