@@ -154,12 +154,18 @@ class World:
 
 def cached_prefixes(cache) -> set[tuple[int, ...]]:
     """The token prefixes the tree holds a checkpoint for."""
-    out = set()
+    return {p for n, p in _prefixes(cache) if n.checkpoint is not None}
+
+
+def node_ends(cache) -> set[tuple[int, ...]]:
+    """The token prefixes a node of the tree ends on (checkpoints and split points)."""
+    return {p for _, p in _prefixes(cache)}
+
+
+def _prefixes(cache):
     for n in cache.nodes():
-        if n.checkpoint is not None:
-            keys, a = [], n
-            while a is not cache.root:
-                keys.append(a.key)
-                a = a.parent
-            out.add(tuple(t for k in reversed(keys) for t in k))
-    return out
+        keys, a = [], n
+        while a is not cache.root:
+            keys.append(a.key)
+            a = a.parent
+        yield n, tuple(t for k in reversed(keys) for t in k)

@@ -1,11 +1,12 @@
-"""Random insert / match / lock / unlock / evict sequences against a reference model (a set of
-cached prefixes), with real IndexAllocators; every pool ends at its baseline."""
+"""Random insert / match / lock / unlock / evict sequences against a reference model (the cached
+prefixes and where the tree's nodes end), with real IndexAllocators; every pool ends at its
+baseline."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache_world import World, cached_prefixes
+from prefix_cache_world import World, cached_prefixes, node_ends
 
 STEMS = (tuple(range(10, 30)), tuple(range(10, 22)) + (1,) * 8, (5,) * 20)
 
@@ -26,20 +27,54 @@ def expected_hit(reference: set, q: tuple) -> int:
     return max((len(p) for p in reference if len(p) <= len(q) and q[:len(p)] == p), default=0)
 
 
-# Two topologies random sequences rarely reach, pinned: a query that fully covers a split point
-# without a checkpoint (a hit must stop at the checkpoint above it), and a branch whose window
-# rows reach into an ancestor no remaining checkpoint needs (evicting it must free them).
+def common(a: tuple, b: tuple, ps: int) -> int:
+    """Length of the common prefix of a and b, in whole pages."""
+    k = 0
+    while k + ps <= min(len(a), len(b)) and a[k:k + ps] == b[k:k + ps]:
+        k += ps
+    return k
+
+
+def inserted(reference: set, ends: set, ids: tuple, hit: int, cuts: list[int], ps: int) -> tuple[list[int], set]:
+    """The checkpoint positions of `cuts` (all after the run's hit) its insert caches, and the
+    node ends the tree gains. The run reads the tree's pages only up to its hit and computed the
+    rest in pages of its own; it locks the node of its insert, and with it the path above, so it
+    goes through the tree's other copies only on the edge that starts at its hit (up to where it
+    leaves that edge, or its first checkpoint on it), never through a cached checkpoint, and with
+    no hit not at all (docs/prefix-cache.md). Elsewhere it caches nothing: hanging a checkpoint
+    there would pin pages it never reads for as long as it runs."""
+    reach = max((common(e, ids, ps) for e in ends), default=0)  # how far the tree holds ids
+    if reach == hit:
+        taken = cuts  # a branch of its own pages
+    else:
+        edge = min(len(e) for e in ends if len(e) > hit and e[:hit + ps] == ids[:hit + ps])
+        stop = min(reach, cuts[0])  # where it leaves the edge, or checkpoints on it
+        if not hit or stop > edge or (stop == edge and ids[:edge] in reference):
+            return [], set()
+        taken = cuts if cuts[0] >= reach else cuts[:1]  # a cut short of reach: the rest is on its copy
+        cuts = [stop, *taken]  # a split where it leaves the edge or checkpoints on it
+    return taken, {ids[:p] for p in cuts}
+
+
+# Three topologies random sequences rarely reach, pinned: a query that fully covers a split point
+# without a checkpoint (a hit must stop at the checkpoint above it); a branch whose window rows
+# reach into an ancestor no remaining checkpoint needs (evicting it must free them); and a prompt
+# ending inside a cached edge with no hit (its checkpoint there is not cached: the tree holds those
+# pages in another request's copy, which it would pin; a repeat of it hits nothing).
 SPLIT = STEMS[0][:20] + (0,), STEMS[0][:12] + (1,) * 9
 REACH = tuple(range(300, 333)), tuple(range(300, 324)) + (1,) * 5
+INSIDE = STEMS[0][:4] + (0,)
 
 
 @example(ops=[("run", SPLIT[0]), ("run", SPLIT[1]), ("match", STEMS[0][:14])], window=10, interval=8)
 @example(ops=[("run", REACH[0]), ("run", REACH[1]), ("finish", 1), ("evict", "swa_kv", 1)], window=10, interval=16)
+@example(ops=[("run", STEMS[0][:7] + (0,)), ("run", INSIDE), ("run", INSIDE)], window=3, interval=8)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, window=st.sampled_from([3, 10, 17]), interval=st.sampled_from([4, 8, 12]))
 def test_random_sequences_match_the_reference_and_return_every_pool_to_baseline(ops, window, interval):
     w = World(page_size=4, interval=interval, window=window, pages=40, ckpt_slots=24)
-    reference: set[tuple[int, ...]] = set()
+    reference: set[tuple[int, ...]] = set()  # cached prefixes (a checkpoint at their end)
+    ends: set[tuple[int, ...]] = set()  # where the tree's nodes end: those and its split points
     running: list[str] = []
     seen: list[tuple[int, ...]] = []
     for k, op in enumerate(ops):
@@ -52,7 +87,11 @@ def test_random_sequences_match_the_reference_and_return_every_pool_to_baseline(
             assert h.hit == expect
             running.append(f"r{k}")
             seen.append(ids)
-            reference |= {ids[:p] for p in range(w.ps, len(ids) + 1, w.ps) if w.policy.is_boundary(p, len(ids))}
+            cuts = [p for p in range(expect + w.ps, len(ids) + 1, w.ps) if w.policy.is_boundary(p, len(ids))]
+            if cuts:
+                taken, grown = inserted(reference, ends, ids, expect, cuts, w.ps)
+                reference |= {ids[:p] for p in taken}
+                ends |= grown
         elif op[0] == "finish" and running:
             w.finish(running.pop(op[1] % len(running)))
         elif op[0] in ("match", "match_seen"):
@@ -76,7 +115,7 @@ def test_random_sequences_match_the_reference_and_return_every_pool_to_baseline(
                 assert all(h.ids[:n.end] in left for n in h.locked)
             if need is None or any(len(freed.get(p, ())) < n for p, n in need.items()):
                 assert all(n.ref > 0 for n in w.cache.nodes() if not n.children), "an evictable leaf was left"
-            reference = left
+            reference, ends = left, node_ends(w.cache)
         w.check()
     for rid in running:
         w.finish(rid)

@@ -400,3 +400,26 @@ def test_a_request_that_hit_nothing_never_pins_an_edge_others_computed():
         outs.append([engine.finished_requests[i].output_ids for i in ids])
         assert_idle_clean(engine)
     assert outs[1] == outs[0]
+
+
+def test_a_prompt_ending_inside_an_edge_others_computed_never_pins_it():
+    """a's 8 tokens are cached as one edge with its checkpoint at 8. b is a's first page and one
+    more token: it hits nothing (no checkpoint at 4), prefills page 0 in a page of its own, and
+    its checkpoint at 4 falls inside a's edge. Caching it there would split the edge and lock a's
+    page 0, which b never reads, for as long as b runs: b's 64 tokens fill the pool, and with
+    that page pinned it ended with "length" at 56 of them (so a repeat of b hits nothing while
+    a's edge is cached: the price of never pinning another request's pages)."""
+    rng = random.Random(41)
+    p = [rng.randrange(VOCAB) for _ in range(7)]
+    a, b = p + [0], p[:4] + [1]
+    kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL)
+    outs = []
+    for cache in (False, True):
+        engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, **kw)
+        ids = [engine.add_request(a, greedy(1))]
+        _steps_until_done(engine)
+        ids.append(engine.add_request(b, greedy(59, ignore_eos=True)))  # 5 + 59 tokens: the pool's 16 pages
+        _steps_until_done(engine)
+        outs.append([engine.finished_requests[i].output_ids for i in ids])
+        assert_idle_clean(engine)
+    assert [len(o) for o in outs[1]] == [1, 59] and outs[1] == outs[0]
