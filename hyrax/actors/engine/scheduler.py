@@ -329,7 +329,7 @@ class Scheduler:
                 # rather than through one more step on the general path
                 joiners.append(Joiner(e, None, r.params.max_tokens, bool(r.params.stop or r.params.stop_token_ids)))
         tables = {}
-        if opened:
+        if opened and self.paged:  # no paged component: a page start takes nothing (no grant, as an entry's)
             lane, tables = self._opened(lane, opened, grants)
         zero = {c.name: tuple(grants[r.id][c.name][0] for r in admitted) for c in self.slotted}
         plan = StepPlan(view.step, tuple(entries), zero, self.config.deterministic,
