@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hyrax import __version__
@@ -110,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit, so that a reader that went away is caught below
+        return code
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # another pipe of the command's own (a bug to see), not its reader
+        return _reader_gone()
     except HyraxInputError as e:
         print(f"hyrax: error: {e}", file=sys.stderr)
         return 2
@@ -119,6 +126,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader closed it (poll reports an error on it)."""
+    import select
+
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reader_gone() -> int:
+    """stdout's reader went away (`hyrax admin pools | head -1`): stop quietly, as a command that
+    SIGPIPE ended would (Python ignores SIGPIPE, so a write raises instead). stdout now points at
+    /dev/null, so the interpreter's own flush at exit finds nothing to fail on."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":
