@@ -33,7 +33,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if address:
         check_reachable(address)
         _init_or_fail(f"joining the Ray cluster at {address} failed", address=address, namespace="hyrax",
-                      log_to_driver=not quiet)
+                      log_to_driver=not quiet, hint=_auth_hint())
         return False
     # address="local": always a new cluster of our own, never one that Ray finds by itself
     # (a stale /tmp/ray/ray_current_cluster, another user's cluster)
@@ -43,9 +43,23 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     return True
 
 
-def _init_or_fail(what: str, **kwargs) -> None:
+def _auth_hint() -> str:
+    """What a failed join adds to its error while this driver sends no Ray token: Ray turns token
+    authentication on for the cluster a local `hyrax serve` starts, and for `ray start --head`
+    wherever ~/.ray/auth_token exists, but a driver joining an explicit address sends its token
+    only under RAY_AUTH_MODE=token (Ray's rule: no token goes to an address unasked), and the join
+    then fails with nothing but "Failed to connect"."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return ""
+    return ("; if the cluster uses Ray's token authentication (`hyrax serve` starts its local cluster with it, "
+            "and `ray start --head` where ~/.ray/auth_token exists), set RAY_AUTH_MODE=token: Ray then sends "
+            "the token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token")
+
+
+def _init_or_fail(what: str, hint: str = "", **kwargs) -> None:
     """`ray.init(**kwargs)`; Ray's own exceptions (a node that timed out starting on a loaded
-    machine, a cluster that went away) become one StartupFailure line, not a traceback."""
+    machine, a cluster that went away) become one StartupFailure line, not a traceback, with
+    `hint` after Ray's message."""
     import ray
 
     try:
@@ -54,7 +68,7 @@ def _init_or_fail(what: str, **kwargs) -> None:
         if ray.is_initialized():
             ray.shutdown()
         last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise StartupFailure(f"{what}: {last}") from None
+        raise StartupFailure(f"{what}: {last}{hint}") from None
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:

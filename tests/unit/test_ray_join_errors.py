@@ -39,3 +39,30 @@ def test_serve_joining_nothing_fails_in_seconds_with_one_error_line():
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("hyrax: error:")]
     assert len(errors) == 1 and "no Ray cluster answers" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("mode,hinted", [(None, True), ("disabled", True), ("token", False)])
+def test_a_failed_join_names_ray_token_authentication_unless_it_is_on(monkeypatch, mode, hinted):
+    """Ray turns token authentication on for a local `hyrax serve`'s cluster, and for `ray start
+    --head` wherever ~/.ray/auth_token exists, but a driver joining an explicit address sends no
+    token unless RAY_AUTH_MODE=token: the join then fails after ~20 s of GCS warnings with only
+    "Failed to connect to Ray cluster". The error says what to set."""
+    import ray
+
+    from hyrax.cluster import ray_cluster
+
+    def refused(**kw):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kw['address']}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refused)
+    monkeypatch.setattr(ray_cluster, "check_reachable", lambda address: None)
+    if mode is None:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    else:
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+    with pytest.raises(StartupFailure) as e:
+        ray_cluster.init_ray(address="127.0.0.1:6379")
+    msg = str(e.value)
+    assert msg.startswith("joining the Ray cluster at 127.0.0.1:6379 failed: Failed to connect"), msg
+    assert ("RAY_AUTH_MODE=token" in msg) == hinted, msg
