@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                         f"a server started while another held that file wrote {DEFAULT_TOKEN_FILE.name}.<port> "
                         f"beside it (<port>: its --port; its banner names the file): pass that file here")
     acts = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    acts.add_parser("requests", help="list requests with state, indices and checksums")
+    acts.add_parser("requests", help="list requests with state and indices (a retracted one: its backup, with checksums)")
     acts.add_parser("pools", help="pool usage per replica and component")
     r = acts.add_parser("retract", help="retract requests")
     sel = r.add_mutually_exclusive_group(required=True)
