@@ -115,6 +115,16 @@ def local_num_cpus(needed: int, requested: int | None) -> tuple[int, str | None]
     return num, note
 
 
+def cluster_address() -> str | None:
+    """The address another process joins this Ray cluster at (`--address`), or None."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address or None
+    except Exception:  # noqa: BLE001 - best effort, only for printing
+        return None
+
+
 def dashboard_url() -> str | None:
     import ray
 

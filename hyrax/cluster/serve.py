@@ -359,7 +359,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, roles, name) -> int:
-    from hyrax.cluster.ray_cluster import dashboard_url, init_ray, prepare_env
+    from hyrax.cluster.ray_cluster import cluster_address, dashboard_url, init_ray, prepare_env
 
     prepare_env(a.address)  # before the imports below import ray
     from hyrax.api.app import GatewaySettings, create_app
@@ -398,6 +398,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
               f"  live dashboard  {base}/dashboard\n"
               f"  metrics         {base}/metrics\n"
               f"  Ray dashboard   {dashboard_url() or 'n/a'}\n"
+              f"  Ray cluster     {cluster_address() or 'n/a'} (--address for hyrax serve --attach)\n"
               f"  admin token     {token.where}", file=sys.stderr, flush=True)
         server = GatewayServer(app, client, a.grace_period, log_level="warning")
         heap.settle()  # what the gateway keeps for its life: later collections skip it (heap.py)

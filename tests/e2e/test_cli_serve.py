@@ -12,6 +12,7 @@ one failure does not hide the others.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,15 @@ def test_local_serve_listens_on_loopback_only_ray_and_collective_group_included(
     assert len({pid for pid, _, _ in rank_socks}) == 3, socks  # every rank was seen
     wrong = [(s, served["commands"][s[0]]) for s in socks if s[1] != "127.0.0.1"]
     assert not wrong, f"listening beyond 127.0.0.1: {wrong}"
+
+
+def test_the_banner_names_the_ray_clusters_address_to_attach_to(served):
+    """`hyrax serve --address ADDR --attach` needs the local cluster's address, on a port Ray
+    picks: the banner prints it (a loopback address one of the server's processes listens on)."""
+    m = re.search(r"Ray cluster\s+([0-9.]+):(\d+) ", served["banner"])
+    assert m is not None, served["banner"][-2000:]
+    assert m.group(1) == "127.0.0.1"
+    assert int(m.group(2)) in {port for _, _, port in served["listening"]}, served["listening"]
 
 
 def test_local_cluster_gets_one_logical_cpu_per_rank(served):
