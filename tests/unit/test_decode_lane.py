@@ -39,9 +39,9 @@ class LaneCheck:
 
     def _compare(self, view, got, inner) -> None:
         e = self.engine
+        listed = max((len(p.next) for p in view.free.values()), default=0)  # as long free lists as the view's
         full = inner(build_view(view.step, e.running, e.waiting, e.alloc, e.inflight.plan,
-                                e.scheduler.config.max_running, e.config.max_batch_tokens, view.admit_new,
-                                view.reserve_ratio))
+                                e.scheduler.config.max_running, listed, view.admit_new, view.reserve_ratio))
         self.checked += 1
         if isinstance(got, NeedRoom):
             if not got.widen and got != full:

@@ -205,3 +205,21 @@ def test_an_admission_before_a_running_chunk_leaves_that_chunk_its_pages():
 def test_prefill_order_values_are_checked():
     with pytest.raises(HyraxInputError, match="prefill-order must be one of shortest, fcfs, got 'lifo'"):
         dataclasses.replace(CONFIG, prefill_order="lifo")
+
+
+def test_a_hit_taking_more_units_than_the_view_lists_asks_for_a_longer_list():
+    """A prefix-cache hit at 16 holds its full-attention pages; besides its chunk's pages (16..23:
+    pages 4, 5) it takes the page holding its window's live rows (12..15: page 3), which the hit's
+    copies fill. The view lists 2 free units per pool (of 64 free): the scheduler asks for 3
+    instead of taking past the list (it raised), and plans the step from a view listing 3."""
+    hit = req("hit", 24, computed=16)._replace(indices={"full_kv": (100, 101, 102, 103)})
+
+    def listing(n: int) -> SchedulerView:
+        return SchedulerView(step=1, running=(), waiting=(hit,),
+                             free={c.name: FreePool(64, tuple(range(n))) for c in COMPS})
+
+    assert schedule(listing(2)) == NeedRoom(listed=3)
+    got = schedule(listing(3))
+    assert isinstance(got, Scheduled) and got.admitted == ("hit",)
+    assert got.grants["hit"]["swa_kv"] == (0, 1, 2) and got.grants["hit"]["full_kv"] == (0, 1)
+    assert got.plan.entries[0].page_tables["swa_kv"] == (-1, -1, -1, 0, 1, 2)

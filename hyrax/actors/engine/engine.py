@@ -206,12 +206,16 @@ class Engine:
         else:  # a retracted request goes first: prefixes waiting requests matched must not keep its restore from room
             self._unlock_queued_hits()
         lane, lane_reqs = self.lane.take(self.inflight.plan, self._committed_step)
+        listed = self.config.max_batch_tokens  # free units the view lists per pool: a step's tokens' pages
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
-                self.config.max_batch_tokens, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered)))
+                listed, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered)))
             if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
                 lane, lane_reqs = None, ()
+                continue
+            if isinstance(got, NeedRoom) and got.listed:  # hits' window pages too: a longer free list
+                listed = max(got.listed, 2 * listed)
                 continue
             if got.short and self.caching.evict(got.short):
                 # cached prefixes go before any request is retracted or kept waiting; their units

@@ -51,6 +51,9 @@ class NeedRoom:
     hopeless: tuple[str, ...] = ()  # running alone and still no room: finish with "length"
     short: Mapping[str, int] = field(default_factory=dict)  # what the request that did not fit lacked
     widen: bool = False  # room must be made, and victims are chosen among views: ask again without a lane
+    # the step takes more units of a pool than the view lists (a prefix-cache hit's window pages
+    # come on top of its chunk's): ask again with this many of each pool's free units listed
+    listed: int = 0
 
 
 class _Pools:
@@ -66,6 +69,12 @@ class _Pools:
 
     def short(self, need: Mapping[str, int]) -> dict[str, int]:
         return {name: n - self.count[name] for name, n in need.items() if n > self.count[name]}
+
+    def unlisted(self, need: Mapping[str, int]) -> int:
+        """0 if the view lists the units `need` takes next; else how many units of each pool a
+        view must list for this pass to take them (those taken already included)."""
+        return max((self.taken[name] + n for name, n in need.items() if self.taken[name] + n > len(self.next[name])),
+                   default=0)
 
     def take(self, name: str, n: int) -> tuple[int, ...]:
         k = self.taken[name]
@@ -261,6 +270,8 @@ class Scheduler:
                 need = dict.fromkeys(self.paged_names, 1)
                 if not pools.fits(need):
                     return NeedRoom(widen=True)
+                if unlisted := pools.unlisted(need):
+                    return NeedRoom(listed=unlisted)
                 opened[r.row] = tuple(pools.take(name, 1)[0] for name in self.paged_names)
                 continue
             if waiting:
@@ -283,6 +294,8 @@ class Scheduler:
                 if not self._reserve_ok([*view.running, *admitted], need, pools, view.reserve_ratio, lane):
                     admitting = False
                     continue
+                if unlisted := pools.unlisted(need):
+                    return NeedRoom(listed=unlisted)
                 slots = {c.name: pools.take(c.name, 1) for c in self.slotted}
                 entries.append(self._entry(r, n, add, slots, pools, grants))
                 admitted.append(r)
@@ -319,6 +332,8 @@ class Scheduler:
                     return NeedRoom(hopeless=(r.id,), short=lack)
                 short = short or lack
                 continue
+            if need and (unlisted := pools.unlisted(need)):
+                return NeedRoom(listed=unlisted)
             e = self._entry(r, n, add, {}, pools, grants)
             entries.append(e)
             planned.add(r.id)

@@ -107,7 +107,8 @@ class RequestView(NamedTuple):
 @dataclass(frozen=True)
 class FreePool:
     count: int  # free units
-    next: tuple[int, ...]  # the units allocation hands out next, in that order (a prefix of them)
+    next: tuple[int, ...]  # the units allocation hands out next, in that order (a prefix of them: the scheduler
+    # asks for a longer one, `NeedRoom.listed`, when a step takes more)
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,10 @@ def build_view(step: int, running: list[Request], waiting: list[Request], alloc:
                in_flight: StepPlan | None, max_running: int, max_units: int, admit_new: bool,
                reserve_ratio: float, lane: LaneRows | None = None, lane_reqs: Sequence[Request] = (),
                offers_held: bool = False) -> SchedulerView:
-    """A snapshot of the request table and the allocators. `max_units`: the most units one step
-    can take from a pool (a prefix of each free list that long is enough). `lane`: rows of
+    """A snapshot of the request table and the allocators. `max_units`: how many of each pool's
+    free units to list, in the order allocation hands them out (a step's tokens need at most
+    one page each; a prefix-cache hit's window pages come on top: a step that takes more than
+    is listed asks again, `NeedRoom.listed`). `lane`: rows of
     running requests planned without a view; `lane_reqs`, those requests (running, each once)."""
     rest = running  # the lane's requests have no view; when the lane holds every running request, none has
     if lane_reqs:
