@@ -97,6 +97,18 @@ def test_a_request_migrated_away_and_back_is_imported_after_its_first_offer_is_r
     assert_idle_clean(away)
 
 
+def _method_globals(fn) -> dict:
+    """The globals of an actor class's method: under Ray's tracing wrapper (which keeps the
+    method in its closure), the method's own."""
+    while True:
+        inner = getattr(fn, "__wrapped__", None) or next(
+            (c.cell_contents for c in (fn.__closure__ or ()) if callable(c.cell_contents)
+             and getattr(c.cell_contents, "__name__", None) == fn.__name__), None)
+        if inner is None:
+            return fn.__globals__
+        fn = inner
+
+
 class _Cluster:
     """Just enough of Ray for `_start_ranks`: named rank actors (a name is taken while its actor
     lives, as in Ray), calls that answer at once, and a setup that fails while `failing`."""
@@ -134,6 +146,9 @@ class _Cluster:
                 raise r
         return refs
 
+    def cluster_resources(self) -> dict:
+        return {"CPU": 2.0}  # no GPU
+
     def _kill(self, actor, no_restart=True):
         if self.live.get(actor.name) is actor:
             del self.live[actor.name]
@@ -144,12 +159,13 @@ def test_ranks_that_failed_to_start_are_stopped_and_the_next_restart_can_take_th
     out, a rank that raised) left those ranks running: they kept their actor names and their
     placement group bundles, so every later restart failed at once ('name already taken'), and
     the replica gave up, though the next try could have started."""
-    from hyrax.actors import coordinator as module
-
     cluster = _Cluster()
-    monkeypatch.setattr(module, "ray", cluster)
-    monkeypatch.setattr(module, "RankWorker", cluster)
-    monkeypatch.setattr(module, "_cuda_cluster", lambda: False)
+    # the globals _start_ranks reads (the module's; a copy of them where Ray re-made the actor
+    # class in this process, which a whole-suite run does: patching the module alone missed them)
+    names = _method_globals(Coordinator._start_ranks)
+    monkeypatch.setitem(names, "ray", cluster)
+    monkeypatch.setitem(names, "RankWorker", cluster)
+    monkeypatch.setitem(names, "_cuda_cluster", lambda: False)
     coord = Coordinator.__new__(Coordinator)
     coord.role, coord.replica, coord.namespace, coord.tp_size, coord.pg = "decode", 0, "hyrax", 2, None
     coord.model_dir, coord.rank_timeout_s, coord.ranks = "model", 1.0, []
