@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine_helpers import VOCAB, assert_idle_clean, greedy, make_engine, tiny_model
 
 
@@ -44,3 +46,21 @@ def test_a_hit_whose_window_and_chunk_pages_outnumber_the_step_budget_is_planned
     assert on == off
     assert stats["hits"] == 1 and stats["hit_tokens"] == 16, stats
 
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_waiting_hits_that_lock_the_whole_window_pool_let_go_of_it(overlap):
+    """A 38-token prompt leaves 5 of the swa pool's 6 pages cached (the window's page at each
+    checkpoint: 8, 16, 24, 32 and its last whole page, 36). Two prompts sharing its 37 tokens
+    then hit at 32 and lock the path there (4 pages; the fifth is evicted): each needs 3 pages
+    of its own (its window's live rows 28..31, copied in, and its chunk 32..39), 2 are free, and
+    nothing runs to free more. They waited for good; now they let go of their hits, the cache
+    is evicted and they run without them (as with the cache off)."""
+    rng = random.Random(2)
+    prefix = [rng.randrange(VOCAB) for _ in range(37)]
+    first, *then = (prefix + [rng.randrange(VOCAB) for _ in range(k)] for k in (1, 3, 5))
+    kw = dict(layout="swa", page_size=4, swa_capacity_tokens=24, max_batch_tokens=16, prefill_chunk=8,
+              mamba_track_interval=8, overlap=overlap)
+    off, _ = _waves([[first], then], [1, 3], cache=False, **kw)
+    on, stats = _waves([[first], then], [1, 3], cache=True, **kw)
+    assert on == off
+    assert stats["checkpoints"] >= 5 and stats["evicted_units"]["swa_kv"] >= 2, stats

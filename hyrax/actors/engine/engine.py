@@ -224,6 +224,11 @@ class Engine:
                     continue
                 got = dataclasses.replace(got, pressure=True)
             if isinstance(got, Scheduled):
+                if got.short and not self.running and self.inflight.step is None and self._unlock_queued_hits():
+                    # nothing runs to free units and eviction found no more: the rest of the cache
+                    # is locked by waiting requests' hits (a hit's window takes pages of its own
+                    # besides the cached ones): let go of them, evict, and admit without
+                    continue
                 break
             self._make_room(got)
         self._pressure = got.pressure
