@@ -4,11 +4,12 @@ start running."""
 from __future__ import annotations
 
 import time
+from typing import Mapping, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.lifecycle import RequestTable
 from hyrax.actors.engine.pools import PoolSizes
-from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.engine.request import Request, SamplingParams
 from hyrax.actors.engine.scheduler import Scheduled
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import pages_needed
@@ -38,6 +39,13 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
                                   f"({sizes.units[c.name] * ps} tokens)")
 
 
+def _claimed(req: Request, grants: Mapping[str, Sequence[int]], alloc: dict[str, IndexAllocator]):
+    """`req`, once the units `grants` gives it (pool -> units) are claimed for it."""
+    for name, units in grants.items():
+        alloc[name].claim(req.id, units)
+    return req
+
+
 def claim(got: Scheduled, table: RequestTable, alloc: dict[str, IndexAllocator], stats: EngineStats) -> None:
     """The plan's units become its requests' (in the order the scheduler took them); the
     admitted requests start running."""
@@ -45,16 +53,11 @@ def claim(got: Scheduled, table: RequestTable, alloc: dict[str, IndexAllocator],
         grants = got.grants.get(e.req_id)
         if not grants:
             continue  # took nothing: its tables and slots are the view's, i.e. its own already
-        req = table.get(e.req_id)
-        for name, units in grants.items():
-            alloc[name].claim(req.id, units)
+        req = _claimed(table.get(e.req_id), grants, alloc)
         req.indices.update({name: tuple(t) for name, t in e.page_tables.items()})  # tuples: as the plan's, no copy
         req.indices.update({name: (slot,) for name, slot in e.slots.items()})
     for rid, tables in got.opened.items():  # lane rows that opened a page (scheduler.py)
-        req = table.get(rid)
-        for name, units in got.grants[rid].items():
-            alloc[name].claim(rid, units)
-        req.indices.update(tables)
+        _claimed(table.get(rid), got.grants[rid], alloc).indices.update(tables)
     now = time.monotonic()
     for rid in got.admitted:
         r = table.get(rid)

@@ -131,6 +131,11 @@ def widened(t: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+def widened_copy(t: np.ndarray, width: int) -> np.ndarray:
+    """`widened`, always a new array (to write rows into)."""
+    return widened(t, width) if width > t.shape[1] else t.copy()
+
+
 def concat(a: DecodeBlock, b: DecodeBlock) -> DecodeBlock:
     """`a`'s rows, then `b`'s (tables padded to the wider)."""
     tables = {}
@@ -303,7 +308,7 @@ def refreshed(block: DecodeBlock, fresh: dict[int, IndexSnapshot], old: Sequence
         lens = list(map(len, rows))
         t = tables[name]
         width = max(t.shape[1], *lens)
-        t = tables[name] = widened(t, width).copy() if width == t.shape[1] else widened(t, width)
+        t = tables[name] = widened_copy(t, width)
         t[ks] = _padded(rows, width)
         if lens != list(map(len, was)):
             ints = block.ints.copy() if ints is None else ints

@@ -20,7 +20,7 @@ import numpy as np
 
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.indices import IndexSnapshot
-from hyrax.actors.engine.lane import Joiner, LaneRows, steady_lane_entry, widened
+from hyrax.actors.engine.lane import Joiner, LaneRows, steady_lane_entry, widened_copy
 from hyrax.actors.engine.mamba_track import TrackPolicy
 from hyrax.actors.engine.plan import LEFT, START, PlanEntry, SamplingSpec, StepPlan
 from hyrax.actors.engine.selection import pick_victims
@@ -364,8 +364,8 @@ class Scheduler:
                 table = snap.get(c.name)
                 if table is None or len(table) != page:
                     return False
-                # a window's first live row (`live_rows`) and every page after it held
-                if c.kind == WINDOW and min(table[max(start - (c.window - 1), 0) // ps:], default=0) < 0:
+                # a window's first live row and every page after it held
+                if c.kind == WINDOW and min(table[(start - c.live_rows(start)) // ps:], default=0) < 0:
                     return False
         return True
 
@@ -389,7 +389,7 @@ class Scheduler:
             t = block.tables[name]
             cols = [row[j] - 1 for row in grown]
             width = max(t.shape[1], max(cols) + 1)
-            t = new_tables[name] = widened(t, width) if width > t.shape[1] else t.copy()
+            t = new_tables[name] = widened_copy(t, width)
             t[ks, cols] = [got[j] for got in opened.values()]
         block = dataclasses.replace(block, ints=ints, tables=new_tables)
         return lane._replace(block=block), tables
