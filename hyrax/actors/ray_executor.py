@@ -15,7 +15,7 @@ from hyrax.actors.cpu_claims import keep_off, restore
 from hyrax.actors.engine.executor import RankCalls, RankFailure, Sums, step_error
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import StepPlan, StepResult
-from hyrax.actors.step_graph import WITH_RING, CompiledSteps, compile_steps, from_wire
+from hyrax.actors.step_graph import WITH_RING, CompiledSteps, compile_steps, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class RayExecutor(RankCalls):
         """Send a step to every rank without waiting; steps run in submission order."""
         graph = self._graph_over_ranks()
         if graph is None:
-            return [r.execute.remote(plan) for r in self.ranks]
+            wire = to_wire(plan)  # bytes: Ray passes them through (RankWorker.execute_wire)
+            return [r.execute_wire.remote(wire) for r in self.ranks]
         try:
             graph.unpark(time.monotonic() + self.timeout_s)
             return _GraphStep(graph, *graph.submit(plan))
@@ -142,7 +143,7 @@ class RayExecutor(RankCalls):
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
         except Exception as e:  # RayActorError, GetTimeoutError
             raise RankFailure(f"execute failed on a rank: {type(e).__name__}: {e}") from e
-        return StepResult.gathered(results)
+        return StepResult.gathered([from_wire(r) for r in results])
 
     def _collect_graph(self, step: _GraphStep) -> list:
         """Every rank's answer from the graph, one ref each (each must be read, once), read
