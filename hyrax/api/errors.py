@@ -1,9 +1,11 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}. No stack trace
-ever reaches a client."""
+ever reaches a client, nor the text of a server-side failure: a 500 says only that the server
+failed and under which request id its log has the details (`internal_error`)."""
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -104,6 +106,22 @@ def validation_error(errors: list[dict], body=None) -> JSONResponse:
     return error_response(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
+def internal_error(request_id: str, detail: str | None = None) -> APIError:
+    """The 500 a client gets for a failure on the server's side: a generic message naming
+    `request_id`, the id the server log files it under. `detail` (a replica's error message,
+    which may hold an exception's text) is logged here, never sent."""
+    if detail is not None:
+        log.error("request %s failed on the server: %s", request_id, detail)
+    return APIError(500, f"internal error (request id {request_id}); the server log has the details",
+                    code="internal_error")
+
+
+def logged_request_id(request: Request) -> str:
+    """The id a failed call is logged under: the API call's (X-Request-Id, set by the OpenAI
+    routes as `request.state.call_id`), else a fresh one (admin and other routes)."""
+    return getattr(request.state, "call_id", None) or uuid.uuid4().hex
+
+
 def error_response(status: int, message: str, *, code: str, param=None, headers=None) -> JSONResponse:
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
@@ -123,6 +141,8 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(e.status_code, msg, code=_HTTP_CODES.get(e.status_code, "invalid_request"))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
-        log.exception("unhandled error")
-        return error_response(500, "internal error; see the server log", code="internal_error")
+    async def _unexpected(request: Request, e: Exception):
+        rid = logged_request_id(request)
+        log.error("request %s (%s %s) raised", rid, request.method, request.url.path, exc_info=e)
+        err = internal_error(rid)
+        return error_response(err.status, err.message, code=err.code)

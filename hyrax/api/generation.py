@@ -9,6 +9,7 @@ connection (`until_disconnected`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -17,6 +18,8 @@ from starlette.responses import StreamingResponse
 
 from hyrax.actors.engine.step_feed import error_item
 from hyrax.api.text import TextStream
+
+log = logging.getLogger("hyrax.api")
 
 
 @dataclass
@@ -44,8 +47,9 @@ async def run_choices(client, choices: list[Choice], metrics=None,
         try:
             async for item in client.generate(c.request_id, c.prompt_ids, c.params):
                 await q.put((c, item))
-        except Exception as e:  # noqa: BLE001 - a replica failure ends this choice with an error (503: retry)
-            await q.put((c, error_item(f"replica failed: {type(e).__name__}", 503)))
+        except Exception:  # noqa: BLE001 - a replica failure ends this choice with an error (503: retry)
+            log.exception("request %s: its replica's stream failed", c.request_id)  # the client is told no more
+            await q.put((c, error_item("the replica serving this request failed", 503)))
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     open_ = len(choices)

@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request, Response
 
 from hyrax.api.auth import require_api_key
-from hyrax.api.errors import APIError, error_body
+from hyrax.api.errors import APIError, error_body, internal_error
 from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
@@ -42,12 +42,11 @@ def _call_id(request: Request) -> str:
     same) while the first call's requests are still being aborted, and two requests must never
     share one engine id."""
     given = single(request, REQUEST_ID_HEADER)
-    if given is None:
-        return uuid.uuid4().hex
-    if not _REQUEST_ID.fullmatch(given):
+    if given is not None and not _REQUEST_ID.fullmatch(given):
         raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-100 characters of A-Z a-z 0-9 . _ : - "
                             "starting with a letter or digit", param=REQUEST_ID_HEADER, code="invalid_value")
-    return given
+    request.state.call_id = given or uuid.uuid4().hex  # what an internal error is logged under (errors.py)
+    return request.state.call_id
 
 
 def _check_choices(request: Request, n: int) -> None:
@@ -180,12 +179,14 @@ def _sse(obj) -> str:
 
 
 def _choice_error(c: Choice) -> APIError:
-    """The error a choice ended in (the replica's message): 503 for a replica that failed, 500
-    for one that could not admit the request (a bug), else the input's fault."""
+    """The error a choice ended in: 503 for a replica that failed (its message), 500 for one
+    that could not admit the request (a bug: its message, which holds the exception's text,
+    goes to the log under the choice's request id, which starts with the call's), else the
+    input's fault (its message)."""
     if c.error_status == 503:
         return APIError(503, c.error, code="unavailable", headers={"Retry-After": "1"})
     if c.error_status >= 500:
-        return APIError(c.error_status, c.error, code="internal_error")
+        return internal_error(c.request_id, c.error)
     return APIError(c.error_status, c.error, code="invalid_value")
 
 

@@ -192,8 +192,8 @@ class EngineLoop:
         self.healthy, self.stopping = False, True
         self.last_error = f"the replica could not recover: {type(err).__name__}: {err}"
         self._deliver(self.engine.step_outputs_flush())
-        for rid in list(self.streams):
-            self._deliver([], (rid, error_item(self.last_error, 503)))
+        for rid in list(self.streams):  # clients are told no more than that (the error is logged above)
+            self._deliver([], (rid, error_item("the replica failed and could not recover; it stops serving", 503)))
 
     def _watch(self) -> None:
         """Cheap checks between steps: stuck (work queued, nothing running, no progress) and,
