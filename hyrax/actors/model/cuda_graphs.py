@@ -36,24 +36,37 @@ def key_bucket(k: int) -> int:
     return max(MIN_KEY_BUCKET, 1 << k.bit_length())
 
 
+def graph_inputs(batch: ForwardBatch) -> tuple[tuple[int, ...], ForwardBatch]:
+    """A decode batch's graph key (its batch size and each paged component's key bucket, in
+    component-name order) and the batch padded to those buckets, as the graph is fed."""
+    keys = {n: key_bucket(i.read_rows.shape[1]) for n, i in batch.attn.items()}
+    return (batch.num_seqs, *(keys[n] for n in sorted(keys))), pad_key_columns(batch, keys)
+
+
 def batch_tensors(batch: ForwardBatch) -> list[torch.Tensor]:
     """Every tensor of a batch the forward may read, in a fixed order (static buffers and a
     step's values pair up by position)."""
-    out = [batch.input_ids, batch.positions, batch.q_valid, batch.q_lens, batch.token_index, batch.context_lens]
+    out = [getattr(batch, f) for f in _BATCH_TENSORS]
     out += [batch.slots[n] for n in sorted(batch.slots)]
     for n in sorted(batch.attn):
-        i = batch.attn[n]
-        out += [i.write_rows, i.read_rows, i.pad_keys, i.key_pos, i.key_valid, i.page_table]
+        out += [getattr(batch.attn[n], f) for f in _ATTN_TENSORS]
     return out
 
 
 def _clone(batch: ForwardBatch) -> ForwardBatch:
-    attn = {n: i.with_keys(**{f: getattr(i, f).clone() for f in _ATTN_TENSORS}) for n, i in batch.attn.items()}
+    """The batch as a graph holds it: its tensors copied, and each paged component's per-key
+    tensors alone. A graph's decode attention (SDPA) reads those; the page table (whose width
+    follows the longest context, not the key bucket) and the key layout are left out, so two
+    steps of one graph feed it tensors of the same shapes, and a read of what the graph does
+    not refresh fails at capture instead of replaying the captured step's pages."""
+    attn = {n: AttnIndex(*(getattr(i, f).clone() for f in ("write_rows", "pad_keys")), i.page_table[:, :0],
+                         **{f: getattr(i, f).clone() for f in ("read_rows", "key_pos", "key_valid")})
+            for n, i in batch.attn.items()}
     return dataclasses.replace(batch, **{f: getattr(batch, f).clone() for f in _BATCH_TENSORS}, attn=attn,
                                slots={n: s.clone() for n, s in batch.slots.items()})
 
 
-_ATTN_TENSORS = ("write_rows", "read_rows", "pad_keys", "key_pos", "key_valid", "page_table")
+_ATTN_TENSORS = ("write_rows", "read_rows", "pad_keys", "key_pos", "key_valid")
 _BATCH_TENSORS = ("input_ids", "positions", "q_valid", "q_lens", "token_index", "context_lens")
 
 
@@ -86,11 +99,10 @@ class CudaGraphDecode:
         """batch: decode-only, B sequences -> logits (B, vocab)."""
         if batch.num_seqs > self.max_graph_batch:
             return self.eager(batch, pools)
-        keys = {n: key_bucket(i.read_rows.shape[1]) for n, i in batch.attn.items()}
-        padded = pad_key_columns(batch, keys)
+        shape, padded = graph_inputs(batch)
         # a graph replays into the pools it was captured over: the memory-budget profile runs
         # steps on throw-away pools before the engine allocates its own, so their addresses key it too
-        key = (batch.num_seqs, *(keys[n] for n in sorted(keys)), *(pools[n].data_ptr() for n in self.names))
+        key = (*shape, *(pools[n].data_ptr() for n in self.names))
         g = self.graphs.get(key) or self._capture(key, padded, pools)
         for static, value in zip(g.inputs, batch_tensors(padded)):
             static.copy_(value, non_blocking=True)

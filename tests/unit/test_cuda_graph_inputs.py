@@ -1,0 +1,66 @@
+"""What a CUDA graph of a decode step is keyed and fed by (hyrax/actors/model/cuda_graphs.py),
+checked on the CPU: replaying a graph copies a step's tensors into the graph's static buffers,
+so every tensor it copies must have the shape the graph was captured with whenever two steps
+get the same graph. The capture and replay themselves need CUDA (tests/gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import HYBRID, tiny_model
+from hyrax.actors.model.attn_backends import SdpaPaged
+from hyrax.actors.model.batch import SeqSlice, build_forward_batch
+from hyrax.actors.model.captured_decode import layer_views
+from hyrax.actors.model.cuda_graphs import _clone, batch_tensors, graph_inputs
+
+PAGE = 4
+
+
+def _decode(model, contexts: list[int]):
+    """A decode batch: one token per sequence at position ctx - 1, each sequence on pages of its
+    own, as many as its context needs."""
+    comps = model.components
+    seqs = []
+    for i, ctx in enumerate(contexts):
+        pages = -(-ctx // PAGE)
+        tables = {c.name: list(range(10 * i, 10 * i + pages)) for c in comps if c.paged}
+        seqs.append(SeqSlice([3], ctx - 1, tables, {c.name: i for c in comps if not c.paged}))
+    return build_forward_batch(seqs, comps, PAGE)
+
+
+@pytest.mark.parametrize("before, after", [([9, 20], [10, 21]), ([5], [40]), ([33, 2, 17], [36, 5, 20])],
+                         ids=["next step crosses a page", "same bucket far apart", "three sequences"])
+def test_steps_that_share_a_graph_feed_it_tensors_of_its_shapes(before, after):
+    model = tiny_model(HYBRID)
+    key_a, a = graph_inputs(_decode(model, before))
+    key_b, b = graph_inputs(_decode(model, after))
+    assert key_a == key_b  # the same graph replays both steps
+    shapes_a = [tuple(t.shape) for t in batch_tensors(a)]
+    shapes_b = [tuple(t.shape) for t in batch_tensors(b)]
+    assert shapes_a == shapes_b
+
+
+def test_a_longer_context_past_the_bucket_gets_another_graph():
+    model = tiny_model(HYBRID)
+    key_a, _ = graph_inputs(_decode(model, [9, 20]))
+    key_b, _ = graph_inputs(_decode(model, [9, 300]))
+    assert key_a != key_b
+
+
+def test_the_batch_a_graph_holds_runs_the_decode_forward_to_the_eager_logits():
+    """The graph's copy of a step (`_clone`: per-key tensors only, no page table, no key layout)
+    is what the warm-up runs and the capture records: through the SDPA decode path it gives the
+    eager step's logits, so nothing the graph leaves out is read."""
+    torch.manual_seed(0)
+    model = tiny_model(HYBRID)
+    for layer in model.model.layers:
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.backend = SdpaPaged()
+    batch = _decode(model, [9, 20, 3])
+    pools = {c.name: torch.randn(len(c.layers), 512 if c.paged else 8, *c.unit_shape) for c in model.components}
+    held = _clone(graph_inputs(batch)[1])
+    assert all(i.page_table.numel() == 0 and i.keys is None for i in held.attn.values())
+    mine = {n: p.clone() for n, p in pools.items()}
+    torch.testing.assert_close(model(held, layer_views(mine, tuple(pools))), model(batch, pools), rtol=1e-4, atol=1e-4)
+    for n in pools:
+        torch.testing.assert_close(mine[n], pools[n], rtol=1e-5, atol=1e-5, msg=n)
