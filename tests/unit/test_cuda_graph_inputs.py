@@ -11,7 +11,7 @@ from engine_helpers import HYBRID, tiny_model
 from hyrax.actors.model.attn_backends import SdpaPaged
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.captured_decode import layer_views
-from hyrax.actors.model.cuda_graphs import _clone, batch_tensors, graph_inputs
+from hyrax.actors.model.cuda_graphs import _clone, batch_tensors, graph_inputs, pool_layout
 
 PAGE = 4
 
@@ -64,3 +64,14 @@ def test_the_batch_a_graph_holds_runs_the_decode_forward_to_the_eager_logits():
     torch.testing.assert_close(model(held, layer_views(mine, tuple(pools))), model(batch, pools), rtol=1e-4, atol=1e-4)
     for n in pools:
         torch.testing.assert_close(mine[n], pools[n], rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_pools_at_the_same_address_with_another_shape_get_another_graph():
+    """The profile's throw-away pools and the engine's may share an address (the allocator reuses
+    freed blocks); per-layer offsets differ with the row count, so the graph must differ too."""
+    memory = torch.zeros(4 * 64 * 8)
+    profile = {"full_kv": memory[:2 * 32 * 8].view(2, 32, 8)}
+    engine = {"full_kv": memory.view(2, 128, 8)}
+    assert profile["full_kv"].data_ptr() == engine["full_kv"].data_ptr()
+    assert pool_layout(profile, ("full_kv",)) != pool_layout(engine, ("full_kv",))
+    assert pool_layout(engine, ("full_kv",)) == pool_layout({"full_kv": memory.view(2, 128, 8)}, ("full_kv",))

@@ -43,6 +43,15 @@ def graph_inputs(batch: ForwardBatch) -> tuple[tuple[int, ...], ForwardBatch]:
     return (batch.num_seqs, *(keys[n] for n in sorted(keys))), pad_key_columns(batch, keys)
 
 
+def pool_layout(pools: dict[str, torch.Tensor], names: tuple[str, ...]) -> tuple:
+    """Where the pools lie, as a graph's key: each one's address, shape and dtype. A graph
+    replays into the pools it was captured over, through per-layer views whose addresses follow
+    from all three. The memory-budget profile runs steps on throw-away pools before the engine
+    allocates its own, and the allocator may hand the engine's pools the same address with
+    another shape: that graph would write each layer's rows at the throw-away layout's offsets."""
+    return tuple((pools[n].data_ptr(), tuple(pools[n].shape), pools[n].dtype) for n in names)
+
+
 def batch_tensors(batch: ForwardBatch) -> list[torch.Tensor]:
     """Every tensor of a batch the forward may read, in a fixed order (static buffers and a
     step's values pair up by position)."""
@@ -100,9 +109,7 @@ class CudaGraphDecode:
         if batch.num_seqs > self.max_graph_batch:
             return self.eager(batch, pools)
         shape, padded = graph_inputs(batch)
-        # a graph replays into the pools it was captured over: the memory-budget profile runs
-        # steps on throw-away pools before the engine allocates its own, so their addresses key it too
-        key = (*shape, *(pools[n].data_ptr() for n in self.names))
+        key = (*shape, *pool_layout(pools, self.names))
         g = self.graphs.get(key) or self._capture(key, padded, pools)
         for static, value in zip(g.inputs, batch_tensors(padded)):
             static.copy_(value, non_blocking=True)
