@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from hyrax.api.auth import require_api_key
 from hyrax.api.errors import APIError, error_body, internal_error
 from hyrax.api.client import Reservation, Unavailable
+from hyrax.api.context_limit import ContextExceeded, completion_budget
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
 from hyrax.api.headers import single
@@ -109,6 +110,16 @@ def _penalty_params(body: _Sampling, vocab: int) -> dict:
             "stop_token_ids": tuple(body.stop_token_ids or ())}
 
 
+def _budget(prompt_tokens: int, max_tokens: int | None, default_max: int | None, context: int, prompt_param: str,
+            at_least: bool = False) -> int:
+    """context_limit.completion_budget, its refusal as a 400 naming the field that does not fit."""
+    try:
+        return completion_budget(prompt_tokens, max_tokens, default_max, context, at_least=at_least)
+    except ContextExceeded as e:
+        raise APIError(400, str(e), param=prompt_param if e.over == "prompt" else "max_tokens",
+                       code="context_length_exceeded") from None
+
+
 def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list[int]], max_tokens: int | None,
              default_max: int | None, logprobs: int | None = None, grammar=None,
              prompt_param: str = "prompt") -> list[Choice]:
@@ -120,14 +131,7 @@ def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list
                        param="ignore_eos" if body.ignore_eos else "min_tokens", code="invalid_value")
     out, nonce = [], uuid.uuid4().hex[:8]
     for pi, ids in enumerate(prompts):
-        room = info.max_model_len - len(ids)
-        if room < 1:
-            raise APIError(400, f"prompt has {len(ids)} tokens; the model's context is {info.max_model_len}",
-                           param=prompt_param, code="context_length_exceeded")
-        mt = max_tokens if max_tokens is not None else min(default_max or room, room)
-        if mt > room:
-            raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({mt}) exceeds the model's context "
-                           f"of {info.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+        mt = _budget(len(ids), max_tokens, default_max, info.max_model_len, prompt_param)
         if body.min_tokens > mt:
             raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({mt})", param="min_tokens",
                            code="invalid_value")

@@ -12,9 +12,12 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.tokenizer import load_tokenizer
+from hyrax.api.context_limit import ContextExceeded, completion_budget
 from hyrax.env import apply_torch_threads
 from hyrax.cluster.arg_types import fraction, int_in, non_negative_float, non_negative_int, positive_int
 from hyrax.cluster.engine_args import RAY_ONLY, add_engine_args, engine_config_from_args
+
+DEFAULT_MAX_TOKENS = 32  # without --max-tokens, capped to what the context leaves (the HTTP API's default is 16)
 
 
 def add_parser(sub) -> None:
@@ -26,7 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} or {\"prompt_ids\": [...]} per line, no "
                                           "other key (the sampling options apply to every prompt)")
-    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"tokens to generate per prompt (default: {DEFAULT_MAX_TOKENS}); given, prompt + max tokens "
+                        "must fit the model's context (else an error, as over HTTP); not given, it is capped to what "
+                        "the context leaves")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-p", type=fraction, default=1.0)
     p.add_argument("--top-k", type=non_negative_int, default=0)
@@ -106,6 +112,15 @@ def _encode(tok, text: str, where: str) -> list[int]:
     return tok.encode(text)
 
 
+def _budget(a: argparse.Namespace, i: int, prompt: list[int], context: int, n: int) -> int:
+    """Prompt `i`'s max tokens by the HTTP API's rule (context_limit.py); its refusal names the
+    prompt when there are several."""
+    try:
+        return completion_budget(len(prompt), a.max_tokens, DEFAULT_MAX_TOKENS, context, max_tokens_name="--max-tokens")
+    except ContextExceeded as e:
+        raise HyraxInputError(f"prompt {i + 1}: {e}" if n > 1 else str(e)) from None
+
+
 def run(a: argparse.Namespace) -> int:
     apply_torch_threads()
     given = [flag for key, (default, flag) in RAY_ONLY.items() if getattr(a, key) != default]
@@ -117,10 +132,11 @@ def run(a: argparse.Namespace) -> int:
     cfg = ModelConfig.from_dir(path)
     tok = load_tokenizer(path, cfg.vocab_size)
     prompts = _prompts(a, tok)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     engine = load_engine(str(path), config, decode=tok.decode)
-    ids = [engine.add_request(p, params) for p in prompts]  # validates every prompt before running
+    params = [SamplingParams(max_tokens=_budget(a, i, p, engine.max_model_len, len(prompts)),
+                             temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=tuple(a.stop),
+                             ignore_eos=a.ignore_eos) for i, p in enumerate(prompts)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]  # validates every prompt before running
     t0 = time.perf_counter()
     run_to_completion(engine)
     elapsed = time.perf_counter() - t0
