@@ -196,7 +196,13 @@ def test_a_lapsed_gateways_request_whose_backup_cannot_be_discarded_still_ends_a
     from hyrax.actors.engine.selection import Selection
 
     engine = make_engine(tiny_model(HYBRID), retraction_backup="cpu_tensor")
-    loop = EngineLoop(engine, "lapsed")
+    recovered: list[Exception] = []
+
+    def recover(err):  # the coordinator's: a new rank (whose discard works), every request rebuilt
+        recovered.append(err)
+        vars(engine.executor).pop("discard", None)
+        engine.reset_for_recovery()
+    loop = EngineLoop(engine, "lapsed", on_rank_failure=recover)
     aloop = asyncio.new_event_loop()
     threading.Thread(target=aloop.run_forever, daemon=True).start()
     items: dict[str, list] = {"r0": [], "r1": []}
@@ -218,10 +224,11 @@ def test_a_lapsed_gateways_request_whose_backup_cannot_be_discarded_still_ends_a
         coord.gateways.renew("gw-a", 0.0)
         _wait_for(lambda: items["r0"] and is_last(items["r0"][-1]), "the retracted request's stream never ended")
         assert items["r0"][-1]["finish_reason"] == "abort" and items["r0"][-1]["error"] == LEASE_EXPIRED
+        assert len(recovered) == 1 and not is_last(items["r1"][-1])  # the lost rank was replaced; r1 runs on
         coord.gateways.open("gw-b", "r1")
         coord.gateways.renew("gw-b", 0.0)
         _wait_for(lambda: is_last(items["r1"][-1]), "a later lapsed gateway's stream was never aborted")
-        assert lapse.is_alive()
+        assert items["r1"][-1]["finish_reason"] == "abort" and lapse.is_alive()
     finally:
         loop.shutdown()
         aloop.call_soon_threadsafe(aloop.stop)

@@ -43,6 +43,9 @@ class Outcome(str, enum.Enum):
     NOT_RETRACTED = "not_retracted"
     NO_TARGET = "no_other_replica"
     ALREADY_THERE = "already_on_replica"  # migrate: the target named is the request's own replica
+    # a rank failed during the command: the replica recovered, every request rebuilt from its tokens
+    # (a held one stays held; its resume recomputes it)
+    RANKS_FAILED = "ranks_failed"
 
     @property
     def ok(self) -> bool:
@@ -54,7 +57,7 @@ class Outcome(str, enum.Enum):
 
 
 _REFUSALS = frozenset({Outcome.UNKNOWN, Outcome.NOT_RUNNING, Outcome.NOT_RETRACTED, Outcome.NO_TARGET,
-                       Outcome.ALREADY_THERE})
+                       Outcome.ALREADY_THERE, Outcome.RANKS_FAILED})
 
 
 class RequestTable:

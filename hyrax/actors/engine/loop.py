@@ -21,7 +21,7 @@ from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams, State
-from hyrax.actors.engine.selection import pick_victims
+from hyrax.actors.engine.selection import Selection, pick_victims
 from hyrax.actors.engine.step_feed import Fanout, Sink, error_item, follow, is_last
 from hyrax.actors.model.errors import HyraxInputError
 
@@ -162,26 +162,43 @@ class EngineLoop:
 
     def _guarded(self, work: Callable[[], T]) -> T | None:
         """`work()` (a step, the checks between steps, an export, an acknowledgement), or None when
-        it failed: a rank that failed is recovered (`on_rank_failure`: ranks replaced, requests
-        rebuilt); any other error is logged and treated alike (an engine bug must neither wedge
-        every stream nor end this thread). A recovery that fails too gives up (`_give_up`)."""
+        it failed: a rank that failed is recovered (`_recover`); any other error is logged and
+        treated alike (an engine bug must neither wedge every stream nor end this thread)."""
         try:
-            try:
-                return work()
-            except RankFailure as e:
-                if self.on_rank_failure is None:
-                    raise
-                self.on_rank_failure(e)
-            except Exception as e:  # noqa: BLE001
-                log.exception("engine loop work failed; failing the replica's requests")
-                self.last_error = f"{type(e).__name__}: {e}"
-                if self.on_rank_failure is not None:
-                    self.on_rank_failure(e)  # replace the ranks: their state is suspect
-                else:
-                    self.engine.fail_all("error", ranks_alive=True)  # the same ranks serve on
+            return work()
+        except RankFailure as e:
+            self._recover(e)
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine loop work failed; failing the replica's requests")
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._recover(e)
+        return None
+
+    def _on_ranks(self, work: Callable[[], T], failed: Callable[[], T]) -> T:
+        """Under the lock: `work()`, a command's calls to the ranks, or `failed()` when a rank
+        failed in it (died, hung, raised): the replica is recovered first, as after a failed step.
+        Any other error is the command's own (bad input, a violated invariant): its caller's."""
+        try:
+            return work()
+        except RankFailure as e:
+            log.warning("a rank failed during a command; recovering the replica: %s", e)
+            self._recover(e)
+        return failed()
+
+    def _recover(self, err: Exception) -> None:
+        """Under the lock, after `err`: `on_rank_failure` replaces the ranks (after an engine error
+        too: their state is suspect) and rebuilds every request. Without that hook an engine error
+        fails every request and the same ranks serve on, and a lost rank ends the replica
+        (`_give_up`), as does a recovery that fails too."""
+        try:
+            if self.on_rank_failure is not None:
+                self.on_rank_failure(err)
+            elif isinstance(err, RankFailure):
+                raise err
+            else:
+                self.engine.fail_all("error", ranks_alive=True)
         except Exception as e:  # noqa: BLE001
             self._give_up(e)
-        return None
 
     def _give_up(self, err: Exception) -> None:
         """Under the lock: recovering from a failure failed too, and what the engine holds is not
@@ -273,8 +290,7 @@ class EngineLoop:
         log.warning("a consumer's event loop closed with %d streams open: aborting them", len(rids))
         for rid in rids:
             del self.streams[rid]
-            if rid in self.engine.requests:
-                self.engine.abort(rid)
+            self._end_request(rid)
             self.engine.finished_requests.pop(rid, None)
         self._local.pop(sink.aloop, None)
         if rids:
@@ -432,8 +448,7 @@ class EngineLoop:
         """A caller left before its stream's last item: abort the request if the stream had not
         ended here (a hand-off already offered is the lease's business)."""
         with self._turn():
-            if self.streams.pop(request_id, None) is not None and request_id in self.engine.requests:
-                self.engine.abort(request_id)
+            if self.streams.pop(request_id, None) is not None and self._end_request(request_id):
                 self._deliver(self.engine.step_outputs_flush())
             self.engine.finished_requests.pop(request_id, None)
 
@@ -488,26 +503,40 @@ class EngineLoop:
         with self._turn():
             if reason is not None and request_id in self.engine.requests:
                 self._abort_reasons[request_id] = reason  # its stream ends with the turn (_turn), even if this raises
-            ok = self.engine.abort(request_id)
+            ok = self._end_request(request_id)
             if not ok and request_id not in self.streams:
                 self.early_aborts.remember(request_id)
         return ok
 
+    def _end_request(self, request_id: str) -> bool:
+        """Under the lock: abort `request_id` in the engine; False if it is not there. Discarding
+        its backup calls the ranks: a rank lost there is recovered, and the request ends anyway."""
+        known = request_id in self.engine.requests
+        return self._on_ranks(lambda: self.engine.abort(request_id), lambda: known)
+
     def retract(self, cmd: Retract) -> dict[str, Outcome]:
-        """An operator's retraction: does what was asked, the last running request included."""
+        """An operator's retraction: does what was asked, the last running request included. The
+        ranks save the requests' state: if one fails, every request asked for answers RANKS_FAILED."""
         which = cmd.selection
         with self._turn():
-            self.engine.sync()  # what runs is what the step in flight leaves running
-            if which.all:
-                ids = [r.id for r in self.engine.running]
-            elif which.count is not None:
-                ids = [r.id for r in pick_victims(self.engine.running, which.count, keep_last=False)]
-            else:
-                ids = list(which.ids)
-            return self.engine.retract(ids, mode=cmd.mode, hold=cmd.hold)
+            ids = self._to_retract(which)  # chosen again below, but named if a rank fails before
+
+            def retract_after_sync() -> dict[str, Outcome]:
+                self.engine.sync()  # what runs is what the step in flight leaves running
+                ids[:] = self._to_retract(which)
+                return self.engine.retract(ids, mode=cmd.mode, hold=cmd.hold)
+            return self._on_ranks(retract_after_sync, lambda: dict.fromkeys(ids, Outcome.RANKS_FAILED))
+
+    def _to_retract(self, which: Selection) -> list[str]:
+        if which.all:
+            return [r.id for r in self.engine.running]
+        if which.count is not None:
+            return [r.id for r in pick_victims(self.engine.running, which.count, keep_last=False)]
+        return list(which.ids)
 
     def resume(self, cmd: Resume) -> dict[str, Outcome]:
-        """Release retracted requests (oldest first for `count`)."""
+        """Release retracted requests (oldest first for `count`). The ranks load their state: if
+        one fails, every request asked for answers RANKS_FAILED."""
         which = cmd.selection
         with self._turn():
             if which.all:
@@ -516,7 +545,7 @@ class EngineLoop:
                 ids = [r.id for r in self.engine.retracted[: which.count]]
             else:
                 ids = list(which.ids)
-            out = self.engine.resume(ids)
+            out = self._on_ranks(lambda: self.engine.resume(ids), lambda: dict.fromkeys(ids, Outcome.RANKS_FAILED))
         self.wake.set()
         return out
 
@@ -534,9 +563,13 @@ class EngineLoop:
             return self.engine.pool_usage()
 
     def check_invariants(self) -> bool:
-        with self._turn():
+        """True when the pools' invariants hold; AssertionError when not. False: not checked, a
+        rank failed when asked for its backups (the replica recovered)."""
+        def check() -> bool:
             self.engine.check_invariants()
-        return True
+            return True
+        with self._turn():
+            return self._on_ranks(check, lambda: False)
 
     def is_idle_clean(self) -> bool:
         with self._turn():

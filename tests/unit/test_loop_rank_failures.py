@@ -1,0 +1,154 @@
+"""Ranks that fail outside a step.
+
+An operator's command calls the ranks too: a retraction saves state on them (and discards what
+a failed save left), a resume loads it back, an abort discards a backup, the invariant check
+counts the backups they hold. A rank that died (or hung past its timeout, or raised: the Ray
+executor answers each with RankFailure) during such a command used to raise out of it, past the
+loop's guard: the admin caller got the raw error and the lost rank stayed there for the next
+step to find. It is recovered now as during a step, and the command answers RANKS_FAILED."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from engine_helpers import HYBRID, assert_idle_clean, make_engine, tiny_model
+from hyrax.actors.engine.commands import Resume, Retract
+from hyrax.actors.engine.executor import RankFailure
+from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.selection import Selection
+from hyrax.actors.engine.step_feed import Sink, is_last
+
+MAX_TOKENS = 30
+
+
+class LostRank:
+    """The in-process executor as a lost rank leaves it: every call raises RankFailure, as the
+    Ray executor's calls do, until `restart` (the recovery) brings up an empty rank in its
+    place."""
+
+    CALLS = ("submit", "collect", "save", "load", "discard", "num_backups")
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def die(self) -> None:
+        for name in self.CALLS:
+            setattr(self.executor, name, self._dead(name))
+
+    @staticmethod
+    def _dead(name: str):
+        def call(*args, **kw):
+            raise RankFailure(f"{name} failed on a rank: ActorDiedError")
+        return call
+
+    def restart(self) -> None:
+        for name in self.CALLS:
+            vars(self.executor).pop(name, None)
+        rank = self.executor.rank
+        for req_id in list(rank.backups):  # a new rank holds no backup
+            rank.discard(req_id)
+
+
+class Replica:
+    """An in-process replica whose rank can be lost: its loop recovers as the coordinator's does
+    (a new rank, every request rebuilt from its tokens), and its streams' items by request."""
+
+    def __init__(self, name: str, **config):
+        self.engine = make_engine(tiny_model(HYBRID), **config)
+        self.rank = LostRank(self.engine.executor)
+        self.recovered: list[Exception] = []
+        self.loop = EngineLoop(self.engine, name, on_rank_failure=self._recover)
+        self.aloop = asyncio.new_event_loop()
+        threading.Thread(target=self.aloop.run_forever, daemon=True).start()
+        self.items: dict[str, list[dict]] = {}
+
+    def _recover(self, err: Exception) -> None:
+        self.recovered.append(err)
+        self.rank.restart()
+        self.engine.reset_for_recovery()
+
+    def start(self, *rids: str) -> None:
+        """Submit `rids` and wait until each has streamed a few tokens."""
+        sink = Sink(lambda batch: [self.items[rid].append(item) for rid, item in batch], self.aloop)
+        for rid in rids:
+            self.items[rid] = []
+            self.loop.submit(rid, [1, 2, 3, 4, 5, 6], {"max_tokens": MAX_TOKENS, "ignore_eos": True}, sink)
+        self.wait_for(lambda: all(self.tokens(rid) >= 3 for rid in rids), "the requests never ran")
+
+    def tokens(self, rid: str) -> int:
+        return sum(len(i.get("token_ids", [])) for i in self.items[rid])
+
+    def last(self, rid: str) -> dict | None:
+        items = self.items[rid]
+        return items[-1] if items and is_last(items[-1]) else None
+
+    @staticmethod
+    def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    def assert_served_whole(self, *rids: str) -> None:
+        """Each of `rids` streamed to its end with every token it asked for: none was lost."""
+        self.wait_for(lambda: all(self.last(rid) for rid in rids), "a stream never ended")
+        for rid in rids:
+            assert self.last(rid)["finish_reason"] == "length", (rid, self.last(rid))
+            assert self.tokens(rid) == MAX_TOKENS, (rid, self.tokens(rid))
+
+    def lose_rank_during(self, command):
+        """`command()` while the rank is lost (no step in between): its answer, once the loop
+        recovered the replica and lives on."""
+        with self.loop.lock:
+            self.rank.die()
+            answer = command()
+        assert len(self.recovered) == 1 and self.loop.thread.is_alive() and self.loop.healthy
+        return answer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.shutdown()
+        self.aloop.call_soon_threadsafe(self.aloop.stop)
+        if exc[0] is None:
+            assert_idle_clean(self.engine)
+
+
+def test_a_rank_lost_during_an_operators_retraction_is_recovered_and_the_retraction_answers_ranks_failed():
+    with Replica("retract-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        retract = Retract(Selection(ids=("r0",)), mode="cpu_tensor", hold=True)
+        assert rep.lose_rank_during(lambda: rep.loop.retract(retract)) == {"r0": Outcome.RANKS_FAILED}
+        rep.assert_served_whole("r0", "r1")  # rebuilt from their tokens, then on to the end
+
+
+def test_a_rank_lost_during_an_operators_resume_is_recovered_and_the_resume_answers_ranks_failed():
+    with Replica("resume-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        assert rep.loop.retract(Retract(Selection(ids=("r0",)), hold=True)) == {"r0": Outcome.CPU_TENSOR}
+        resume = Resume(Selection(all=True))
+        assert rep.lose_rank_during(lambda: rep.loop.resume(resume)) == {"r0": Outcome.RANKS_FAILED}
+        if rep.engine.requests["r0"].hold:  # still held: its backup is gone, a resume recomputes it
+            assert rep.loop.resume(Resume(Selection(ids=("r0",)))) == {"r0": Outcome.RECOMPUTE}
+        rep.assert_served_whole("r0", "r1")
+
+
+def test_a_rank_lost_while_an_abort_discards_a_backup_is_recovered_and_the_abort_answers():
+    with Replica("abort-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        assert rep.loop.retract(Retract(Selection(ids=("r0",)), hold=True)) == {"r0": Outcome.CPU_TENSOR}
+        assert rep.lose_rank_during(lambda: rep.loop.abort("r0")) is True
+        rep.wait_for(lambda: rep.last("r0"), "the aborted request's stream never ended")
+        assert rep.last("r0")["finish_reason"] == "abort"
+        rep.assert_served_whole("r1")
+
+
+def test_a_rank_lost_during_the_invariant_check_is_recovered_and_the_check_answers_not_checked():
+    with Replica("check-on-a-lost-rank") as rep:
+        rep.start("r0")
+        assert rep.lose_rank_during(rep.loop.check_invariants) is False  # not checked: its rank was lost
+        rep.assert_served_whole("r0")
+        assert rep.loop.check_invariants() is True
