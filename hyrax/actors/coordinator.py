@@ -42,6 +42,8 @@ from hyrax.actors.restart_budget import RestartBudget
 # `max_rank_restarts` restarts within this window; restarts longer ago (a rank lost last week)
 # no longer count against it.
 RESTART_WINDOW_S = 600.0
+# what the clients of a replica that gave up on its ranks are told (the cause is in its health)
+DOWN = "the replica lost its ranks and could not restart them"
 
 log = logging.getLogger("hyrax.coordinator")
 
@@ -149,7 +151,7 @@ class RoleCoordinator:
                 self.last_error = f"restart {self.restarts} failed: {e}"
                 time.sleep(1.0)
         self.down = not self.loop.stopping  # the deployment controller replaces it (also if failing them raises)
-        ids = self.engine.fail_all("error")
+        ids = self.loop.end_all(DOWN)
         self.loop.healthy = True  # nothing left to run; new requests get a clear error from the ranks check
         self.last_error = (f"replica down after {self.restart_budget.used()} rank restarts within "
                            f"{RESTART_WINDOW_S:g} s; failed {len(ids)} requests")

@@ -12,6 +12,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from engine_helpers import HYBRID, assert_idle_clean, make_engine, tiny_model
 from hyrax.actors.engine.commands import Resume, Retract
 from hyrax.actors.engine.executor import RankFailure
@@ -152,3 +154,72 @@ def test_a_rank_lost_during_the_invariant_check_is_recovered_and_the_check_answe
         assert rep.lose_rank_during(rep.loop.check_invariants) is False  # not checked: its rank was lost
         rep.assert_served_whole("r0")
         assert rep.loop.check_invariants() is True
+
+
+def _coordinators_recovery(engine, failing_raises: bool = False):
+    """The Ray coordinator's recovery (its class's own `_recover`, on a stand-in) with its restarts
+    used up: it fails every request, and reports itself down. `failing_raises`: failing them
+    raises once (a bug there), and the loop gives up."""
+    from types import SimpleNamespace
+
+    from hyrax.actors.coordinator import RoleCoordinator
+    from hyrax.actors.restart_budget import RestartBudget
+
+    coord = SimpleNamespace(healthy=True, down=False, last_error=None, restarts=0, engine=engine,
+                            restart_budget=RestartBudget(0, 600.0))
+    fail_all = engine.fail_all
+
+    def fail_all_with_a_bug(*args, **kw):
+        engine.fail_all = fail_all  # once
+        raise RuntimeError("a bug in failing the requests")
+    if failing_raises:
+        engine.fail_all = fail_all_with_a_bug
+    coord.loop = EngineLoop(engine, "restarts-used-up",
+                            on_rank_failure=lambda e: RoleCoordinator.__ray_metadata__.modified_class._recover(coord, e))
+    return coord.loop
+
+
+def _coordinators_recovery_whose_failing_raises(engine):
+    return _coordinators_recovery(engine, failing_raises=True)
+
+
+def _no_recovery_hook(engine):
+    """An in-process replica (the gateway's LocalBackend): nothing replaces a lost rank."""
+    return EngineLoop(engine, "no-recovery-hook")
+
+
+@pytest.mark.parametrize("make_loop", [_coordinators_recovery, _coordinators_recovery_whose_failing_raises,
+                                       _no_recovery_hook])
+def test_a_replica_that_gave_up_ends_every_request_with_an_error_and_holds_no_pool_unit(make_loop):
+    """A replica gives up when a lost rank cannot be replaced: its restarts are used up, or it has
+    no recovery hook. When failing its requests raised too, or without a hook, its streams ended
+    with the error, but the requests stayed in its table, running or retracted, holding their
+    device pages and slots and their host-pool rows for good (the loop had stopped: nothing would
+    ever free them). With its restarts used up, its requests ended with finish_reason "error" and
+    no error: the gateway answered 200 with no text. Each ends with an error now (503: retry
+    elsewhere), and every pool is free."""
+    engine = make_engine(tiny_model(HYBRID), retraction_backup="cpu_tensor")
+    loop = make_loop(engine)
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    items: dict[str, list[dict]] = {rid: [] for rid in ("r0", "r1", "r2", "r3")}
+    sink = Sink(lambda batch: [items[rid].append(item) for rid, item in batch], aloop)
+    try:
+        for rid in items:
+            loop.submit(rid, [1, 2, 3, 4, 5, 6], {"max_tokens": 400, "ignore_eos": True}, sink)
+        Replica.wait_for(lambda: all(len(i) > 2 for i in items.values()), "the requests never ran")
+        assert loop.retract(Retract(Selection(ids=("r0",)), mode="cpu_tensor", hold=True)) == {"r0": "cpu_tensor"}
+        assert loop.retract(Retract(Selection(ids=("r1",)), mode="host_pool", hold=True)) == {"r1": "host_pool"}
+        with loop.lock:
+            LostRank(engine.executor).die()  # the next step finds it
+        Replica.wait_for(lambda: all(i and is_last(i[-1]) for i in items.values()), "a stream never ended")
+    finally:
+        loop.shutdown()
+        aloop.call_soon_threadsafe(aloop.stop)
+    for rid, stream in items.items():
+        last = stream[-1]
+        assert last["finish_reason"] == "error" and last.get("error") and last.get("status") == 503, (rid, last)
+    assert not engine.requests, engine.counts()
+    for a in list(engine.alloc.values()) + list(engine.host_alloc.values()):
+        a.check()
+        assert a.num_used == 0 and a.num_free == a.capacity, (a.name, engine.pool_usage())

@@ -30,6 +30,7 @@ T = TypeVar("T")
 
 
 SHUTTING_DOWN = "the replica is shutting down"
+GAVE_UP = "the replica failed and could not recover; it stops serving"
 
 
 def _ack_in_process(source, request_id: str) -> None:
@@ -123,7 +124,7 @@ class EngineLoop:
         self._local: dict[asyncio.AbstractEventLoop, tuple[Sink, Fanout]] = {}  # in-process callers
         self.batches_posted = 0  # messages to consumers: one per consumer per step at most
         self.early_aborts = EarlyAborts()
-        self._abort_reasons: dict[str, str] = {}  # request id -> why it was aborted, for its last item
+        self._abort_reasons: dict[str, str] = {}  # request id -> why it was ended (aborted, given up), for its last item
         self.stopping = False
         self.healthy = True
         self.last_error: str | None = None
@@ -202,15 +203,29 @@ class EngineLoop:
 
     def _give_up(self, err: Exception) -> None:
         """Under the lock: recovering from a failure failed too, and what the engine holds is not
-        known any more. Every open stream ends with the error (the requests already failed end
-        as such), the replica reports itself unhealthy, and the loop stops: what arrives later
-        is refused (open_stream), never queued for a step that would not come."""
+        known any more. Every request ends with an error, its state forgotten without a call to the
+        ranks (every index, backup and step in flight: each pool is free again, as nothing would
+        free it later), every open stream ends with that error (the requests already failed end as
+        such), the replica reports itself unhealthy, and the loop stops: what arrives later is
+        refused (open_stream), never queued for a step that would not come."""
         log.exception("recovering the replica failed; it stops serving")
         self.healthy, self.stopping = False, True
         self.last_error = f"the replica could not recover: {type(err).__name__}: {err}"
+        try:  # clients are told no more than that (the error is logged above)
+            self.end_all(GAVE_UP)
+        except Exception:  # noqa: BLE001 - the streams still end below
+            log.exception("failing the requests of a replica that gave up failed: their units stay held")
         self._deliver(self.engine.step_outputs_flush())
-        for rid in list(self.streams):  # clients are told no more than that (the error is logged above)
-            self._deliver([], (rid, error_item("the replica failed and could not recover; it stops serving", 503)))
+        for rid in list(self.streams):
+            self._deliver([], (rid, error_item(GAVE_UP, 503)))
+
+    def end_all(self, message: str) -> list[str]:
+        """Under the lock, when the ranks are gone for good: every request ends with the error
+        `message` (status 503: retry elsewhere), its state forgotten without a call to the ranks
+        (every index, backup and step in flight), so each pool is free again. Their ids."""
+        for rid in self.engine.requests:
+            self._abort_reasons[rid] = message
+        return self.engine.fail_all("error")
 
     def _watch(self) -> None:
         """Cheap checks between steps: stuck (work queued, nothing running, no progress) and,
