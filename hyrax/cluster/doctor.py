@@ -82,6 +82,15 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
     return sum(x == y for x, y in pairs), len(pairs)
 
 
+def _token_status(same: int, total: int) -> str:
+    """Greedy tokens of two kernels or devices: all equal is ok; a few apart is a warning (a
+    near-tie flipped by rounding changes the rest of its request); most of them apart, or none
+    compared, is a failure (the kernel or the device computes something else)."""
+    if total and same == total:
+        return OK
+    return WARN if total and 2 * same >= total else FAIL
+
+
 def check_cpu_kernels(m: Machine) -> Check:
     """The CPU's C kernels build here (native.py), and the decode attention kernel (cpu_paged)
     decodes the demo model as SDPA does."""
@@ -113,7 +122,7 @@ def check_flash_vs_sdpa(m: Machine) -> Check:
     flash = demo_greedy("cuda", dtype="bfloat16", attention_backend="vllm_flash_attn", page_size=16)
     sdpa = demo_greedy("cuda", dtype="bfloat16", attention_backend="sdpa", page_size=16)
     same, total = _agreement(flash, sdpa)
-    return Check("flash vs sdpa", OK if same == total else WARN,
+    return Check("flash vs sdpa", _token_status(same, total),
                  f"demo model, bfloat16, greedy: {same}/{total} tokens equal")
 
 
@@ -183,7 +192,7 @@ def check_demo_cuda_vs_cpu(m: Machine) -> Check:
     cpu = demo_greedy("cpu", dtype="float32")
     cuda = demo_greedy("cuda", dtype="float32", attention_backend="sdpa")
     same, total = _agreement(cpu, cuda)
-    return Check("demo cuda vs cpu", OK if same == total else WARN, f"float32 greedy: {same}/{total} tokens equal")
+    return Check("demo cuda vs cpu", _token_status(same, total), f"float32 greedy: {same}/{total} tokens equal")
 
 
 CHECKS: tuple[Callable[[Machine], Check], ...] = (

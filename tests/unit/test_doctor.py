@@ -49,3 +49,17 @@ def test_a_check_that_raises_fails_alone_and_the_exit_status_says_so(monkeypatch
     out = capsys.readouterr().out.strip().splitlines()
     assert out[1] == "fail  broken: RuntimeError: NCCL error: unhandled system error"
     assert out[0].startswith("ok") and out[2].startswith("skip")
+
+
+@pytest.mark.parametrize("cuda_tokens, status", [
+    ([[1, 2, 3], [4, 5, 6]], "ok"),
+    ([[1, 2, 3], [4, 9, 9]], "warn"),  # a near-tie flipped: the rest of that request follows it
+    ([[7, 7, 7], [7, 7, 7]], "fail"),  # the device computes something else
+], ids=["equal", "one request apart", "most apart"])
+def test_demo_tokens_on_cuda_against_the_cpu_fail_when_most_differ(monkeypatch, cuda_tokens, status):
+    """A warning is for rounding that flips a near-tie; tokens that mostly differ fail the check,
+    so the GPU tests (which accept a warning) and the exit status catch a broken device path."""
+    cpu_tokens = [[1, 2, 3], [4, 5, 6]]
+    monkeypatch.setattr(doctor, "demo_greedy", lambda device, **config: cpu_tokens if device == "cpu" else cuda_tokens)
+    check = doctor.check_demo_cuda_vs_cpu(doctor.Machine(cuda=True, gpus=1))
+    assert check.status == status, check
