@@ -57,7 +57,8 @@ class CudaMemory:
     """`MemoryQuery` of one CUDA device: the driver's free/total and torch's allocator peak."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        # by index: torch 2.4's mem_get_info refuses a device without one (the engine's "cuda")
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.base = 0
 
     def free_total(self) -> tuple[int, int]:
