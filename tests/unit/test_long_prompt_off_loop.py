@@ -15,7 +15,11 @@ LONG = "a" * 100_000  # over the context of gateway_fakes' model (2048 tokens)
 
 
 class WhereTokenizer(ByteTokenizer):
-    """Records (characters, on an event loop's thread) for every text it encodes."""
+    """Records (characters, on an event loop's thread) for every text it encodes. It declares 64
+    bytes a token at most (true, if loose: a byte tokenizer's is 1), so that the gateway's bound
+    (100,000 / 64 < 2048) does not refuse LONG before counting it (test_early_context_refusal.py)."""
+
+    max_bytes_per_token = 64
 
     def __init__(self):
         super().__init__(264, EOS)

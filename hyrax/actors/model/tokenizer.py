@@ -13,14 +13,19 @@ Fidelity with transformers:
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.token_bytes import max_bytes_per_token
 
 
 class ByteTokenizer:
     """UTF-8 bytes as ids; invalid sequences decode with replacement characters."""
+
+    # the most bytes of input text one token stands for (token_bytes.py): one, exactly
+    max_bytes_per_token = 1
 
     def __init__(self, vocab_size: int, eos_token_id: int | None = None):
         self.vocab_size = vocab_size
@@ -110,6 +115,11 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> float | None:
+        """The most bytes of input text one token stands for, None when unknown (token_bytes.py)."""
+        return max_bytes_per_token(json.loads(self._tok.to_str()))
 
 
 def load_tokenizer(model_dir: str | Path, vocab_size: int):
