@@ -57,6 +57,12 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self):
+        # the early context refusal's bound (text.fewest_tokens) is worked out once, here, when the
+        # gateway starts: for a large vocabulary that takes a while, which the first request's
+        # handler would otherwise spend on the event loop
+        getattr(self.tokenizer, "max_bytes_per_token", None)
+
 
 DECODING_ROLES = ("decode", "colocated")  # the roles that continue a request after its first token
 

@@ -185,3 +185,14 @@ def test_tokenizers_that_can_drop_text_declare_no_bound():
         if spec["pre_tokenizer"]["type"] == "ByteLevel" and spec["normalizer"] is None:
             spec["added_tokens"].append({"id": 999, "content": "<mask>", "lstrip": True, "rstrip": False})
         assert max_bytes_per_token(spec) is None, spec["normalizer"] or spec["pre_tokenizer"]
+
+
+def test_the_bound_is_worked_out_when_the_gateway_is_built_not_in_a_request():
+    """For a large vocabulary the bound takes a while to work out: the model's description works it
+    out at start-up, so no request handler spends that on the event loop."""
+    from hyrax.api.client import ModelInfo
+
+    tok = CountingTokenizer()
+    assert "max_bytes_per_token" not in vars(tok)  # a cached property, not worked out yet
+    ModelInfo(name="m", max_model_len=CONTEXT, tokenizer=tok, chat_template=None, vocab_size=300)
+    assert "max_bytes_per_token" in vars(tok)
