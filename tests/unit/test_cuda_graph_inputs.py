@@ -11,7 +11,7 @@ from engine_helpers import HYBRID, tiny_model
 from hyrax.actors.model.attn_backends import SdpaPaged
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.captured_decode import layer_views
-from hyrax.actors.model.cuda_graphs import _clone, batch_tensors, graph_inputs, pool_layout
+from hyrax.actors.model.cuda_graphs import _clone, batch_tensors, graph_inputs, pool_layout, warm_up
 
 PAGE = 4
 
@@ -75,3 +75,28 @@ def test_pools_at_the_same_address_with_another_shape_get_another_graph():
     assert profile["full_kv"].data_ptr() == engine["full_kv"].data_ptr()
     assert pool_layout(profile, ("full_kv",)) != pool_layout(engine, ("full_kv",))
     assert pool_layout(engine, ("full_kv",)) == pool_layout({"full_kv": memory.view(2, 128, 8)}, ("full_kv",))
+
+
+def test_the_warm_up_before_a_capture_leaves_the_pools_state_as_it_was():
+    """Capture needs warm-up runs of the forward. They run over the real pools (clones of pools
+    sized to fill the GPU do not fit beside them), so they must not advance the batch's state:
+    the step run after them gives the logits and pools of the same step run without them."""
+    torch.manual_seed(0)
+    model = tiny_model(HYBRID)
+    for layer in model.model.layers:
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.backend = SdpaPaged()
+    names = tuple(c.name for c in model.components)
+    batch = _decode(model, [9, 20, 3])
+    padded = graph_inputs(batch)[1]
+    pools = {c.name: torch.randn(len(c.layers), 512 if c.paged else 8, *c.unit_shape) for c in model.components}
+    untouched = {n: p.clone() for n, p in pools.items()}
+    warm_up(lambda b, views: model(b, views), padded, pools, names)
+    assert any(c.name in batch.slots for c in model.components if not c.paged)
+    for c in model.components:
+        if not c.paged:  # the recurrent state: put back as it was
+            assert torch.equal(pools[c.name], untouched[c.name]), c.name
+    want = model(batch, untouched)
+    torch.testing.assert_close(model(batch, pools), want, rtol=0, atol=0)
+    for n in pools:  # the step wrote the warm-up's rows again
+        assert torch.equal(pools[n], untouched[n]), n

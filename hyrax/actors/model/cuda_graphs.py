@@ -10,9 +10,10 @@ row on a borrowed slot would change it), and the pools have none; once they keep
 unit, batch-size buckets are a padding step away.
 
 A step copies its batch into that graph's static input buffers and replays the graph. The
-first batch of a shape is run twice on a side stream over clones of the pools (warm-up, as
-capture requires, without advancing anyone's state), then captured over the real pools (capture
-records, it does not run) in a memory pool all graphs share. The step's batch is then replayed.
+first batch of a shape is run twice on a side stream over the pools (warm-up, as capture
+requires; the batch's recurrent state is kept and put back, `warm_up`), then captured over
+them (capture records, it does not run) in a memory pool all graphs share. The step's batch is
+then replayed.
 
 Needs the SDPA attention backend: the flash kernel takes host-side lengths per step, which a
 graph would freeze at capture (`CudaGraphDecode` refuses other backends at construction).
@@ -75,6 +76,24 @@ def _clone(batch: ForwardBatch) -> ForwardBatch:
                                slots={n: s.clone() for n, s in batch.slots.items()})
 
 
+def warm_up(eager, padded: ForwardBatch, pools: dict[str, torch.Tensor], names: tuple[str, ...],
+            runs: int = 2) -> None:
+    """Run the decode forward `runs` times over the real pools, leaving the state it holds as it
+    was: those runs are real decode steps, which advance the batch's recurrent state, so each slot
+    component's rows of the batch are kept before and written back after. (Clones of the pools
+    cost as much memory again, which pools sized to fill the GPU do not leave.) The paged
+    components' writes land on the batch's own new rows (`write_rows`), which the step replayed
+    next writes again before anything reads them."""
+    kept = {n: pools[n].index_select(1, rows) for n, rows in padded.slots.items() if n in names}
+    views = layer_views(pools, names)
+    try:
+        for _ in range(runs):
+            eager(_clone(padded), views)
+    finally:
+        for n, rows in kept.items():
+            pools[n].index_copy_(1, padded.slots[n], rows)
+
+
 _ATTN_TENSORS = ("write_rows", "read_rows", "pad_keys", "key_pos", "key_valid")
 _BATCH_TENSORS = ("input_ids", "positions", "q_valid", "q_lens", "token_index", "context_lens")
 
@@ -117,20 +136,16 @@ class CudaGraphDecode:
         return g.logits.clone()
 
     def _capture(self, key: tuple, padded: ForwardBatch, pools: dict[str, torch.Tensor]) -> _Graph:
-        """Capture the forward over static copies of `padded`. The warm-up runs go to clones
-        of the pools (they are real decode steps: run on the real pools they would advance the
-        batch's state); the captured run records the real pools' addresses and writes nothing
-        (capture only records)."""
+        """Capture the forward over static copies of `padded`, after the warm-up runs capture
+        needs (`warm_up`: over the real pools, their state left as it was); the captured run
+        records the real pools' addresses and writes nothing (capture only records)."""
         static = _clone(padded)
         views = layer_views(pools, self.names)
-        scratch = {n: tuple(v.clone() for v in vs) for n, vs in views.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.eager(_clone(padded), scratch)
+            warm_up(self.eager, padded, pools, self.names)
         torch.cuda.current_stream().wait_stream(side)
-        del scratch
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = self.eager(static, views)
