@@ -7,7 +7,8 @@ per gateway (`feed`), one message per engine step; admin calls retract, resume a
 
 Faults: every rank call has a timeout. When a rank dies or hangs, the replica is marked
 unhealthy, its ranks are replaced, and every request it held is rebuilt by recompute from
-its tokens; if ranks cannot be restarted, the requests end with finish_reason "error".
+its tokens; if ranks cannot be restarted, the requests end with finish_reason "error" and the
+replica is down: it refuses new requests at once (503) until the deployment controller replaces it.
 """
 from __future__ import annotations
 
@@ -151,8 +152,8 @@ class RoleCoordinator:
                 self.last_error = f"restart {self.restarts} failed: {e}"
                 time.sleep(1.0)
         self.down = not self.loop.stopping  # the deployment controller replaces it (also if failing them raises)
-        ids = self.loop.end_all(DOWN)
-        self.loop.healthy = True  # nothing left to run; new requests get a clear error from the ranks check
+        # its requests end, and new ones are refused at once (503) until the controller has replaced it
+        ids = self.loop.close(DOWN)
         self.last_error = (f"replica down after {self.restart_budget.used()} rank restarts within "
                            f"{RESTART_WINDOW_S:g} s; failed {len(ids)} requests")
 

@@ -223,3 +223,80 @@ def test_a_replica_that_gave_up_ends_every_request_with_an_error_and_holds_no_po
     for a in list(engine.alloc.values()) + list(engine.host_alloc.values()):
         a.check()
         assert a.num_used == 0 and a.num_free == a.capacity, (a.name, engine.pool_usage())
+
+
+# ---- a replica that went down ----------------------------------------------------------------
+
+class CountedLostRank(LostRank):
+    """A lost rank that counts the calls made to it (each would wait up to the rank timeout on a
+    hung rank before it raised)."""
+
+    def __init__(self, executor):
+        super().__init__(executor)
+        self.calls = 0
+
+    def _dead(self, name: str):
+        def call(*args, **kw):
+            self.calls += 1
+            raise RankFailure(f"{name} failed on a rank: GetTimeoutError")
+        return call
+
+
+def _down_coordinator(name: str):
+    """The Ray coordinator's recovery (its class's own `_recover`, on a stand-in) with one restart
+    in its budget, whose rank dies again at once after it: a request runs, the rank is lost, the
+    restart brings up a rank that is lost too, and the replica goes down. (coordinator, its rank,
+    the request's items)."""
+    from types import SimpleNamespace
+
+    from hyrax.actors.coordinator import RoleCoordinator
+    from hyrax.actors.restart_budget import RestartBudget
+
+    engine = make_engine(tiny_model(HYBRID))
+    rank = CountedLostRank(engine.executor)
+    coord = SimpleNamespace(healthy=True, down=False, last_error=None, restarts=0, engine=engine,
+                            restart_budget=RestartBudget(1, 600.0), started=[])
+    coord._start_ranks = lambda: coord.started.append(time.monotonic())  # the new rank is lost too
+    coord.loop = EngineLoop(engine, name,
+                            on_rank_failure=lambda e: RoleCoordinator.__ray_metadata__.modified_class._recover(coord, e))
+    aloop = asyncio.new_event_loop()
+    threading.Thread(target=aloop.run_forever, daemon=True).start()
+    items: dict[str, list[dict]] = {"r0": []}
+    coord.submit = lambda rid: coord.loop.submit(rid, [1, 2, 3, 4, 5, 6], {"max_tokens": 400, "ignore_eos": True},
+                                                 Sink(lambda batch: [items[r].append(i) for r, i in batch], aloop))
+    coord.aloop = aloop
+    coord.submit("r0")
+    Replica.wait_for(lambda: len(items["r0"]) > 2, "the request never ran")
+    with coord.loop.lock:
+        rank.die()
+    Replica.wait_for(lambda: items["r0"] and is_last(items["r0"][-1]), "the request never ended")
+    assert coord.down and len(coord.started) == 1, vars(coord)
+    return coord, rank, items
+
+
+def _close(coord) -> None:
+    coord.loop.shutdown()
+    coord.aloop.call_soon_threadsafe(coord.aloop.stop)
+
+
+def test_a_replica_that_went_down_refuses_a_new_request_at_once_without_calling_its_ranks():
+    """A replica whose restarts were used up reports itself down and ends its requests, and the
+    controller replaces it. Meanwhile it took new requests: each was admitted and waited for a step
+    to reach the dead ranks (up to the rank timeout) before it failed. It refuses them at once now,
+    with a retryable error (503: the gateway answers Retry-After), and calls no rank."""
+    from hyrax.actors.coordinator import DOWN
+
+    coord, rank, items = _down_coordinator("down-refuses")
+    try:
+        assert items["r0"][-1]["error"] == DOWN and items["r0"][-1]["status"] == 503
+        calls, steps = rank.calls, coord.engine.stats.steps
+        items["later"] = []
+        coord.submit("later")
+        Replica.wait_for(lambda: items["later"] and is_last(items["later"][-1]), "a later request was never answered")
+        [refused] = items["later"]
+        assert refused["error"] == DOWN and refused["status"] == 503, refused
+        assert rank.calls == calls and coord.engine.stats.steps == steps  # no step, no rank call
+        assert coord.down and not coord.healthy  # what the gateways route by and the controller replaces
+    finally:
+        _close(coord)
+    assert not coord.engine.requests

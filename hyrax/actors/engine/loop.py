@@ -126,6 +126,7 @@ class EngineLoop:
         self.early_aborts = EarlyAborts()
         self._abort_reasons: dict[str, str] = {}  # request id -> why it was ended (aborted, given up), for its last item
         self.stopping = False
+        self.refusal: str | None = None  # set once the ranks are gone for good: every new stream gets it (close)
         self.healthy = True
         self.last_error: str | None = None
         self.step_seconds: list[float] = []
@@ -178,7 +179,10 @@ class EngineLoop:
     def _on_ranks(self, work: Callable[[], T], failed: Callable[[], T]) -> T:
         """Under the lock: `work()`, a command's calls to the ranks, or `failed()` when a rank
         failed in it (died, hung, raised): the replica is recovered first, as after a failed step.
-        Any other error is the command's own (bad input, a violated invariant): its caller's."""
+        Any other error is the command's own (bad input, a violated invariant): its caller's. A
+        closed loop calls no rank (each could wait out the rank timeout): `failed()` at once."""
+        if self.refusal is not None:
+            return failed()
         try:
             return work()
         except RankFailure as e:
@@ -203,21 +207,30 @@ class EngineLoop:
 
     def _give_up(self, err: Exception) -> None:
         """Under the lock: recovering from a failure failed too, and what the engine holds is not
-        known any more. Every request ends with an error, its state forgotten without a call to the
-        ranks (every index, backup and step in flight: each pool is free again, as nothing would
-        free it later), every open stream ends with that error (the requests already failed end as
-        such), the replica reports itself unhealthy, and the loop stops: what arrives later is
-        refused (open_stream), never queued for a step that would not come."""
+        known any more: the loop closes (`close`); clients are told no more than GAVE_UP."""
         log.exception("recovering the replica failed; it stops serving")
-        self.healthy, self.stopping = False, True
         self.last_error = f"the replica could not recover: {type(err).__name__}: {err}"
-        try:  # clients are told no more than that (the error is logged above)
-            self.end_all(GAVE_UP)
-        except Exception:  # noqa: BLE001 - the streams still end below
+        try:
+            self.close(GAVE_UP)
+        except Exception:  # noqa: BLE001 - the streams ended all the same
             log.exception("failing the requests of a replica that gave up failed: their units stay held")
-        self._deliver(self.engine.step_outputs_flush())
-        for rid in list(self.streams):
-            self._deliver([], (rid, error_item(GAVE_UP, 503)))
+
+    def close(self, message: str) -> list[str]:
+        """Under the lock, when the ranks are gone for good (recovery failed, or the coordinator's
+        restarts are used up): the replica reports itself unhealthy and serves nothing more, until
+        it is replaced. Every request ends with the error `message` (`end_all`: each pool free
+        again), every open stream ends with it (the requests already failed end as such), every
+        stream opened later is refused with it at once (503: retry elsewhere; not queued for a
+        step that would not come), and the loop stops: no step, probe, check or command calls the
+        ranks again. The ids of the requests ended; raises if ending them raised (the streams
+        end all the same)."""
+        self.healthy, self.stopping, self.refusal = False, True, message
+        try:
+            return self.end_all(message)
+        finally:
+            self._deliver(self.engine.step_outputs_flush())
+            for rid in list(self.streams):
+                self._deliver([], (rid, error_item(message, 503)))
 
     def end_all(self, message: str) -> list[str]:
         """Under the lock, when the ranks are gone for good: every request ends with the error
@@ -381,9 +394,9 @@ class EngineLoop:
                 self._open_streams(refuse=SHUTTING_DOWN)
 
     def _open_streams(self, refuse: str | None = None) -> None:
-        """Under the lock: register and admit the queued streams, in arrival order (`refuse`:
-        end each with this error instead). A refusal (its abort came first, invalid input) is
-        the stream's one and last item."""
+        """Under the lock: register and admit the queued streams, in arrival order (`refuse`, or
+        the refusal of a closed loop: end each with this error instead, 503). A refusal (its
+        abort came first, invalid input, no ranks) is the stream's one and last item."""
         while self._opening:
             request_id, sink, admit = self._opening.popleft()
             if sink is None:  # an acknowledgement queued by `release_soon`, not a stream
@@ -391,8 +404,9 @@ class EngineLoop:
                 continue
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
-            if refuse is not None:
-                first = error_item(refuse, 503)
+            why = self.refusal or refuse  # (an admission before may have closed the loop)
+            if why is not None:
+                first = error_item(why, 503)
             elif not self.early_aborts.take(request_id):  # else its client left before it got here
                 first = self._admit(request_id, admit)
             if first is not None:
