@@ -14,7 +14,9 @@ import torch
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.mamba_track import TrackPolicy
-from hyrax.actors.engine.prefix_cache import CACHE_OWNER, Checkpoint, PrefixCache, checkpoint_pool, give_back, transfer
+from hyrax.actors.engine.prefix_cache import (
+    CACHE_OWNER, Checkpoint, InUse, PrefixCache, checkpoint_pool, give_back, transfer,
+)
 from hyrax.actors.engine.statecopy import live_page_numbers
 from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
 
@@ -29,12 +31,14 @@ def components(window: int = 24) -> tuple[ComponentSpec, ...]:
 
 @dataclass
 class Held:
-    """What one request holds: its own units, and the cached node it locked."""
+    """What one request holds: its own units, the cached node it locked, and its window table
+    (page number -> unit; the tree may have taken some of them)."""
 
     ids: tuple[int, ...]
     hit: int
     own: dict[str, list[int]] = field(default_factory=dict)
     locked: list = field(default_factory=list)
+    window: list[int] = field(default_factory=list)
 
 
 class World:
@@ -72,6 +76,7 @@ class World:
         # window: the request's own pages for every page it touches (hit rows copied into them)
         own_w = self.alloc["swa_kv"].allocate(rid, n_pages)
         h.own["swa_kv"] = list(own_w)
+        h.window = list(own_w)
         for k, unit in enumerate(own_w):
             src = m.window.get("swa_kv", {}).get(k)
             if k * self.ps < m.length and src is None:
@@ -105,15 +110,27 @@ class World:
         for pool, units in h.own.items():
             self.free(pool, units, rid)
         for node in h.locked:
-            self.cache.unlock(node)
+            self.let_go(self.cache.unlock(node))
+
+    def reads(self, h: Held) -> list[int]:
+        """The window units a running request reads: those of its live rows after its last token
+        (the rows before them it no longer reads, also where the tree took their pages)."""
+        return [h.window[k] for k in live_page_numbers(self.window, len(h.ids), self.ps)]
+
+    def in_use(self) -> InUse:
+        """What the running requests read (a hit's copies are made at once here)."""
+        return InUse(frozenset(), {"swa_kv": frozenset(u for h in self.requests.values() for u in self.reads(h))})
 
     def evict(self, need=None) -> dict[str, list[int]]:
-        freed = self.cache.evict(need) if need is not None else self.cache.flush()
+        freed = self.cache.evict(need, self.in_use()) if need is not None else self.cache.flush()
+        self.let_go(freed)
+        return freed
+
+    def let_go(self, freed: dict[str, list[int]]) -> None:
         for pool, units in freed.items():
             for u in units:
                 self.content.pop((pool, u), None)
         give_back(self.alloc, freed)
-        return freed
 
     def free(self, pool, units, owner):
         for u in units:
@@ -141,6 +158,9 @@ class World:
         self.cache.check_invariants(self.alloc)
         for a in self.alloc.values():
             a.check()
+        for h in self.requests.values():  # nothing a running request reads was freed
+            for k, unit in zip(live_page_numbers(self.window, len(h.ids), self.ps), self.reads(h)):
+                assert self.content.get(("swa_kv", unit)) == self.page_rows(h.ids, k), f"window page {k} it reads"
 
     def drained(self) -> bool:
         """Evict everything unreferenced; then whether every pool is back at its baseline."""

@@ -13,10 +13,10 @@ from engine_helpers import VOCAB, assert_idle_clean, greedy, make_engine, tiny_m
 
 
 def _waves(waves: list[list[list[int]]], max_tokens: list[int], cache: bool, layout: str, limit: int = 300,
-           **kw) -> tuple[list[list[int]], dict]:
+           **kw) -> tuple[list[tuple[list[int], str]], dict]:
     """Each wave of prompts arrives once the one before is done (its prefixes cached), the k-th
-    wave's requests with `max_tokens[k]`; the outputs in order, and the cache's counters. Raises
-    if a wave is not done within `limit` steps."""
+    wave's requests with `max_tokens[k]`; the outputs and finish reasons in order, and the
+    cache's counters. Raises if a wave is not done within `limit` steps."""
     engine = make_engine(tiny_model(layout), prefix_cache=cache, **kw)
     ids = []
     for wave, n in zip(waves, max_tokens):
@@ -29,7 +29,8 @@ def _waves(waves: list[list[list[int]]], max_tokens: list[int], cache: bool, lay
         else:
             raise AssertionError(f"unfinished after {limit} steps: {engine.counts()}, {engine.pool_usage()}")
     assert_idle_clean(engine)
-    return [engine.finished_requests[i].output_ids for i in ids], engine.caching.stats.summary()
+    done = [engine.finished_requests[i] for i in ids]
+    return [(r.output_ids, r.finish_reason) for r in done], engine.caching.stats.summary()
 
 
 def test_a_hit_whose_window_and_chunk_pages_outnumber_the_step_budget_is_planned():
@@ -64,3 +65,26 @@ def test_waiting_hits_that_lock_the_whole_window_pool_let_go_of_it(overlap):
     on, stats = _waves([[first], then], [1, 3], cache=True, **kw)
     assert on == off
     assert stats["checkpoints"] >= 5 and stats["evicted_units"]["swa_kv"] >= 2, stats
+
+
+@pytest.mark.parametrize("layout", ["full_swa_mamba", "swa_mamba"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_window_pages_a_running_request_left_behind_do_not_starve_a_small_window_pool(layout, overlap):
+    """An 8-page swa pool (window 5, pages of 4: a request reads 2-3 pages at a time), a
+    checkpoint every 8 tokens. Each request passes its window many times; with the cache on, the
+    tree takes the window page before each checkpoint, and the request's lock on its path kept
+    every one of them (pages it no longer reads) from eviction: with three such requests the
+    pool ran dry and requests ended early ("length" after 23 of 40 tokens) where the cache-off
+    run finishes them. Pages nobody reads now go under pressure, with their checkpoints."""
+    rng = random.Random(3)
+    shared = [rng.randrange(VOCAB) for _ in range(24)]
+    first = [shared + [rng.randrange(VOCAB) for _ in range(k)] for k in (10, 14)]
+    first.append([rng.randrange(VOCAB) for _ in range(30)])
+    then = [first[0][:30] + [rng.randrange(VOCAB) for _ in range(5)], shared + [rng.randrange(VOCAB) for _ in range(7)]]
+    kw = dict(layout=layout, page_size=4, swa_capacity_tokens=32, max_batch_tokens=16, prefill_chunk=8,
+              mamba_track_interval=8, overlap=overlap)
+    off, _ = _waves([first, then], [40, 30], cache=False, **kw)
+    assert [len(out) for out, _ in off] == [40, 40, 40, 30, 30]
+    on, stats = _waves([first, then], [40, 30], cache=True, **kw)
+    assert on == off
+    assert stats["evicted_units"]["swa_kv"] >= 1, stats

@@ -16,7 +16,9 @@ mamba_track.py; the design: docs/prefix-cache.md).
 - `detach`: a request that leaves (finish, retraction, hand-off) unlocks its node and frees the
   slots of its pending writes through the engine's one free point; it never frees a unit the
   cache owns.
-- `evict(short)`: least recently used unreferenced nodes go before any request is retracted.
+- `evict(short)`: least recently used unreferenced nodes go before any request is retracted;
+  for a short window pool, then checkpoints on locked paths whose window pages no request reads
+  any more (`InUse`: what requests read, which only this layer knows).
 - `revoke(ids)`: hits whose checkpoint changed since it was cached (the step raised
   `CheckpointMismatch`) never count as hits (a hit counts once the step with its copies
   commits), and their nodes are never matched again; each goes from the tree as soon as no
@@ -34,7 +36,7 @@ from hyrax.actors.engine.mamba_track import CheckpointSlots, MambaTrack, TrackPo
 from hyrax.actors.engine.plan import CheckpointWrite, StepPlan, StepResult, UnitCopy
 from hyrax.actors.engine.pools import PoolSizes, checkpoint_pools
 from hyrax.actors.engine.prefix_cache import (
-    CACHE_OWNER, Checkpoint, Match, Node, PrefixCache, checkpoint_pool, transfer,
+    CACHE_OWNER, Checkpoint, InUse, Match, Node, PrefixCache, checkpoint_pool, transfer,
 )
 from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.stats import PrefixCacheStats
@@ -65,6 +67,7 @@ class PrefixCaching:
         self.components = components
         self.slots = tuple(c for c in components if c.kind == SLOT)
         self.paged = frozenset(c.name for c in components if c.paged)
+        self.windows = frozenset(c.name for c in components if c.kind == WINDOW)
         self.enabled = config.caches_prefixes
         if self.enabled and self.slots and sizes.checkpoints < MIN_CHECKPOINTS:
             raise ValueError(f"the prefix cache needs checkpoint pools of >= {MIN_CHECKPOINTS} slots; "
@@ -87,6 +90,8 @@ class PrefixCaching:
         # the exported counters only ever grow)
         self._uncounted: set[str] = set()
         self._corrupt: set[Node] = set()  # nodes a check condemned, held by some request still
+        # requests whose window tables hold pages the tree took at an insert (rows they may still read)
+        self._readers: dict[str, Request] = {}
         for pool in self.tree.pools if self.enabled else ():
             stats.evicted[pool] += 0  # every pool has a sample from the start
 
@@ -260,13 +265,15 @@ class PrefixCaching:
         for pool, units in ins.adopted.items():
             if pool in self.paged:
                 hold.shared.setdefault(pool, set()).update(units)
+            if pool in self.windows:
+                self._readers[req.id] = req
         # the lock only moves down the request's path: the node it holds covers every cached unit
         # in its tables (an insert that stopped above it, PrefixCache.insert, leaves it there)
         if ins.node.checkpoint is not None and ins.node.parent is not None and (
                 hold.node is None or ins.length > hold.node.end):
             self.tree.lock(ins.node)
             if hold.node is not None:
-                self.tree.unlock(hold.node)
+                self._let_go(self.tree.unlock(hold.node))
             hold.node = ins.node
 
     # ---- a request leaves ------------------------------------------------------------------
@@ -278,10 +285,11 @@ class PrefixCaching:
         self._hits.discard(req.id)
         self._hit_of.pop(req.id, None)
         self._uncounted.discard(req.id)
+        self._readers.pop(req.id, None)
         if hold is None:
             return
         if hold.node is not None:
-            self.tree.unlock(hold.node)
+            self._let_go(self.tree.unlock(hold.node))  # a node whose checkpoint went leaves with it
             if hold.node in self._corrupt:  # condemned: it goes once nobody holds it
                 self._drop_corrupt()
         if hold.track is not None:
@@ -303,7 +311,22 @@ class PrefixCaching:
         need = {p: n for p, n in short.items() if p in self.tree.pools and n > 0}
         if not self.enabled or not need:
             return False
-        return bool(self._let_go(self.tree.evict(need)))
+        return bool(self._let_go(self.tree.evict(need, self._in_use())))
+
+    def _in_use(self) -> InUse:
+        """What requests still read of the tree beyond the token pages of the paths they lock:
+        the checkpoints of hits not copied yet or in a step not committed yet, and the cached
+        window pages still in some request's window table (a page leaves the table, set to -1,
+        once its rows have left the window: `Results.release_windows`)."""
+        hits = frozenset(self._hit_of[rid][0] for rid in self._hits | self._uncounted if rid in self._hit_of)
+        window: dict[str, set[int]] = {}
+        for req in self._readers.values():
+            hold = req.cache
+            for name in self.windows:
+                shared = hold.shared.get(name) if hold is not None else None
+                if shared:
+                    window.setdefault(name, set()).update(u for u in req.indices.get(name, ()) if u in shared)
+        return InUse(hits, {name: frozenset(units) for name, units in window.items()})
 
     def flush(self) -> dict[str, int]:
         """Evict everything no request uses; returns units freed per pool."""
@@ -313,9 +336,16 @@ class PrefixCaching:
     def _let_go(self, freed: dict[str, list[int]]) -> dict[str, list[int]]:
         """Units the tree let go return to their pools through the one free point: now, or once
         the step in flight (which may still read them) is committed."""
+        if not freed:
+            return freed
         self.release(CACHE_OWNER, freed)
         for pool, units in freed.items():
             self.stats.evicted[pool] += len(units)
+        for req in self._readers.values():  # a page the tree let go is no longer the cache's in their tables
+            hold = req.cache
+            for pool in self.windows.intersection(freed):
+                if hold is not None and pool in hold.shared:
+                    hold.shared[pool].difference_update(freed[pool])
         return freed
 
     def _drop_corrupt(self) -> None:
@@ -338,6 +368,7 @@ class PrefixCaching:
         self._hit_of.clear()
         self._uncounted.clear()
         self._corrupt.clear()
+        self._readers.clear()
         for req in requests:
             req.cache = None
 

@@ -9,7 +9,8 @@ its edge:
 - `window`: for every `window` component, the pages a hit needs (the component's live rows
   before the end of some checkpoint below; -1 where nothing needs the page);
 - `checkpoint`: at a track boundary, the recurrent state after the node's last token — one
-  slot per `slot` component in that component's checkpoint pool, and its checksums per rank.
+  slot per `slot` component in that component's checkpoint pool, and its checksums per rank
+  (None at a split point, or where eviction took it from a node requests still lock).
 
 A hit is the longest cached prefix that ends on a checkpoint. The tree never touches an
 allocator: `insert` reports the units it adopted (the caller moves their ownership from the
@@ -28,7 +29,7 @@ from hyrax.actors.engine.statecopy import live_page_numbers
 from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
 
 from hyrax.actors.engine.prefix_nodes import (  # noqa: F401 - the cache's public values, re-exported
-    CACHE_OWNER, Checkpoint, Inserted, Match, Node, PrefixCacheError, Units, checkpoint_pool, give_back, transfer,
+    CACHE_OWNER, Checkpoint, InUse, Inserted, Match, Node, PrefixCacheError, Units, checkpoint_pool, give_back, transfer,
 )
 
 
@@ -113,7 +114,10 @@ class PrefixCache(Eviction):
             n.ref += 1
             n = n.parent
 
-    def unlock(self, node: Node) -> None:
+    def unlock(self, node: Node) -> Units:
+        """Returns the units that went with the lock (the caller gives them back): a leaf whose
+        checkpoint was evicted while it was locked (`evict` under window pressure) leaves with
+        its last lock, as do ancestors left as leaves without a checkpoint."""
         if node.locks < 1:
             raise PrefixCacheError(f"{node!r}: unlocked more often than locked")
         node.locks -= 1
@@ -121,6 +125,11 @@ class PrefixCache(Eviction):
         while n is not None:
             n.ref -= 1
             n = n.parent
+        if node.ref or node.children or node.checkpoint is not None or node.parent is None:
+            return {}
+        freed: Units = {p: [] for p in self.pools}
+        self._remove(node, freed)
+        return {p: u for p, u in freed.items() if u}
 
     # ---- insert ----------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], full: Mapping[str, Sequence[int]],

@@ -73,6 +73,18 @@ class Match:
 
 
 @dataclass(frozen=True)
+class InUse:
+    """What requests read of the tree besides the token pages on the paths they lock: the nodes
+    whose checkpoint (with its window pages) a hit has still to copy, or is copying in a step not
+    committed yet, and, per window component, the cached pages that hold rows of some request's
+    live window (pages the tree took from that request's tables at an insert). Eviction of a
+    checkpoint on a locked path (`Eviction.evict`) leaves these alone."""
+
+    hits: frozenset = frozenset()  # of Node
+    window: Mapping[str, frozenset[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Inserted:
     """node: the node ending at the inserted length (lock it to keep using the shared pages);
     adopted: units the tree took over from the request (move their ownership to the cache);
