@@ -41,7 +41,7 @@ from hyrax.actors.restart_budget import RestartBudget
 
 # A replica gives up (down: the deployment controller replaces it) when its ranks needed more than
 # `max_rank_restarts` restarts within this window; restarts longer ago (a rank lost last week)
-# no longer count against it.
+# no longer count against it. Down is final: the window passing does not bring a down replica back.
 RESTART_WINDOW_S = 600.0
 # what the clients of a replica that gave up on its ranks are told (the cause is in its health)
 DOWN = "the replica lost its ranks and could not restart them"
@@ -138,7 +138,12 @@ class RoleCoordinator:
         return infos
 
     def _recover(self, err: Exception) -> None:
-        """A rank failed: replace the ranks, rebuild every request by recompute."""
+        """A rank failed: replace the ranks, rebuild every request by recompute. A replica that
+        went down stays down, its restart window passed or not: the controller is replacing it,
+        and ranks it brought back itself would serve outside the deployment (its closed loop
+        calls no rank, so this is not reached again; a caller that did would restart nothing)."""
+        if self.down:
+            return
         self.healthy = self.loop.healthy = False
         self.last_error = str(err)
         while not self.loop.stopping and self.restart_budget.take(time.monotonic()):

@@ -1,7 +1,9 @@
 """How many times a replica restarts its ranks before it gives up (and reports itself down, for
 the deployment controller to replace): at most `limit` restarts within a sliding window, so that
 ranks lost now and then over weeks never add up to a replica that stops serving, while ranks
-that die again at once (a bad device, memory that runs out at every start) stop being restarted."""
+that die again at once (a bad device, memory that runs out at every start) stop being restarted.
+Only for a replica still serving: one that gave up stays down however long ago its restarts were
+(the controller replaces it; RoleCoordinator._recover)."""
 from __future__ import annotations
 
 

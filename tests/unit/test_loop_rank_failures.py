@@ -300,3 +300,26 @@ def test_a_replica_that_went_down_refuses_a_new_request_at_once_without_calling_
     finally:
         _close(coord)
     assert not coord.engine.requests
+
+
+def test_a_replica_that_went_down_stays_down_after_its_restart_window_passes():
+    """Down is final: the controller replaces a replica that says it is down. Once its restart
+    window (600 s) had passed, the budget allowed restarts again, and a rank failure seen by a
+    down replica (its idle pool check asked the dead ranks for their backups) restarted its ranks,
+    racing the replacement the controller had placed, and cleared `down`. Now its closed loop calls
+    no rank (an operator's command answers at once: the invariant check, not checked) and its
+    recovery restarts nothing, whatever its budget says."""
+    from hyrax.actors.coordinator import RESTART_WINDOW_S, RoleCoordinator
+
+    coord, rank, items = _down_coordinator("down-stays-down")
+    try:
+        budget = coord.restart_budget
+        budget._at = [t - RESTART_WINDOW_S for t in budget._at]  # the window has passed
+        calls = rank.calls
+        time.sleep(3 * coord.loop.idle_check_after_s)  # long enough for an idle check of the pools
+        assert coord.loop.check_invariants() is False  # not checked: its ranks are gone
+        RoleCoordinator.__ray_metadata__.modified_class._recover(coord, RankFailure("a later failure"))
+        assert len(coord.started) == 1 and coord.down and not coord.healthy, vars(coord)
+        assert rank.calls == calls
+    finally:
+        _close(coord)
