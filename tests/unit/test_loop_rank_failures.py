@@ -19,6 +19,7 @@ from hyrax.actors.engine.commands import Resume, Retract
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.request import SamplingParams, State
 from hyrax.actors.engine.selection import Selection
 from hyrax.actors.engine.step_feed import Sink, is_last
 
@@ -323,3 +324,70 @@ def test_a_replica_that_went_down_stays_down_after_its_restart_window_passes():
         assert rank.calls == calls
     finally:
         _close(coord)
+
+
+# ---- a rank lost while a state move saves or loads ----------------------------------------------
+
+def _save_fails_on_a_rank(rep: Replica) -> None:
+    """The rank timed out on a save (it answers a discard): the ranks' state is suspect."""
+    def save(*args, **kw):
+        raise RankFailure("save failed on a rank: GetTimeoutError")
+    rep.engine.executor.save = save  # the recovery's restart brings a rank that saves
+
+
+def test_a_rank_lost_during_an_operators_save_is_recovered_not_taken_for_a_failed_save():
+    """A retraction's save that failed on a rank was taken as a save that failed on a live rank:
+    the request was retracted by recompute (its state dropped), the answer said `recompute`, and the
+    lost rank stayed for the next step to find. It is recovered at once now, the answer is
+    ranks_failed, and the request (not retracted, not held) runs on, rebuilt from its tokens."""
+    with Replica("save-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        with rep.loop.lock:
+            _save_fails_on_a_rank(rep)
+            answer = rep.loop.retract(Retract(Selection(ids=("r0",)), mode="cpu_tensor", hold=True))
+        assert answer == {"r0": Outcome.RANKS_FAILED} and len(rep.recovered) == 1, (answer, rep.recovered)
+        assert rep.engine.requests["r0"].state != State.RETRACTED
+        rep.assert_served_whole("r0", "r1")
+
+
+def test_a_rank_lost_during_a_forced_retractions_save_in_a_step_is_recovered():
+    with Replica("forced-save-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        with rep.loop.lock:
+            _save_fails_on_a_rank(rep)
+            rep.loop.set_forced_retraction(1)
+        Replica.wait_for(lambda: rep.recovered, "the lost rank was never recovered")
+        rep.loop.set_forced_retraction(0)
+        assert rep.engine.stats.retractions[("forced", "recompute")] == 0, rep.engine.stats.retractions
+        rep.assert_served_whole("r0", "r1")
+
+
+def test_a_rank_lost_while_an_import_loads_is_recovered_and_the_request_goes_on_once():
+    """An import whose load failed on a rank was taken as a failed copy: the request was rebuilt
+    by prefill (answer `fallback`) on the lost rank, found only by the next step. The replica
+    recovers at once now; the request stays its own (acknowledged to its source, whose offer is
+    freed), is rebuilt from its tokens and streams each of its tokens once."""
+    source = make_engine(tiny_model(HYBRID))
+    source.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), "m0")
+    while len(source.requests["m0"].output_ids) < 3:
+        source.step()
+    before = len(source.requests["m0"].output_ids)
+    handoff = source.export_running("m0")
+    source_loop = EngineLoop(source, "import-source")
+    try:
+        with Replica("import-on-a-lost-rank") as rep:
+            def load(*args, **kw):
+                raise RankFailure("load failed on a rank: ActorDiedError")
+            rep.items["m0"] = []
+            sink = Sink(lambda batch: [rep.items[rid].append(item) for rid, item in batch], rep.aloop)
+            with rep.loop.lock:
+                rep.engine.executor.load = load  # the recovery's restart brings a rank that loads
+                rep.loop.submit_imported(dict(handoff, source=source_loop), sink)
+            rep.wait_for(lambda: rep.last("m0"), "the imported request never ended")
+            assert rep.items["m0"][0]["imported"] == Outcome.RANKS_FAILED and len(rep.recovered) == 1
+            assert rep.last("m0")["finish_reason"] == "length" and rep.tokens("m0") == MAX_TOKENS - before
+        Replica.wait_for(lambda: "m0" not in source.requests, "the source's offer was never acknowledged")
+        assert source.stats.transfers_out == 1
+    finally:
+        source_loop.shutdown()
+    assert_idle_clean(source)

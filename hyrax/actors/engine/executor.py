@@ -13,11 +13,8 @@ import torch
 
 from hyrax.actors.engine.moves import Location, Place, Rows
 from hyrax.actors.engine.plan import CheckpointMismatch, StepPlan, StepResult
+from hyrax.actors.engine.rank_failure import RankFailure  # noqa: F401 - the executors' error, named with them
 from hyrax.actors.engine.rank_runtime import RankRuntime
-
-
-class RankFailure(RuntimeError):
-    """A rank died, hung past the timeout, or failed outside a step: its ranks are replaced."""
 
 
 class StepError(RuntimeError):

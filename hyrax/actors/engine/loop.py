@@ -369,12 +369,19 @@ class EngineLoop:
 
     def submit_imported(self, handoff: dict, sink: Sink) -> None:
         """Take over a request exported by another replica and stream the rest of it to `sink`.
-        Its first item acknowledges the import: {"imported": result, "token_ids": []}."""
+        Its first item acknowledges the import: {"imported": result, "token_ids": []}. A rank lost
+        while loading its state is recovered at once (RANKS_FAILED): the request is ours all the
+        same, rebuilt by prefill from its tokens with every other one."""
         rid = handoff["request"]["id"]
 
         def admit():
-            result = self.engine.import_request(handoff)
-            # the state is ours now (imported, or rebuilt by prefill from the tokens): tell the source
+            # a request this loop ended while recovering (it gave up) is not acknowledged: the
+            # source's offer is freed by its lease or the gateway, as for any import that fails
+            result = self._on_ranks(lambda: self.engine.import_request(handoff),
+                                    lambda: Outcome.RANKS_FAILED if rid in self.engine.requests else None)
+            if result is None:
+                return None  # its stream ended with the error of the loop that gave up
+            # the request is ours now (imported, or rebuilt by prefill from the tokens): tell the source
             if handoff.get("source") is not None:
                 self.ack(handoff["source"], rid)
             return {"token_ids": [], "finished": False, "finish_reason": None, "imported": result}

@@ -12,6 +12,9 @@ rank's pre-allocated host pool) or OBJECT_STORE (shards exported for another rep
   Restore and import are loads.
 - Anything else — no state kept, an incomplete manifest, a failed copy, a mismatch — falls
   back to recompute: the state is dropped and the request is rebuilt by prefill (one fallback).
+  Except a lost rank (`RankFailure`: died, hung, raised): what every rank holds is suspect, so
+  it goes to the caller, whose loop replaces the ranks and rebuilds every request (loop.py's
+  `_recover`); the units this replica allocated for the move are given back first.
 
 Device indices are freed only after every rank acknowledged a save, through the engine's one
 free point (`release`). Test-only faults subclass this (`hyrax.testing.faults`).
@@ -29,6 +32,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.manifest import ComponentRecord, Manifest
+from hyrax.actors.engine.rank_failure import RankFailure
 from hyrax.actors.engine.request import Request
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.engine.statecopy import live_page_numbers, live_rows, pages_needed
@@ -169,6 +173,9 @@ class StateMoves:
             location = Location(place, {n: self.host_alloc[n].allocate(req.id, len(r)) for n, r in rows.items()})
         try:
             return self.save(req, location)
+        except RankFailure:  # nothing to discard on ranks that are replaced: the recovery's
+            self._free_host_rows(req.id, location)
+            raise
         except Exception:
             self._drop(req.id, location)
             return None
@@ -179,8 +186,11 @@ class StateMoves:
         try:
             self.executor.discard(req_id)
         finally:
-            for name, idx in (location.host_rows or {}).items():
-                self.host_alloc[name].free(req_id, idx)
+            self._free_host_rows(req_id, location)
+
+    def _free_host_rows(self, req_id: str, location: Location) -> None:
+        for name, idx in (location.host_rows or {}).items():
+            self.host_alloc[name].free(req_id, idx)
 
     def release_backup(self, req: Request) -> None:
         """Discard a request's saved state everywhere (abort, fallback, after a load)."""
@@ -192,7 +202,8 @@ class StateMoves:
     def load(self, req: Request) -> Outcome:
         """Bring saved state into new device indices. VERIFIED: it can run; RECOMPUTE /
         FALLBACK / CHECKSUM_MISMATCH: its state is dropped, it must be rebuilt by prefill;
-        NO_CAPACITY: left as it was. The caller moves it in the request table."""
+        NO_CAPACITY: left as it was (also when a rank is lost: RankFailure, raised). The caller
+        moves it in the request table."""
         backup: Backup | None = req.backup
         if backup is None:
             return self._recompute(req, Outcome.RECOMPUTE, count=False)
@@ -213,6 +224,9 @@ class StateMoves:
             target = self.target_rows(req, backup)
             self.precheck(req, m, target)
             ok = self.verified(self.executor.load(req.id, target, loc, m.by_rank()))
+        except RankFailure:  # left as it was (its backup with it) for the recovery to rebuild
+            self.free_device(req)
+            raise
         except Exception:  # incomplete manifest, ownership, or a failed copy on any rank:
             self.free_device(req)  # never resume on partial state
             return self._recompute(req, Outcome.FALLBACK)
