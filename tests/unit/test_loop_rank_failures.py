@@ -134,8 +134,8 @@ def test_a_rank_lost_during_an_operators_resume_is_recovered_and_the_resume_answ
         assert rep.loop.retract(Retract(Selection(ids=("r0",)), hold=True)) == {"r0": Outcome.CPU_TENSOR}
         resume = Resume(Selection(all=True))
         assert rep.lose_rank_during(lambda: rep.loop.resume(resume)) == {"r0": Outcome.RANKS_FAILED}
-        if rep.engine.requests["r0"].hold:  # still held: its backup is gone, a resume recomputes it
-            assert rep.loop.resume(Resume(Selection(ids=("r0",)))) == {"r0": Outcome.RECOMPUTE}
+        assert rep.engine.requests["r0"].hold  # still held: its backup is gone, a resume recomputes it
+        assert rep.loop.resume(Resume(Selection(ids=("r0",)))) == {"r0": Outcome.RECOMPUTE}
         rep.assert_served_whole("r0", "r1")
 
 
@@ -391,3 +391,21 @@ def test_a_rank_lost_while_an_import_loads_is_recovered_and_the_request_goes_on_
     finally:
         source_loop.shutdown()
     assert_idle_clean(source)
+
+
+def test_a_resume_whose_load_hits_a_lost_rank_leaves_the_request_held():
+    """A resume let go of the operator's hold before the load failed on a lost rank: the answer
+    said ranks_failed, yet the recovery rebuilt the request and it ran. It is held now, as if the
+    resume had never been asked for, until the operator resumes it again."""
+    with Replica("resume-held-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        assert rep.loop.retract(Retract(Selection(ids=("r0",)), hold=True)) == {"r0": Outcome.CPU_TENSOR}
+        resume = Resume(Selection(ids=("r0",)))
+        assert rep.lose_rank_during(lambda: rep.loop.resume(resume)) == {"r0": Outcome.RANKS_FAILED}
+        req = rep.engine.requests["r0"]
+        assert req.state == State.RETRACTED and req.hold, (req.state, req.hold)
+        tokens = rep.tokens("r0")
+        rep.assert_served_whole("r1")
+        assert rep.tokens("r0") == tokens and rep.last("r0") is None  # it did not run meanwhile
+        assert rep.loop.resume(resume) == {"r0": Outcome.RECOMPUTE}  # its backup went with the rank
+        rep.assert_served_whole("r0")

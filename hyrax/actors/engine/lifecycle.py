@@ -127,6 +127,13 @@ class RequestTable:
         req.hold = hold
         req.retractions += 1
 
+    def release(self, req: Request) -> None:
+        """An operator resumed a retracted request that does not fit yet: no longer held, it is
+        restored as soon as memory allows."""
+        if req.state != State.RETRACTED or self.requests.get(req.id) is not req:
+            raise IllegalTransition(f"{req.id}: only a retracted request is released, not a {req.state.value} one")
+        req.hold = False
+
     def restore(self, req: Request) -> None:
         """Its state is back in the device pools, verified."""
         self._move(req, (State.RETRACTED,), State.RUNNING)

@@ -60,14 +60,17 @@ class Retractions:
         return out
 
     def resume_ids(self, req_ids: list[str]) -> dict[str, Outcome]:
-        """Release held requests: restored now, or as soon as memory allows (QUEUED)."""
+        """Release held requests: restored now, or as soon as memory allows (QUEUED). The hold
+        goes with the restore, not before: a rank lost in the load (RankFailure, raised) leaves
+        the request held, as if the resume had not been asked for."""
         out = {}
         for rid in req_ids:
             req = self.table.get(rid)
             if req is None or req.state != State.RETRACTED:
                 out[rid] = Outcome.NOT_RETRACTED if req is not None else Outcome.UNKNOWN
                 continue
-            req.hold = False
             result = self.restore(req)
+            if result == Outcome.NO_CAPACITY:
+                self.table.release(req)
             out[rid] = Outcome.QUEUED if result == Outcome.NO_CAPACITY else result
         return out
