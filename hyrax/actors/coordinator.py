@@ -290,6 +290,8 @@ class RoleCoordinator:
 
     def health(self) -> dict:
         return {"role": self.role, "replica": self.replica, "healthy": self.healthy, "down": self.down,
+                # replacing its ranks after a rank failure (_recover), neither down nor given up
+                "restarting": not self.healthy and not self.down and not self.loop.stopping,
                 "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
                 "gateway_leases": self.gateways.summary(),

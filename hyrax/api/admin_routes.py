@@ -77,6 +77,15 @@ async def pools(request: Request):
     return {"replicas": await request.app.state.client.pools()}
 
 
+@router.get("/health")
+async def health(request: Request):
+    """A health round with each replica's own answer (its last error, its stuck reason) and the
+    reasons quoting them: what GET /health leaves out. 200 whether the gateway is ready or not."""
+    h = await request.app.state.client.health()
+    request.app.state.ready, request.app.state.health = h.ready, h
+    return h.detail()
+
+
 @router.post("/retract")
 async def retract(body: RetractBody, request: Request):
     res = await request.app.state.client.retract(Retract(_selection(body), body.mode, body.hold))
@@ -158,5 +167,5 @@ async def drain(body: DrainBody, request: Request):
     # readiness follows at once (not at the next health poll): a request right after an
     # undrain is served, not refused with a 503 by a readiness read while the replica was out
     h = await client.health()
-    request.app.state.ready, request.app.state.health = h["ready"], h
+    request.app.state.ready, request.app.state.health = h.ready, h
     return out

@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hyrax import __version__
 from hyrax.api import admin_routes, dashboard_routes, docs_routes, openai_routes, tokenize_routes
 from hyrax.api.errors import error_response, install_handlers
+from hyrax.api.health import NOT_CHECKED
 from hyrax.api.metrics import GatewayMetrics
 from hyrax.api.metrics import render as render_metrics
 
@@ -77,7 +78,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         async def watch():
             while True:
                 h = await client.health()
-                app.state.ready, app.state.health = h["ready"], h
+                app.state.ready, app.state.health = h.ready, h
                 await asyncio.sleep(settings.health_interval_s)
 
         task = asyncio.create_task(watch())
@@ -90,7 +91,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     app.state.client = client
     app.state.settings = settings
     app.state.ready = False
-    app.state.health = {"ready": False, "replicas": []}
+    app.state.health = NOT_CHECKED  # the last health round's report (hyrax/api/health.py)
     app.state.started = int(time.time())
     app.state.metrics = GatewayMetrics()
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
@@ -103,12 +104,14 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
+        """Readiness and each replica's state, for probes and load balancers (no token): never a
+        replica's own words, which hold exception text and addresses (GET /admin/health has them)."""
         h = await client.health()
-        request.app.state.ready = h["ready"]
-        if not h["ready"]:
-            why = "; ".join(h.get("reasons") or ["some replica is unhealthy"])
-            return error_response(503, f"not ready: {why}", code="unavailable", headers={"Retry-After": "5"})
-        return {"status": "ok", **h}
+        request.app.state.ready, request.app.state.health = h.ready, h
+        if not h.ready:
+            return error_response(503, f"not ready: {'; '.join(h.public_reasons)}", code="unavailable",
+                                  headers={"Retry-After": "5"})
+        return {"status": "ok", **h.public()}
 
     @app.get("/metrics")
     async def metrics():

@@ -20,6 +20,7 @@ from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 from hyrax.actors.engine.step_feed import error_item
 from hyrax.api.cache_routing import RouteStats, pick_by_prefix
+from hyrax.api.health import HealthReport, ReplicaHealth, ReplicaState, judge
 
 
 class LocalBackend:
@@ -101,7 +102,7 @@ class EngineClient:
     inflight: dict[int, int] = field(default_factory=dict)
     owner: dict[str, object] = field(default_factory=dict)  # request id -> backend
     draining: set = field(default_factory=set)  # backend ids that take no new requests
-    out_of_service: dict[int, str] = field(default_factory=dict)  # backend id -> why it takes none either
+    out_of_service: dict[int, ReplicaHealth] = field(default_factory=dict)  # backend id -> the check that took it out
     health_timeout_s: float = 5.0
     unresponsive_after: int = 3  # health checks missed in a row before a replica is taken out
     _missed: dict[int, int] = field(default_factory=dict)
@@ -399,40 +400,50 @@ class EngineClient:
         res = await self._each(Stats())
         return [dict(s, role=b.role, replica=b.index) for b, s in zip(self.backends, res)]
 
-    async def health(self) -> dict:
+    async def health(self) -> HealthReport:
         """Ask every replica; take out of service (no new requests routed to it) one that
         reports itself unhealthy or stuck, or that missed `unresponsive_after` health checks in a
         row, and put it back once it answers healthy. Ready while some replica path can still
-        serve a request end to end; `reasons` names every replica out of service either way."""
+        serve a request end to end. The report's public view names each replica's state; its
+        detail (the admin view) quotes the replicas' answers (health.py)."""
         async def ask(b):
             try:
                 return await asyncio.wait_for(b.health(), self.health_timeout_s)
             except Exception as e:  # noqa: BLE001 - no answer in time counts as a missed check
                 return {"role": b.role, "replica": b.index, "healthy": None, "last_error": type(e).__name__}
 
-        reps = await asyncio.gather(*(ask(b) for b in self.backends))
-        for b, r in zip(self.backends, reps):
-            key = id(b)
-            if r.get("healthy") is None:
-                self._missed[key] = self._missed.get(key, 0) + 1
-                if self._missed[key] >= self.unresponsive_after:
-                    self.out_of_service[key] = (f"unresponsive ({self._missed[key]} health checks in a row "
-                                                f"unanswered within {self.health_timeout_s:g} s)")
-                continue
-            self._missed.pop(key, None)
-            if not r.get("healthy") or r.get("stuck"):
-                self.out_of_service[key] = r.get("stuck") or _unhealthy(r)
-            else:
-                self.out_of_service.pop(key, None)
-        reasons = [f"{b.role}/{b.index}: {self.out_of_service[id(b)]}" for b in self.backends
-                   if id(b) in self.out_of_service]
-        cannot = self.unavailable()
-        return {"ready": cannot is None, "replicas": reps, "reasons": reasons + ([cannot] if cannot else [])}
+        answers = await asyncio.gather(*(ask(b) for b in self.backends))
+        for b, answer in zip(self.backends, answers):
+            self._judge(b, answer)
+        return HealthReport(tuple(self._now(b, a) for b, a in zip(self.backends, answers)), self.unavailable())
 
+    def _judge(self, b, answer: dict) -> None:
+        """Take `b` out of service, or put it back, by its health answer (`healthy` None: none in time)."""
+        key, state = id(b), judge(answer)
+        if state == ReplicaState.UNRESPONSIVE:
+            self._missed[key] = missed = self._missed.get(key, 0) + 1
+            if missed >= self.unresponsive_after:
+                why = (f"unresponsive ({missed} health checks in a row unanswered within "
+                       f"{self.health_timeout_s:g} s)")
+                self.out_of_service[key] = self._status(b, ReplicaState.UNRESPONSIVE, answer, why)
+            elif key in self.out_of_service:  # already out: as it was, one more check missed
+                self.out_of_service[key] = dataclasses.replace(self.out_of_service[key], missed_checks=missed)
+            return
+        self._missed.pop(key, None)
+        if state == ReplicaState.HEALTHY:
+            self.out_of_service.pop(key, None)
+        else:
+            self.out_of_service[key] = self._status(b, state, answer)
 
-def _unhealthy(health: dict) -> str:
-    """Why a replica that answered unhealthy is out of service: its state and the first line of
-    its last error (restarting its ranks after a rank failure, or down for good)."""
-    state = "down" if health.get("down") else "unhealthy"
-    first = (health.get("last_error") or "").strip().splitlines()
-    return f"{state} ({first[0]})" if first else state
+    def _status(self, b, state: ReplicaState, answer: dict, why_out: str | None = None,
+                in_service: bool = False) -> ReplicaHealth:
+        return ReplicaHealth(b.role, b.index, state, in_service, id(b) in self.draining, self._missed.get(id(b), 0),
+                             why_out, answer)
+
+    def _now(self, b, answer: dict) -> ReplicaHealth:
+        """`b` after this round: out of service as the check that took it out found it, else in
+        service (healthy, or unresponsive for fewer checks than take it out); draining as it is now."""
+        out = self.out_of_service.get(id(b))
+        if out is None:
+            return self._status(b, judge(answer), answer, in_service=True)
+        return dataclasses.replace(out, draining=id(b) in self.draining)

@@ -8,6 +8,8 @@ import time
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from hyrax.api.health import HealthReport
+
 disable_created_metrics()  # no *_created series: they double the scrape for no dashboard use
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -61,7 +63,7 @@ def _hist(name: str, doc: str, series: list[tuple[list[str], dict]]) -> Histogra
     return fam
 
 
-def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
+def engine_families(stats: list[dict], pools: list[dict], health: HealthReport) -> list:
     """Metric families from per-replica stats (client.stats()) and pools (client.pools())."""
     g = {n: GaugeMetricFamily(f"hyrax_{n}", d, labels=RL) for n, d in (
         ("requests_running", "Requests running on a replica (decode or prefill in progress)."),
@@ -140,8 +142,8 @@ def engine_families(stats: list[dict], pools: list[dict], health: dict) -> list:
                 pg["pool_cached_units"].add_metric(l2, u.get("cached", 0))
                 hc = u.get("host_capacity", 0)
                 pg["host_pool_usage_ratio"].add_metric(l2, u.get("host_used", 0) / hc if hc else 0.0)
-    for r in health.get("replicas", []):
-        up.add_metric([str(r.get("role")), str(r.get("replica"))], 1.0 if r.get("healthy") else 0.0)
+    for r in health.replicas:
+        up.add_metric([r.role, str(r.replica)], 1.0 if r.answer.get("healthy") else 0.0)
     docs = {"backup_duration_seconds": "Time to back up a retracted request on all ranks.",
             "restore_duration_seconds": "Time to restore and verify a request on all ranks.",
             "pd_transfer_duration_seconds": "Time to export (source side) or import and verify (target side) a request.",

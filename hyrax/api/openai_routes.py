@@ -64,7 +64,7 @@ def _admit(request: Request, choices: list) -> Reservation:
     """Admission counts choices (prompts x n), not HTTP requests."""
     _check_choices(request, len(choices))
     if not request.app.state.ready:
-        why = "; ".join(request.app.state.health.get("reasons") or [])  # the last health poll's
+        why = "; ".join(request.app.state.health.public_reasons)  # the last health poll's, as /health says them
         raise APIError(503, f"replicas are not ready{': ' + why if why else ''}", code="unavailable",
                        headers={"Retry-After": "5"})
     try:

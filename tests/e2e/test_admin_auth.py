@@ -32,7 +32,7 @@ BODIES = {
 
 def admin_routes(app) -> list[tuple[str, str]]:
     found = [(m, p) for m, p in routes(app) if p.startswith("/admin")]
-    assert {("GET", "/admin/requests"), ("GET", "/admin/pools"), ("POST", "/admin/retract"),
+    assert {("GET", "/admin/requests"), ("GET", "/admin/pools"), ("GET", "/admin/health"), ("POST", "/admin/retract"),
             ("POST", "/admin/resume"), ("POST", "/admin/forced-retraction")} <= set(found)
     return found
 

@@ -191,7 +191,7 @@ def test_resume_takes_the_same_selectors_as_retract_and_admin_count_takes_the_la
 
 def test_a_stuck_replica_makes_health_not_ready_with_the_reason(local):
     """Work queued, nothing running, no progress: /health says so (it said ready while
-    leaked slots made every new request hang)."""
+    leaked slots made every new request hang), and /admin/health says what the replica reported."""
     engine, loop = local.engine, local.loop
     loop.stuck_after_s = 0.3
     # the idle pool check would catch the planted leak first (if the replica's idle period ends
@@ -206,7 +206,9 @@ def test_a_stuck_replica_makes_health_not_ready_with_the_reason(local):
     try:
         wait_until(lambda: HTTP.get(f"{local.url}/health", timeout=10).status_code == 503, 20, what="not ready")
         err = HTTP.get(f"{local.url}/health", timeout=10).json()["error"]
-        assert "stuck" in err["message"] and "waiting" in err["message"], err
+        assert "colocated/0: stuck" in err["message"], err  # the state, publicly; the replica's words
+        detail = HTTP.get(f"{local.url}/admin/health", headers=ADMIN, timeout=10).json()  # for the operator
+        assert not detail["ready"] and "waiting" in detail["reasons"][0], detail
     finally:
         with loop.lock:
             slots.free("leak", leaked)

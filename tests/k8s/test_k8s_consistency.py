@@ -24,7 +24,9 @@ class _DummyClient:
         self.ready = ready
 
     async def health(self):
-        return {"ready": self.ready, "replicas": []}
+        from hyrax.api.health import HealthReport
+
+        return HealthReport((), None if self.ready else "no replica accepts requests")
 
 
 def _app(ready: bool = True):

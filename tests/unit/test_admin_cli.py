@@ -14,6 +14,7 @@ def _req(*argv):
 
 def test_admin_actions_map_to_admin_endpoints():
     assert _req("requests") == ("GET", "/admin/requests", None)
+    assert _req("health") == ("GET", "/admin/health", None)
     assert _req("retract", "--count", "2", "--mode", "host_pool", "--hold") == (
         "POST", "/admin/retract", {"count": 2, "mode": "host_pool", "hold": True})
     assert _req("retract", "--id", "a", "--id", "b") == ("POST", "/admin/retract", {"request_ids": ["a", "b"]})

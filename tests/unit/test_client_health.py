@@ -28,7 +28,8 @@ def _client(*roles: tuple[str, int]) -> tuple[EngineClient, list[FakeBackend]]:
 
 
 def _health(client) -> dict:
-    return asyncio.run(client.health())
+    """The health round's operator view (detail): its reasons quote the replicas."""
+    return asyncio.run(client.health()).detail()
 
 
 def test_a_silent_decode_replica_leaves_routing_after_three_missed_checks_and_the_gateway_stays_ready():
@@ -53,6 +54,7 @@ def test_a_replica_that_reports_itself_stuck_is_out_at_once_and_the_last_path_go
     assert not h["ready"]
     assert h["reasons"][0] == "colocated/0: work waiting, nothing running for 31 s", h
     assert "out of service" in h["reasons"][1]
+    assert h["replicas"][0]["state"] == "stuck" and not h["replicas"][0]["in_service"], h
     only.answer = {"healthy": True, "stuck": None}
     assert _health(client)["ready"]
 
@@ -65,14 +67,22 @@ def test_without_any_decode_replica_in_service_a_pd_gateway_is_not_ready():
         "decode/0: unhealthy", "no decode replica accepts requests (all draining or out of service)"]
 
 
-def test_an_unhealthy_replica_is_out_of_service_with_why_its_health_says():
+def test_an_unhealthy_replica_is_out_of_service_with_its_state_and_the_operator_sees_why_its_health_says():
+    """The public reasons (GET /health, unauthenticated) name the state only; the replica's last
+    error (exception text, pids) is in the detail (GET /admin/health): test_health_detail_hidden.py."""
     client, (only,) = _client(("colocated", 0))
     only.answer = {"healthy": False, "stuck": None,
                    "last_error": "ping failed on a rank: ActorDiedError: The actor died unexpectedly\n\tpid: 12"}
-    assert _health(client)["reasons"][0] == "colocated/0: unhealthy (ping failed on a rank: ActorDiedError: The actor died unexpectedly)"
+    report = asyncio.run(client.health())
+    assert report.detail()["reasons"][0] == (
+        "colocated/0: unhealthy (ping failed on a rank: ActorDiedError: The actor died unexpectedly)")
+    assert report.public_reasons[0] == "colocated/0: unhealthy"
     only.answer = {"healthy": False, "down": True, "stuck": None,
                    "last_error": "replica down after 3 rank restarts within 600 s; failed 2 requests"}
-    assert _health(client)["reasons"][0] == "colocated/0: down (replica down after 3 rank restarts within 600 s; failed 2 requests)"
+    report = asyncio.run(client.health())
+    assert report.detail()["reasons"][0] == (
+        "colocated/0: down (replica down after 3 rank restarts within 600 s; failed 2 requests)")
+    assert report.public_reasons[0] == "colocated/0: down"
 
 
 def test_a_migration_target_must_decode_and_be_in_service():
