@@ -23,6 +23,8 @@ class RouteStats:
     decisions: Counter = field(default_factory=Counter)  # "cache" | "load" (no hit) | "margin" (hit, too busy)
     routed_hit_tokens: int = 0  # cached prompt tokens on the replicas chosen
     best_hit_tokens: int = 0  # the longest cached prefix among the candidates, summed
+    # refusals at admission (a closed replica): "rerouted" to another replica, "answered" (503: none left)
+    refusals: Counter = field(default_factory=Counter)
 
 
 async def pick_by_prefix(cands: list, inflight: dict[int, int], least_loaded: Callable, prompt_ids: list[int],

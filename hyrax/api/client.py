@@ -18,7 +18,7 @@ from hyrax.actors.engine.commands import (Abort, Command, FlushCache, ListReques
                                           Retract, SetForcedRetraction, Stats)
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
-from hyrax.actors.engine.step_feed import error_item
+from hyrax.actors.engine.step_feed import error_item, is_refusal
 from hyrax.api.cache_routing import RouteStats, pick_by_prefix
 from hyrax.api.health import HealthReport, ReplicaHealth, ReplicaState, judge
 
@@ -66,6 +66,7 @@ class ModelInfo:
 
 
 DECODING_ROLES = ("decode", "colocated")  # the roles that continue a request after its first token
+REFUSED = "refused a request at admission"  # why a replica is out of service after a refusal (public)
 
 
 def least_loaded(backends: list, inflight: dict[int, int]) -> object:
@@ -163,6 +164,28 @@ class EngineClient:
         cands = self._candidates(DECODING_ROLES, exclude) or self._candidates(DECODING_ROLES, exclude, draining=True)
         return self.router(cands, self.inflight) if cands else None
 
+    def _next_try(self, tried: set[int], after_handoff: object = None):
+        """Where a request goes after replicas in `tried` refused it at admission: for a new
+        request, the first hop's kind (a prefill replica if one is in service, else a colocated
+        or decode one); for a hand-off offered by `after_handoff`, a replica that continues it
+        (`_continuation`). By load alone (the first hop's cache-aware decision is counted once
+        per request); None when none is left."""
+        if after_handoff is not None:
+            cands = (self._candidates(DECODING_ROLES, after_handoff)
+                     or self._candidates(DECODING_ROLES, after_handoff, draining=True))
+        else:
+            cands = self._candidates(("prefill",)) or self._candidates(("colocated", "decode"))
+        cands = [b for b in cands if id(b) not in tried]
+        return self.router(cands, self.inflight) if cands else None
+
+    def _refused(self, b, item: dict) -> None:
+        """`b` refused a request at admission (`step_feed.is_refusal`): its loop is closed (it went
+        down, gave up, or is shutting down) or its actor is gone. Out of service at once, as a
+        failed health check takes it; the next check that finds it healthy puts it back."""
+        if id(b) not in self.out_of_service:  # else a health check's finding, which says more
+            answer = {"role": b.role, "replica": b.index, "healthy": False, "last_error": item.get("error")}
+            self.out_of_service[id(b)] = self._status(b, ReplicaState.UNHEALTHY, answer, REFUSED)
+
     async def _first_hop(self, prompt_ids: list[int]):
         """Where a new request runs its prompt: a prefill replica if there is one, else a
         colocated (or decode) one; among several, the one with the longest cached prefix unless it
@@ -195,17 +218,28 @@ class EngineClient:
         offered to a decode replica after its first token; a migration offers it between
         decode replicas. The importer acknowledges to the source, coordinator to coordinator;
         this gateway only carries the offer. The consumer sees one uninterrupted stream of
-        token items. If the consumer goes away, the request is aborted wherever it is."""
+        token items. If the consumer goes away, the request is aborted wherever it is.
+
+        A replica that refuses the request (or its hand-off) at admission, its stream's first
+        item a refusal (nothing of it ran there), is taken out of service and the request (or
+        the same hand-off: the source still offers it) goes to another suitable replica, each
+        tried once; the last refusal reaches the consumer when none is left (503). Nothing else
+        is retried: an error after an item, or any other error, may follow an admission."""
         backend = await self._first_hop(prompt_ids)
         if backend is None:
             yield error_item("no replica accepts requests (all draining or out of service)", 503)
             return
         self._own(request_id, backend)
         stream, offered_by, done = backend.generate(request_id, prompt_ids, params), None, False
+        carried, tried = None, set()  # the hand-off the next replica is offered; who refused this hop
         try:
             while True:
-                handoff = None
+                handoff, refusal, fresh = None, None, True  # fresh: nothing of this stream read yet
                 async for item in stream:
+                    if fresh and is_refusal(item):
+                        refusal = item
+                        break
+                    fresh = False
                     if "imported" in item:  # the new replica has it; the source was told directly
                         offered_by = None
                         continue
@@ -216,6 +250,24 @@ class EngineClient:
                         break
                     done = bool(item.get("finished"))
                     yield item
+                if refusal is not None:  # it never ran there: another replica may take it
+                    self._refused(backend, refusal)
+                    tried.add(id(backend))
+                    if request_id in self.aborting:  # aborted meanwhile (the abort went to the refuser)
+                        done = True  # (an offer is freed below)
+                        yield {"token_ids": [], "finished": True, "finish_reason": "abort"}
+                        return
+                    target = self._next_try(tried, offered_by)
+                    self.route_stats.refusals["answered" if target is None else "rerouted"] += 1
+                    if target is None:  # none left: the refusal ends it (an offer is freed below)
+                        done = True
+                        yield refusal
+                        return
+                    backend = target
+                    self._own(request_id, backend)
+                    stream = (backend.generate_imported(carried) if offered_by is not None
+                              else backend.generate(request_id, prompt_ids, params))
+                    continue
                 if handoff is None:
                     if not done:  # the replica's stream stopped short: an error, never a silently cut answer
                         yield error_item("the replica serving this request stopped before the request finished", 503)
@@ -225,7 +277,7 @@ class EngineClient:
                     done, offered_by = True, backend  # and its source frees what it offered (below)
                     yield {"token_ids": [], "finished": True, "finish_reason": "abort"}
                     return
-                offered_by = backend
+                offered_by, carried, tried = backend, handoff, set()
                 target = self.migrate_to.pop(request_id, None) or self._continuation(exclude=backend)
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
                     yield error_item(_nowhere_to_go(handoff, backend), 503)

@@ -173,7 +173,12 @@ def route_families(route) -> list:
                               "(routed) and the longest on any candidate (best).", labels=["which"])
     hit.add_metric(["routed"], route.routed_hit_tokens)
     hit.add_metric(["best"], route.best_hit_tokens)
-    return [d, hit]
+    refused = CounterMetricFamily("hyrax_router_refusals", "Requests (or hand-offs) a replica refused at admission "
+                                  "(its loop closed, its actor gone): rerouted to another replica, or answered "
+                                  "(503: no other replica left).", labels=["outcome"])
+    for outcome in ("rerouted", "answered"):
+        refused.add_metric([outcome], route.refusals.get(outcome, 0))
+    return [d, hit, refused]
 
 
 async def render(client, gateway: GatewayMetrics) -> bytes:

@@ -12,7 +12,7 @@ import ray
 
 from hyrax.actors.engine.commands import Abort, Command
 from hyrax.actors.engine.request import SamplingParams
-from hyrax.actors.engine.step_feed import Fanout, error_item, is_last
+from hyrax.actors.engine.step_feed import Fanout, error_item, is_last, refusal_item
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.tokenizer import chat_template, load_tokenizer
 from hyrax.api.client import EngineClient, ModelInfo
@@ -89,13 +89,23 @@ class RayBackend:
         replica like any hand-off, which rebuilds the state by prefill over prompt + output
         (recompute) and continues the same stream. The lost replica held the only copy of the
         state, so recompute is the one way back; the tokens the client already has are never
-        regenerated."""
+        regenerated.
+
+        A replica whose actor died before the submission's answer refuses it (`refusal_item`):
+        a coordinator is never restarted (max_restarts=0), so whatever the call reached went
+        with it, and nothing it sent for the request is passed on; the engine client sends the
+        request to another replica. Any other loss (an actor Ray finds unavailable may have run
+        the call) takes the hand-off path above."""
         rid = request["id"]
         feed = self.feed()
         q, finished = feed.fanout.open(rid), False
         try:
             try:
                 await submit(feed)
+            except ray.exceptions.ActorDiedError:
+                finished = True  # nothing to abort there
+                yield refusal_item(GONE)
+                return
             except REPLICA_LOST:
                 q.put_nowait(LOST)
             while not finished:
@@ -124,6 +134,7 @@ class RayBackend:
 # objects it had yielded died with it. An error raised by the replica's own code is not one.
 REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 LOST = object()  # what each open stream of a feed gets when its replica is lost
+GONE = "the replica is gone"  # a refusal by a replica whose actor died (the controller replaces it)
 
 
 class ReplicaFeed:

@@ -27,10 +27,12 @@ class Replica:
         return {"role": self.role, "replica": self.index, "healthy": True, "stuck": None}
 
 
-def gateway(replica=None, tokenizer=None, chat_template=None, **settings) -> TestClient:
-    """The gateway of model "m" (context 2048, a byte tokenizer by default) over `replica`,
-    ready; `settings`: GatewaySettings' (admin token "t" unless given)."""
+def gateway(replica=None, tokenizer=None, chat_template=None, replicas: list | None = None,
+            **settings) -> TestClient:
+    """The gateway of model "m" (context 2048, a byte tokenizer by default) over `replica` (or
+    the list `replicas`), ready; `settings`: GatewaySettings' (admin token "t" unless given)."""
     info = ModelInfo("m", 2048, tokenizer or ByteTokenizer(264, EOS), chat_template, 264, (EOS,))
-    app = create_app(EngineClient(info, [replica or Replica()]), GatewaySettings(**{"admin_token": "t", **settings}))
+    backends = replicas or [replica or Replica()]
+    app = create_app(EngineClient(info, backends), GatewaySettings(**{"admin_token": "t", **settings}))
     app.state.ready = True
     return TestClient(app)

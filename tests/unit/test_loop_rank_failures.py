@@ -21,7 +21,7 @@ from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.loop import EngineLoop
 from hyrax.actors.engine.request import SamplingParams, State
 from hyrax.actors.engine.selection import Selection
-from hyrax.actors.engine.step_feed import Sink, is_last
+from hyrax.actors.engine.step_feed import Sink, is_last, is_refusal
 
 MAX_TOKENS = 30
 
@@ -296,6 +296,7 @@ def test_a_replica_that_went_down_refuses_a_new_request_at_once_without_calling_
         Replica.wait_for(lambda: items["later"] and is_last(items["later"][-1]), "a later request was never answered")
         [refused] = items["later"]
         assert refused["error"] == DOWN and refused["status"] == 503, refused
+        assert is_refusal(refused)  # never admitted: the gateway sends it to another replica
         assert rank.calls == calls and coord.engine.stats.steps == steps  # no step, no rank call
         assert coord.down and not coord.healthy  # what the gateways route by and the controller replaces
     finally:

@@ -22,7 +22,7 @@ from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.executor import RankFailure
 from hyrax.actors.engine.request import SamplingParams, State
 from hyrax.actors.engine.selection import Selection, pick_victims
-from hyrax.actors.engine.step_feed import Fanout, Sink, error_item, follow, is_last
+from hyrax.actors.engine.step_feed import Fanout, Sink, error_item, follow, is_last, refusal_item
 from hyrax.actors.model.errors import HyraxInputError
 
 log = logging.getLogger("hyrax.engine")
@@ -402,8 +402,9 @@ class EngineLoop:
 
     def _open_streams(self, refuse: str | None = None) -> None:
         """Under the lock: register and admit the queued streams, in arrival order (`refuse`, or
-        the refusal of a closed loop: end each with this error instead, 503). A refusal (its
-        abort came first, invalid input, no ranks) is the stream's one and last item."""
+        the refusal of a closed loop: end each with this error instead, 503, marked as refused at
+        admission: `step_feed.refusal_item`, which the gateway sends to another replica). A
+        refusal (its abort came first, invalid input, no ranks) is the stream's one and last item."""
         while self._opening:
             request_id, sink, admit = self._opening.popleft()
             if sink is None:  # an acknowledgement queued by `release_soon`, not a stream
@@ -412,8 +413,8 @@ class EngineLoop:
             self.streams[request_id] = sink
             first = {"finished": True, "finish_reason": "abort", "token_ids": []}
             why = self.refusal or refuse  # (an admission before may have closed the loop)
-            if why is not None:
-                first = error_item(why, 503)
+            if why is not None:  # never admitted: the gateway may send it elsewhere
+                first = refusal_item(why)
             elif not self.early_aborts.take(request_id):  # else its client left before it got here
                 first = self._admit(request_id, admit)
             if first is not None:

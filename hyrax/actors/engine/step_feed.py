@@ -28,6 +28,18 @@ def error_item(message: str, status: int = 400) -> dict:
     return {"error": message, "status": status, "finished": True, "finish_reason": "error", "token_ids": []}
 
 
+def refusal_item(message: str) -> dict:
+    """A stream's one item when its replica turned the request away before admitting it (a
+    closed loop, a loop shutting down, a replica whose actor is gone): nothing of it ran there,
+    so the gateway may send it to another replica (`is_refusal`). 503 where none is left."""
+    return dict(error_item(message, 503), refused=True)
+
+
+def is_refusal(item: dict) -> bool:
+    """Whether `item` is a refusal at admission (`refusal_item`), which only a stream's first item can be."""
+    return item.get("refused") is True
+
+
 class Sink:
     """One consumer's entry, safe to call from any thread: `post(batch)` runs `deliver(batch)`
     on the consumer's event loop, batches in the order they were posted. `on_end(request_id)`
