@@ -298,3 +298,27 @@ def test_a_replica_whose_actor_is_unavailable_is_no_refusal():
 
     items = _follow(ray.exceptions.ActorUnavailableError("unreachable", None))
     assert not any(is_refusal(i) for i in items) and "handoff" in items[-1], items
+
+
+def test_a_request_aborted_while_a_replica_refuses_it_ends_aborted_and_goes_nowhere_else():
+    """The abort went to the owner of the moment, the refuser, which held nothing: sent on, the
+    request would run elsewhere although its client had ended it."""
+    up = serving("ok", index=1)
+    client = EngineClient(ModelInfo("m", 4096, None, None, 96), [], cache_route_margin=None)
+
+    class AbortedMeanwhile(Scripted):
+        def generate(self, request_id, prompt_ids, params):
+            async def gen():
+                assert await client.abort(request_id)  # it owns the request now
+                yield refusal_item(DOWN)
+            return gen()
+
+    down = AbortedMeanwhile("colocated", 0)
+    client.backends = [down, up]
+
+    async def consume():
+        return [item async for item in client.generate("r1", [5, 6], {"max_tokens": 4})]
+
+    assert asyncio.run(consume()) == [{"token_ids": [], "finished": True, "finish_reason": "abort"}]
+    assert up.calls == [] and id(down) in client.out_of_service
+    _settled(client)
