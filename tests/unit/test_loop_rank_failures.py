@@ -410,3 +410,61 @@ def test_a_resume_whose_load_hits_a_lost_rank_leaves_the_request_held():
         assert rep.tokens("r0") == tokens and rep.last("r0") is None  # it did not run meanwhile
         assert rep.loop.resume(resume) == {"r0": Outcome.RECOMPUTE}  # its backup went with the rank
         rep.assert_served_whole("r0")
+
+
+# ---- a rank lost part way through an operator's list of requests --------------------------------
+
+def _fails_for(rep: Replica, call: str, req_id: str) -> None:
+    """The executor's `call` (save or load) fails on a rank for `req_id` only; the others before
+    it in the same command go through. The recovery's restart brings a rank that works."""
+    works = getattr(rep.engine.executor, call)
+
+    def move(rid, *args, **kw):
+        if rid == req_id:
+            raise RankFailure(f"{call} failed on a rank: ActorDiedError")
+        return works(rid, *args, **kw)
+    setattr(rep.engine.executor, call, move)
+
+
+def test_a_retraction_of_several_requests_that_loses_a_rank_part_way_answers_each_as_it_was_left():
+    """r0 was saved and retracted with the hold asked for, then the rank was lost saving r1. Both
+    answered ranks_failed, the answer that means 'not retracted, runs on', yet r0 stayed retracted
+    and held (the recovery keeps a held request held): an operator told the retraction failed had
+    no reason to resume it, and it waited for good. Each answer now says what became of it: r0 is
+    retracted and held with its state gone with the rank (recompute: a resume rebuilds it), r1 was
+    not retracted and runs on."""
+    with Replica("retract-list-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        retract = Retract(Selection(ids=("r0", "r1")), mode="cpu_tensor", hold=True)
+        with rep.loop.lock:
+            _fails_for(rep, "save", "r1")
+            answer = rep.loop.retract(retract)
+        assert len(rep.recovered) == 1, rep.recovered
+        r0 = rep.engine.requests["r0"]
+        assert r0.state == State.RETRACTED and r0.hold, (r0.state, r0.hold)
+        assert answer == {"r0": Outcome.RECOMPUTE, "r1": Outcome.RANKS_FAILED}, answer
+        assert rep.engine.requests["r1"].state != State.RETRACTED
+        rep.assert_served_whole("r1")
+        assert rep.loop.resume(Resume(Selection(ids=("r0",)))) == {"r0": Outcome.RECOMPUTE}
+        rep.assert_served_whole("r0")
+
+
+def test_a_resume_of_several_requests_that_loses_a_rank_part_way_answers_each_as_it_was_left():
+    """r0 was restored, then the rank was lost loading r1. Both answered ranks_failed, which
+    for a resume means 'still held: resume it again', yet r0 was no longer held and ran (rebuilt
+    by the recovery). Now r0 answers recompute (resumed, rebuilt from its tokens) and r1
+    ranks_failed (still held)."""
+    with Replica("resume-list-on-a-lost-rank", retraction_backup="cpu_tensor") as rep:
+        rep.start("r0", "r1")
+        both = Selection(ids=("r0", "r1"))
+        assert rep.loop.retract(Retract(both, hold=True)) == {"r0": Outcome.CPU_TENSOR, "r1": Outcome.CPU_TENSOR}
+        with rep.loop.lock:
+            _fails_for(rep, "load", "r1")
+            answer = rep.loop.resume(Resume(both))
+        assert len(rep.recovered) == 1, rep.recovered
+        r1 = rep.engine.requests["r1"]
+        assert r1.state == State.RETRACTED and r1.hold, (r1.state, r1.hold)
+        assert answer == {"r0": Outcome.RECOMPUTE, "r1": Outcome.RANKS_FAILED}, answer
+        rep.assert_served_whole("r0")
+        assert rep.loop.resume(Resume(Selection(ids=("r1",)))) == {"r1": Outcome.RECOMPUTE}
+        rep.assert_served_whole("r1")

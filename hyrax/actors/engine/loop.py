@@ -553,16 +553,36 @@ class EngineLoop:
 
     def retract(self, cmd: Retract) -> dict[str, Outcome]:
         """An operator's retraction: does what was asked, the last running request included. The
-        ranks save the requests' state: if one fails, every request asked for answers RANKS_FAILED."""
+        ranks save the requests' state one request after the other: if one fails, the replica
+        recovers and each request asked for answers as the failure left it (`_left_by_a_lost_rank`)."""
         which = cmd.selection
         with self._turn():
             ids = self._to_retract(which)  # chosen again below, but named if a rank fails before
+            before: dict[str, State] = {}
 
             def retract_after_sync() -> dict[str, Outcome]:
                 self.engine.sync()  # what runs is what the step in flight leaves running
                 ids[:] = self._to_retract(which)
+                before.update(self._states(ids))
                 return self.engine.retract(ids, mode=cmd.mode, hold=cmd.hold)
-            return self._on_ranks(retract_after_sync, lambda: dict.fromkeys(ids, Outcome.RANKS_FAILED))
+            return self._on_ranks(retract_after_sync, lambda: self._left_by_a_lost_rank(ids, before, State.RUNNING))
+
+    def _states(self, ids: list[str]) -> dict[str, State]:
+        return {rid: req.state for rid in ids if (req := self.engine.requests.get(rid)) is not None}
+
+    def _left_by_a_lost_rank(self, ids: list[str], before: dict[str, State], moved_from: State) -> dict[str, Outcome]:
+        """Under the lock, once the replica recovered from a rank lost part way through an operator's
+        retraction (`moved_from` RUNNING) or resume (RETRACTED) of `ids`, whose states were `before`
+        the command's first move. A request the command moved before the rank was lost answers
+        RECOMPUTE, its state gone with the rank: a retracted one stays retracted (and held, if that
+        was asked) and a resume rebuilds it from its tokens; a resumed one is rebuilt so. Any other
+        answers RANKS_FAILED: left as if the command had not been asked (not retracted; still held)."""
+        def moved(rid: str) -> bool:
+            req = self.engine.requests.get(rid)
+            if req is None or before.get(rid) != moved_from:
+                return False
+            return req.state == State.RETRACTED if moved_from == State.RUNNING else req.state != State.RETRACTED
+        return {rid: Outcome.RECOMPUTE if moved(rid) else Outcome.RANKS_FAILED for rid in ids}
 
     def _to_retract(self, which: Selection) -> list[str]:
         if which.all:
@@ -572,8 +592,9 @@ class EngineLoop:
         return list(which.ids)
 
     def resume(self, cmd: Resume) -> dict[str, Outcome]:
-        """Release retracted requests (oldest first for `count`). The ranks load their state: if
-        one fails, every request asked for answers RANKS_FAILED."""
+        """Release retracted requests (oldest first for `count`). The ranks load their state one
+        request after the other: if one fails, the replica recovers and each request asked for
+        answers as the failure left it (`_left_by_a_lost_rank`)."""
         which = cmd.selection
         with self._turn():
             if which.all:
@@ -582,7 +603,9 @@ class EngineLoop:
                 ids = [r.id for r in self.engine.retracted[: which.count]]
             else:
                 ids = list(which.ids)
-            out = self._on_ranks(lambda: self.engine.resume(ids), lambda: dict.fromkeys(ids, Outcome.RANKS_FAILED))
+            before = self._states(ids)
+            out = self._on_ranks(lambda: self.engine.resume(ids),
+                                 lambda: self._left_by_a_lost_rank(ids, before, State.RETRACTED))
         self.wake.set()
         return out
 
