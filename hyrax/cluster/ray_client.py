@@ -59,6 +59,7 @@ class RayBackend:
         self.timeout_s = timeout_s
         self.gateway = gateway  # this gateway's lease id, sent with every stream it opens
         self._feed: ReplicaFeed | None = None
+        self._aborts: set[asyncio.Future] = set()  # aborts sent and not answered yet (kept from the GC)
 
     async def run(self, cmd: Command):
         """Send a command (hyrax/actors/engine/commands.py) to the replica's coordinator."""
@@ -111,6 +112,9 @@ class RayBackend:
             while not finished:
                 item = await q.get()
                 if item is LOST:
+                    # an actor Ray found unavailable (not dead) may be alive and running the request,
+                    # which goes on elsewhere now: it must end there, or two replicas would own it
+                    self._abort_there(rid)
                     item = {"token_ids": [], "finished": False, "finish_reason": None,
                             "handoff": {"request": request, "manifest": None, "payload": [], "lease_s": 0.0,
                                         "source": None}}
@@ -121,7 +125,20 @@ class RayBackend:
         finally:
             feed.fanout.close(rid)
             if not finished:  # the consumer went away: free the request on the replica now
-                asyncio.ensure_future(self.handle.run.remote(Abort(rid)))
+                self._abort_there(rid)
+
+    def _abort_there(self, rid: str) -> None:
+        """Tell the replica to end `rid`, without waiting for its answer. One that arrives before
+        the request's submission is kept as an early abort; a replica that is gone answers with
+        an error, which is only logged."""
+        async def abort():
+            try:
+                await self.handle.run.remote(Abort(rid))
+            except Exception as e:  # noqa: BLE001 - gone, or unreachable for good: nothing holds it there
+                logging.getLogger("hyrax.gateway").debug("abort of %s on %s/%d: %s", rid, self.role, self.index, e)
+        task = asyncio.ensure_future(abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def health(self) -> dict:
         try:

@@ -322,3 +322,30 @@ def test_a_request_aborted_while_a_replica_refuses_it_ends_aborted_and_goes_nowh
     assert asyncio.run(consume()) == [{"token_ids": [], "finished": True, "finish_reason": "abort"}]
     assert up.calls == [] and id(down) in client.out_of_service
     _settled(client)
+
+
+def test_a_replica_that_was_only_unavailable_is_told_to_drop_the_request_that_goes_elsewhere():
+    """An actor Ray finds unavailable may be alive and may have admitted the request: the request
+    goes on elsewhere (a hand-off without state), so the first replica must be told to end its
+    copy (an abort, sent whenever it can be reached; one that arrives before the submit is kept as
+    an early abort), or two replicas would own it and the first would run it to its end."""
+    import ray.exceptions
+
+    from hyrax.actors.engine.commands import Abort
+    from hyrax.cluster.ray_client import RayBackend
+
+    sent = []
+    handle = _GoneActor(ray.exceptions.ActorUnavailableError("unreachable", None))
+
+    async def run(cmd, *args, **kw):
+        sent.append(cmd)
+    handle.run = _Remote(run)
+    backend = RayBackend(handle, "colocated", 0, gateway="g")
+
+    async def consume():
+        items = [item async for item in backend.generate("r1", [1, 2], {"max_tokens": 4})]
+        await asyncio.sleep(0)  # a fire-and-forget call gets its turn
+        return items
+    items = asyncio.run(consume())
+    assert "handoff" in items[-1], items
+    assert [c for c in sent if isinstance(c, Abort) and c.request_id == "r1"], sent
