@@ -60,7 +60,13 @@ def _actor_ids(ranks: list) -> tuple:
 
 class CompiledSteps:
     """One compiled graph: the plan in, every rank's `execute` result out, in rank order; and
-    the doorbell its ranks ring after each step (`RankWorker.execute_and_ring`)."""
+    the doorbell its ranks ring after each step (`RankWorker.execute_and_ring`).
+
+    Built, it runs one park step and reads its outputs while every rank is alive: Ray registers
+    this process as the reader of a rank's output channel only at its first read, and a graph torn
+    down unread (an idle replica parks its ranks as soon as the graph is built; then one is
+    killed) registered it in the teardown, after the dead rank's buffers had gone, where a CHECK
+    in Ray's core worker (ray 2.60) aborted the whole coordinator instead of raising."""
 
     def __init__(self, ranks: list, timeout_s: float = BELL_CONNECT_S):
         import ray
@@ -83,6 +89,12 @@ class CompiledSteps:
         self.unread: list = []  # refs of outputs that said WITH_RING: read after the next send
         self.timeout_s = timeout_s  # how long reading one of them may take (the executor's rank timeout)
         self.parked: tuple[int, list] | None = None  # the park step in flight: (its number, its refs)
+        try:  # one park step, woken and read at once, before the graph is handed out
+            self.park()
+            self.unpark(time.monotonic() + BELL_CONNECT_S)
+        except BaseException:
+            self.close()
+            raise
 
     def serves(self, ranks: list) -> bool:
         """Whether the graph was built over these very actors (not replaced ones)."""
