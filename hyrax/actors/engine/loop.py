@@ -31,6 +31,9 @@ T = TypeVar("T")
 
 SHUTTING_DOWN = "the replica is shutting down"
 GAVE_UP = "the replica failed and could not recover; it stops serving"
+# what a request ended by its replica's failure with no reason of its own is told (a step that
+# raised on live ranks, a step out of memory that no smaller step can run): the cause is in the log
+FAILED = "the replica failed while running this request"
 
 
 def _ack_in_process(source, request_id: str) -> None:
@@ -347,6 +350,8 @@ class EngineLoop:
             item["logprobs"] = o.logprobs
         if o.finished:
             reason = self._abort_reasons.pop(o.req_id, None)
+            if reason is None and o.finish_reason == "error":  # ended by a failure: never a silent empty answer
+                reason = FAILED
             if reason is not None:
                 item["error"], item["status"] = reason, 503
             req = self.engine.finished_requests.pop(o.req_id, None)
