@@ -161,3 +161,50 @@ def test_an_engine_error_without_a_recovery_hook_frees_the_backups_its_live_rank
         loop.shutdown()
     assert engine.stats.finished == {"error": 1} and rid not in engine.requests
     assert_idle_clean(engine)
+
+
+def test_a_replica_holding_only_held_requests_probes_its_ranks_and_recovers_when_one_fails():
+    """An operator retracted every request with hold: nothing runs, the ranks are parked, and no
+    step would find a rank that died. The probe ran only when no request was there at all, so
+    such a replica said healthy with a dead rank until the operator's resume found it (answered
+    ranks_failed; seen live with hyrax serve, a rank killed after a retract --all --hold). It
+    probes whenever it has nothing to run now; the held request stays held, and runs once
+    resumed."""
+    from hyrax.actors.engine.commands import Resume, Retract
+    from hyrax.actors.engine.lifecycle import Outcome
+    from hyrax.actors.engine.request import SamplingParams, State
+    from hyrax.actors.engine.selection import Selection
+
+    engine = make_engine(tiny_model(HYBRID), retraction_backup="cpu_tensor")
+    dead = threading.Event()
+    probes: list[bool] = []  # per call: whether the engine held a request then
+
+    def probe():
+        probes.append(engine.has_unfinished())
+        if dead.is_set():
+            dead.clear()  # the recovery below brings a working rank
+            raise RankFailure("ping failed on a rank: ActorDiedError")
+
+    def recover(err):  # as the coordinator's: a new rank (no backup), every request rebuilt from its tokens
+        recovered.append(err)
+        for rid in list(engine.executor.rank.backups):
+            engine.executor.rank.discard(rid)
+        engine.reset_for_recovery()
+    recovered: list[Exception] = []
+    loop = EngineLoop(engine, "probe-held", on_rank_failure=recover, probe=probe)
+    loop.probe_every_s = 0.05
+    try:
+        with loop.lock:
+            engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True), "held")
+        _wait_for(lambda: "held" in engine.requests and engine.requests["held"].state == State.RUNNING, "never ran")
+        assert loop.retract(Retract(Selection(ids=("held",)), hold=True))["held"] == Outcome.CPU_TENSOR
+        dead.set()
+        _wait_for(lambda: recovered, "the dead rank of a replica holding a held request was never found")
+        req = engine.requests["held"]
+        assert req.state == State.RETRACTED and req.hold and any(probes), (req.state, req.hold, probes)
+        assert loop.resume(Resume(Selection(ids=("held",)))) == {"held": Outcome.RECOMPUTE}
+        _wait_for(lambda: "held" not in engine.requests, "the resumed request never finished")
+    finally:
+        loop.shutdown()
+    engine.finished_requests.clear()
+    assert_idle_clean(engine)

@@ -83,10 +83,11 @@ class TurnLock:
 # instead of ~14).
 IDLE_CHECK_AFTER_S = 0.2
 
-# An idle replica runs no steps, so nothing else would find a rank that died (or hangs) while it
-# waits for requests: the loop asks its ranks whether they are alive this often while idle (a
-# plain call each, ~1 ms), and a rank that fails to answer is recovered like a failed step, before
-# a request needs it and while /health can still say so.
+# A replica with nothing to run (idle, or holding only requests an operator holds or another replica
+# is taking over) runs no steps, so nothing else would find a rank that died (or hangs) meanwhile:
+# the loop asks its ranks whether they are alive this often then (a plain call each, ~1 ms; parked
+# ranks answer it), and a rank that fails to answer is recovered like a failed step, before a
+# request or a resume needs it and while /health can still say so.
 PROBE_IDLE_EVERY_S = 2.0
 
 
@@ -95,7 +96,7 @@ class EngineLoop:
     (this loop in-process; the coordinator's actor handle over Ray); `ack(source, id)`
     delivers one. `stuck_after_s`: a replica with work queued, nothing running and no
     progress for this long reports itself stuck. `probe`: raises RankFailure when a rank is
-    dead or hung; called every PROBE_IDLE_EVERY_S while the replica is idle (needs
+    dead or hung; called every PROBE_IDLE_EVERY_S while the replica has nothing to run (needs
     `on_rank_failure`). `rest`: called between steps whenever the engine has nothing to run
     (the Ray executor parks its ranks, step_bell.py); may raise RankFailure too."""
 
@@ -117,6 +118,7 @@ class EngineLoop:
         self.invariant_error: str | None = None
         self.idle_check_after_s = IDLE_CHECK_AFTER_S
         self._idle_since: float | None = None  # when the replica last became idle (None: busy)
+        self._quiet_since: float | None = None  # since when it has had nothing to run (None: it has)
         self._checked_idle = False  # the pools were checked in this idle period
         self.lock = TurnLock()
         self.wake = threading.Event()
@@ -252,15 +254,18 @@ class EngineLoop:
         self._blocked_since = (self._blocked_since or now) if blocked else None
         if self.rest is not None and not e.has_work():
             self.rest()  # RankFailure: recovered by the caller (_guarded)
+        # nothing to run (no request, or only held and offered ones): no step would find a dead rank
+        quiet = not e.has_work() and not e.has_inflight()
+        self._quiet_since = (self._quiet_since or now) if quiet else None
+        if self.probe is not None and quiet and now - max(self._probed_at, self._quiet_since) >= self.probe_every_s:
+            self._probed_at = now
+            self.probe()  # RankFailure: recovered by the caller (_guarded)
         idle = not e.has_unfinished() and not e.has_inflight()
         if not idle:
             self._idle_since, self._checked_idle = None, False
             return
         if self._idle_since is None:
             self._idle_since = now
-        if self.probe is not None and now - max(self._probed_at, self._idle_since) >= self.probe_every_s:
-            self._probed_at = now
-            self.probe()  # RankFailure: recovered by the caller (_guarded)
         if not self._checked_idle and now - self._idle_since >= self.idle_check_after_s:
             try:
                 e.check_invariants()
