@@ -117,4 +117,27 @@ def run(a: argparse.Namespace) -> int:
         raise HyraxInputError(f"{a.url} answered HTTP {r.status_code} without JSON: is it a hyrax server?") from None
     print(json.dumps(answer, indent=2))
     unknown = isinstance(answer, dict) and answer.get("unknown")  # retract/resume ids no replica knows
-    return 0 if r.is_success and not unknown else 1
+    refused = _refused(answer)
+    if refused:
+        print(refused, file=sys.stderr)
+    return 0 if r.is_success and not unknown and not refused else 1
+
+
+def _refused(answer) -> str | None:
+    """For a retract or resume answer: one line naming the requests it did not move, by outcome
+    (a rank failed in the call, a request that was not running, ...); None when it moved them all."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("results"), dict):
+        return None
+    done = next((k for k in ("retracted", "resumed") if k in answer), None)
+    if done is None:
+        return None
+    moved = set(answer[done])
+    by_outcome: dict[str, list[str]] = {}
+    for rid, outcome in answer["results"].items():
+        if rid not in moved:
+            by_outcome.setdefault(str(outcome), []).append(rid)
+    if not by_outcome:
+        return None
+    left = sum(map(len, by_outcome.values()))
+    why = "; ".join(f"{o} {', '.join(ids)}" for o, ids in sorted(by_outcome.items()))
+    return f"hyrax admin: {left} of {len(answer['results'])} requests not {done}: {why}"

@@ -124,3 +124,26 @@ def test_admin_exits_1_when_any_named_request_is_unknown(tmp_path, monkeypatch, 
     f.write_text("abc\n")
     assert cli.main(["admin", "--token-file", str(f), "retract", "--id", "a", "--id", "nope"]) == rc
     assert capsys.readouterr().out.strip().startswith("{")
+
+
+@pytest.mark.parametrize("action,answer,rc,note", [
+    (["retract", "--all"], {"results": {"a": "ranks_failed", "b": "ranks_failed"}, "retracted": [], "unknown": []},
+     1, "hyrax admin: 2 of 2 requests not retracted: ranks_failed a, b"),
+    (["resume", "a", "b"], {"results": {"a": "verified", "b": "ranks_failed"}, "resumed": ["a"], "unknown": []},
+     1, "hyrax admin: 1 of 2 requests not resumed: ranks_failed b"),
+    (["retract", "--count", "2"], {"results": {"a": "recompute", "b": "not_running"}, "retracted": ["a"],
+                                   "unknown": []}, 1, "hyrax admin: 1 of 2 requests not retracted: not_running b"),
+    (["resume", "a"], {"results": {"a": "queued"}, "resumed": ["a"], "unknown": []}, 0, None),
+])
+def test_admin_exits_1_when_a_request_was_refused(tmp_path, monkeypatch, capsys, action, answer, rc, note):
+    """A retraction or resume that did not happen (a rank failed in it, the request was not running)
+    exited 0 like one that did: a script could not tell them apart."""
+    import httpx
+
+    monkeypatch.setattr(httpx, "request", lambda method, url, **kw: httpx.Response(200, json=answer))
+    f = tmp_path / "tok"
+    f.write_text("abc\n")
+    assert cli.main(["admin", "--token-file", str(f), *action]) == rc
+    out = capsys.readouterr()
+    assert out.out.strip().startswith("{")
+    assert out.err.strip().splitlines() == ([note] if note else [])
