@@ -73,6 +73,14 @@ def least_loaded(backends: list, inflight: dict[int, int]) -> object:
     return min(backends, key=lambda b: (inflight.get(id(b), 0), b.index))
 
 
+async def _close(stream) -> None:
+    """Close a replica's stream this client stopped reading (an async generator's `aclose`: its
+    `finally` runs at once; a stream without one has nothing to close)."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
 class Unavailable(RuntimeError):
     """No replica can take the request now (503 with Retry-After)."""
 
@@ -250,6 +258,7 @@ class EngineClient:
                         break
                     done = bool(item.get("finished"))
                     yield item
+                await _close(stream)  # left early (a refusal, a hand-off): its cleanup runs now, not at GC
                 if refusal is not None:  # it never ran there: another replica may take it
                     self._refused(backend, refusal)
                     tried.add(id(backend))

@@ -349,3 +349,33 @@ def test_a_replica_that_was_only_unavailable_is_told_to_drop_the_request_that_go
     items = asyncio.run(consume())
     assert "handoff" in items[-1], items
     assert [c for c in sent if isinstance(c, Abort) and c.request_id == "r1"], sent
+
+
+def test_a_refused_stream_is_closed_before_the_next_replica_is_asked():
+    """The stream a refusal ends is left with a `break`: closed there and then (its `finally`, which
+    on a Ray replica lets go of the request's queue in the feed), not whenever the collector gets
+    to it, after the request already went on to the next replica."""
+    events = []
+
+    class Refuses(Scripted):
+        def generate(self, request_id, prompt_ids, params):
+            async def gen():
+                try:
+                    yield refusal_item(DOWN)
+                finally:
+                    events.append("refused stream closed")
+            return gen()
+
+    class Records(Scripted):
+        def generate(self, request_id, prompt_ids, params):
+            events.append("next replica asked")
+            return super().generate(request_id, prompt_ids, params)
+
+    up = Records("colocated", 1, [_tokens("o", False), _tokens("k")])
+    client = EngineClient(ModelInfo("m", 4096, None, None, 96), [Refuses("colocated", 0), up],
+                          cache_route_margin=None)
+
+    async def consume():
+        return [item async for item in client.generate("r1", [5, 6], {"max_tokens": 4})]
+    asyncio.run(consume())
+    assert events == ["refused stream closed", "next replica asked"], events
