@@ -387,6 +387,7 @@ def test_a_rank_lost_while_an_import_loads_is_recovered_and_the_request_goes_on_
             rep.wait_for(lambda: rep.last("m0"), "the imported request never ended")
             assert rep.items["m0"][0]["imported"] == Outcome.RANKS_FAILED and len(rep.recovered) == 1
             assert rep.last("m0")["finish_reason"] == "length" and rep.tokens("m0") == MAX_TOKENS - before
+            assert dict(rep.engine.stats.transfers_in) == {"ranks_failed": 1}  # counted as it was answered
         Replica.wait_for(lambda: "m0" not in source.requests, "the source's offer was never acknowledged")
         assert source.stats.transfers_out == 1
     finally:

@@ -18,6 +18,7 @@ from typing import Callable
 from hyrax.actors.engine.lifecycle import Outcome, RequestTable
 from hyrax.actors.engine.request import Request, State
 from hyrax.actors.engine.moves import Backup, Location, Place, StateMoves
+from hyrax.actors.engine.rank_failure import RankFailure
 from hyrax.actors.engine.stats import EngineStats
 from hyrax.actors.model.errors import HyraxInputError
 
@@ -97,7 +98,11 @@ class Transfers:
                       else Backup(handoff["manifest"], Location(Place.OBJECT_STORE, payload=tuple(handoff["payload"]))))
         self.table.import_(req)
         t0 = time.perf_counter()
-        result = self.load(req)
+        try:
+            result = self.load(req)
+        except RankFailure:  # the replica recovers and rebuilds it; the import answers that (loop.py)
+            self.stats.transfers_in[Outcome.RANKS_FAILED.value] += 1
+            raise
         self.stats.transfer_seconds.append(time.perf_counter() - t0)
         self.stats.transfers_in[result.value] += 1
         return result
