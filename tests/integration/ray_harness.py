@@ -5,7 +5,9 @@ Imported by the test modules next to it (pytest puts this folder on sys.path).
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 import uuid
@@ -166,6 +168,24 @@ def run_all(coord, prompts: list[list[int]], max_tokens: list[int] | int, prefix
     for s in streams:
         s.wait_done(timeout)
     return streams
+
+
+def sigkill_rank_and_wait_for_replacement(coord, restarts: int, timeout: float = 120.0) -> dict:
+    """SIGKILL the process of the replica's only rank (as the OOM killer does) and wait until the
+    coordinator counts more than `restarts` restarts and is healthy; its health then. Raises
+    AssertionError when the coordinator died with the rank or did not replace it in time."""
+    [rank] = call(coord.rank_handles)
+    os.kill(ray.get(rank.__ray_call__.remote(lambda self: os.getpid()), timeout=30), signal.SIGKILL)
+    t0 = time.monotonic()
+    while True:
+        try:
+            health = call(coord.health, timeout=30)
+        except ray.exceptions.RayActorError as e:
+            raise AssertionError(f"the coordinator died with its rank: {type(e).__name__}") from e
+        if health["restarts"] > restarts and health["healthy"]:
+            return health
+        assert time.monotonic() - t0 < timeout, f"the rank was not replaced: {health}"
+        time.sleep(0.1)
 
 
 # ---- inspection --------------------------------------------------------------------------

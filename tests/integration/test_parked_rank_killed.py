@@ -8,15 +8,13 @@ store to register as reader"). The replica was lost with every request it held; 
 replica of a role, they all ended with an error."""
 from __future__ import annotations
 
-import os
-import signal
 import time
 from dataclasses import replace
 
 import pytest
-import ray
 
-from ray_harness import DEMO_CONFIG, DEMO_MODEL, assert_clean, call, deployed, prompt, reference, replica, run_all
+from ray_harness import (DEMO_CONFIG, DEMO_MODEL, assert_clean, call, deployed, prompt, reference, replica, run_all,
+                         sigkill_rank_and_wait_for_replacement)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,18 +30,7 @@ def test_a_rank_killed_while_a_fresh_graph_is_parked_is_replaced_and_the_replica
             assert time.monotonic() - t0 < 60, call(coord.health)
             time.sleep(0.2)
         time.sleep(1.0)
-        [rank] = call(coord.rank_handles)
-        os.kill(ray.get(rank.__ray_call__.remote(lambda self: os.getpid()), timeout=30), signal.SIGKILL)
-        t0 = time.monotonic()
-        while True:
-            try:
-                health = call(coord.health, timeout=30)
-            except ray.exceptions.RayActorError as e:
-                pytest.fail(f"the coordinator died with its rank: {type(e).__name__}")
-            if health["restarts"] >= 1 and health["healthy"]:
-                break
-            assert time.monotonic() - t0 < 120, f"the rank was not replaced: {health}"
-            time.sleep(0.2)
+        health = sigkill_rank_and_wait_for_replacement(coord, 0)
         assert health["restarts"] == 1 and not health["down"], health
         p = prompt(15, seed=1401)
         after = run_all(coord, [p], 12, prefix="after-parked-kill-")[0]
