@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -22,8 +23,12 @@ from hyrax.actors.engine.step_feed import error_item, is_refusal
 from hyrax.api.cache_routing import RouteStats, pick_by_prefix
 from hyrax.api.health import HealthReport, ReplicaHealth, ReplicaState, judge
 
+log = logging.getLogger("hyrax.api")
+
 
 class LocalBackend:
+    unreachable: tuple[type[Exception], ...] = ()  # in process: a call that raises is a bug, never a lost replica
+
     def __init__(self, loop, role: str = "colocated", index: int = 0):
         self.loop, self.role, self.index = loop, role, index
 
@@ -443,9 +448,24 @@ class EngineClient:
         res = await self._each(FlushCache())
         return [{"role": b.role, "replica": b.index, "freed": r} for b, r in zip(self.backends, res)]
 
+    async def _views(self, cmd: Command) -> list[tuple[object, object]]:
+        """Ask every replica for a view (requests, pools, stats): (replica, answer) for each
+        that answered. One its backend declares unreachable (`unreachable`: over Ray, its actor
+        died or no answer within the call timeout) is left out and logged, so the other
+        replicas' views are still served (/metrics, /admin/pools, /admin/requests, the
+        dashboard); its health says why it is missing. Any other exception is a bug: raised."""
+        async def ask(b):
+            try:
+                return b, await b.run(cmd)
+            except getattr(b, "unreachable", ()) as e:
+                log.warning("%s/%s did not answer %s: %s", b.role, b.index, type(cmd).__name__, type(e).__name__)
+                return None
+
+        return [a for a in await asyncio.gather(*(ask(b) for b in self.backends)) if a is not None]
+
     async def list_requests(self) -> list[dict]:
         out = []
-        for b, reqs in zip(self.backends, await self._each(ListRequests())):
+        for b, reqs in await self._views(ListRequests()):
             for r in reqs:
                 r.setdefault("role", b.role)
                 r.setdefault("replica", b.index)
@@ -453,13 +473,11 @@ class EngineClient:
         return out
 
     async def pools(self) -> list[dict]:
-        res = await self._each(Pools())
         return [r if "components" in r else {"role": b.role, "replica": b.index, "tp_size": 1, "components": r}
-                for b, r in zip(self.backends, res)]
+                for b, r in await self._views(Pools())]
 
     async def stats(self) -> list[dict]:
-        res = await self._each(Stats())
-        return [dict(s, role=b.role, replica=b.index) for b, s in zip(self.backends, res)]
+        return [dict(s, role=b.role, replica=b.index) for b, s in await self._views(Stats())]
 
     async def health(self) -> HealthReport:
         """Ask every replica; take out of service (no new requests routed to it) one that

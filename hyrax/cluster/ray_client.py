@@ -57,6 +57,9 @@ class RayBackend:
     def __init__(self, handle, role: str, index: int, timeout_s: float = 60.0, gateway: str | None = None):
         self.handle, self.role, self.index = handle, role, index
         self.timeout_s = timeout_s
+        # what a call raises when the replica is gone or gave no answer in time (not a bug of its
+        # own): EngineClient's views leave such a replica out
+        self.unreachable = REPLICA_LOST + (TimeoutError,)
         self.gateway = gateway  # this gateway's lease id, sent with every stream it opens
         self._feed: ReplicaFeed | None = None
         self._aborts: set[asyncio.Future] = set()  # aborts sent and not answered yet (kept from the GC)
