@@ -100,8 +100,7 @@ async def resume(body: ResumeBody, request: Request):
 
 @router.post("/forced-retraction")
 async def forced(body: ForcedBody, request: Request):
-    await request.app.state.client.set_forced_retraction(body.interval)
-    return {"interval": body.interval}
+    return {"interval": body.interval, "replicas": await request.app.state.client.set_forced_retraction(body.interval)}
 
 
 class FlushBody(Body):

@@ -71,6 +71,7 @@ class ModelInfo:
 
 
 DECODING_ROLES = ("decode", "colocated")  # the roles that continue a request after its first token
+UNREACHED = object()  # what `EngineClient._ask_all` gives for a replica that is gone
 REFUSED = "refused a request at admission"  # why a replica is out of service after a refusal (public)
 
 
@@ -440,28 +441,38 @@ class EngineClient:
                 out.update(await b.run(dataclasses.replace(cmd, selection=Selection(ids=tuple(groups[id(b)])))))
         return out
 
-    async def set_forced_retraction(self, interval: int) -> None:
-        await self._each(SetForcedRetraction(interval))
+    async def set_forced_retraction(self, interval: int) -> list[dict]:
+        """Every replica retracts one request every `interval` steps (0: off); per replica,
+        whether it took the setting (`reached`: false for one that is gone, see `_ask_all`)."""
+        return [{"role": b.role, "replica": b.index, "reached": r is not UNREACHED}
+                for b, r in await self._ask_all(SetForcedRetraction(interval))]
 
     async def flush_cache(self) -> list[dict]:
-        """Every replica evicts the cached prefixes no request uses; units freed per replica."""
-        res = await self._each(FlushCache())
-        return [{"role": b.role, "replica": b.index, "freed": r} for b, r in zip(self.backends, res)]
+        """Every replica evicts the cached prefixes no request uses; units freed per replica
+        (`reached`: false, and no count, for one that is gone)."""
+        return [{"role": b.role, "replica": b.index, "reached": False} if r is UNREACHED
+                else {"role": b.role, "replica": b.index, "reached": True, "freed": r}
+                for b, r in await self._ask_all(FlushCache())]
 
-    async def _views(self, cmd: Command) -> list[tuple[object, object]]:
-        """Ask every replica for a view (requests, pools, stats): (replica, answer) for each
-        that answered. One its backend declares unreachable (`unreachable`: over Ray, its actor
-        died or no answer within the call timeout) is left out and logged, so the other
-        replicas' views are still served (/metrics, /admin/pools, /admin/requests, the
-        dashboard); its health says why it is missing. Any other exception is a bug: raised."""
+    async def _ask_all(self, cmd: Command) -> list[tuple[object, object]]:
+        """Send `cmd` to every replica: (replica, answer) for each, in order, the answer
+        UNREACHED for one its backend declares unreachable (`unreachable`: over Ray, its actor
+        died or no answer within the call timeout), which is logged; its health says why. Any
+        other exception is a bug: raised."""
         async def ask(b):
             try:
                 return b, await b.run(cmd)
             except getattr(b, "unreachable", ()) as e:
                 log.warning("%s/%s did not answer %s: %s", b.role, b.index, type(cmd).__name__, type(e).__name__)
-                return None
+                return b, UNREACHED
 
-        return [a for a in await asyncio.gather(*(ask(b) for b in self.backends)) if a is not None]
+        return list(await asyncio.gather(*(ask(b) for b in self.backends)))
+
+    async def _views(self, cmd: Command) -> list[tuple[object, object]]:
+        """Ask every replica for a view (requests, pools, stats): (replica, answer) for each
+        that answered. One that is gone is left out (`_ask_all`), so the other replicas' views
+        are still served (/metrics, /admin/pools, /admin/requests, the dashboard)."""
+        return [(b, r) for b, r in await self._ask_all(cmd) if r is not UNREACHED]
 
     async def list_requests(self) -> list[dict]:
         out = []

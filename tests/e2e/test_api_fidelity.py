@@ -167,8 +167,10 @@ def test_empty_request_id_list_is_400(local, path):
 
 
 def test_forced_retraction_takes_a_real_integer_and_zero_turns_it_off(local):
-    assert post(local.url, "/admin/forced-retraction", {"interval": 5}).json() == {"interval": 5}
-    assert post(local.url, "/admin/forced-retraction", {"interval": 0}).json() == {"interval": 0}
+    for interval in (5, 0):
+        answer = post(local.url, "/admin/forced-retraction", {"interval": interval}).json()
+        assert answer["interval"] == interval and answer["replicas"], answer
+        assert all(r["reached"] for r in answer["replicas"]), answer
 
 
 # ---- stop limits --------------------------------------------------------------------------------

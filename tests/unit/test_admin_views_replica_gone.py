@@ -18,7 +18,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray
 
 from gateway_fakes import Replica, gateway
-from hyrax.actors.engine.commands import ListRequests, Pools, Stats
+from hyrax.actors.engine.commands import FlushCache, ListRequests, Pools, SetForcedRetraction, Stats
 from hyrax.cluster.ray_client import RayBackend
 
 AUTH = {"Authorization": "Bearer t"}
@@ -51,6 +51,8 @@ class Answering(Replica):
             case Pools(): return dict(POOL)
             case Stats(): return dict(STATS)
             case ListRequests(): return [{"id": "r1", "state": "running"}]
+            case FlushCache(): return {"full_kv": 3}
+            case SetForcedRetraction(): return None
         raise AssertionError(cmd)
 
 
@@ -80,3 +82,17 @@ def test_a_ray_replica_is_unreachable_when_its_actor_died_or_gave_no_answer_in_t
     for e in (ray.exceptions.ActorDiedError(), ray.exceptions.ActorUnavailableError("", None), TimeoutError()):
         assert isinstance(e, unreachable), e
     assert not isinstance(ValueError("a bug"), unreachable)
+
+
+def test_flush_and_forced_retraction_reach_the_replicas_that_answer_and_name_the_one_gone():
+    """An operator's cache flush or forced-retraction setting was a 500 while one replica was
+    gone, though every other replica had taken it: the answer now says which took it."""
+    c = gateway(replicas=[Gone(0), Answering(1)])
+    flush = c.post("/admin/flush-cache", headers=AUTH)
+    assert flush.status_code == 200, flush.text
+    assert flush.json()["replicas"] == [{"role": "colocated", "replica": 0, "reached": False},
+                                        {"role": "colocated", "replica": 1, "reached": True, "freed": {"full_kv": 3}}]
+    forced = c.post("/admin/forced-retraction", json={"interval": 3}, headers=AUTH)
+    assert forced.status_code == 200, forced.text
+    assert forced.json() == {"interval": 3, "replicas": [{"role": "colocated", "replica": 0, "reached": False},
+                                                         {"role": "colocated", "replica": 1, "reached": True}]}
