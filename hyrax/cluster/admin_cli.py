@@ -125,7 +125,14 @@ def run(a: argparse.Namespace) -> int:
 
 def _refused(answer) -> str | None:
     """For a retract or resume answer: one line naming the requests it did not move, by outcome
-    (a rank failed in the call, a request that was not running, ...); None when it moved them all."""
+    (a rank failed in the call, a request that was not running, ...); for a command sent to every
+    replica (flush-cache, forced-retraction): one naming the replicas it did not reach (gone).
+    None when it did all it was asked."""
+    if isinstance(answer, dict) and isinstance(answer.get("replicas"), list):
+        missed = [f"{r.get('role')}/{r.get('replica')}" for r in answer["replicas"]
+                  if isinstance(r, dict) and r.get("reached") is False]
+        if missed:
+            return f"hyrax admin: {len(missed)} of {len(answer['replicas'])} replicas not reached: {', '.join(missed)}"
     if not isinstance(answer, dict) or not isinstance(answer.get("results"), dict):
         return None
     done = next((k for k in ("retracted", "resumed") if k in answer), None)

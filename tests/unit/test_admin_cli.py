@@ -147,3 +147,23 @@ def test_admin_exits_1_when_a_request_was_refused(tmp_path, monkeypatch, capsys,
     out = capsys.readouterr()
     assert out.out.strip().startswith("{")
     assert out.err.strip().splitlines() == ([note] if note else [])
+
+
+@pytest.mark.parametrize("action,answer,rc,note", [
+    (["flush-cache"], {"replicas": [{"role": "colocated", "replica": 0, "reached": False},
+                                    {"role": "colocated", "replica": 1, "reached": True, "freed": {"full_kv": 3}}]},
+     1, "hyrax admin: 1 of 2 replicas not reached: colocated/0"),
+    (["forced-retraction", "3"], {"interval": 3, "replicas": [{"role": "decode", "replica": 1, "reached": True}]},
+     0, None),
+    (["pools"], {"replicas": [{"role": "colocated", "replica": 0, "tp_size": 1, "components": {}}]}, 0, None),
+])
+def test_admin_exits_1_when_a_command_for_every_replica_missed_one(tmp_path, monkeypatch, capsys, action, answer,
+                                                                    rc, note):
+    """A flush or forced-retraction setting a gone replica did not take is not done everywhere."""
+    import httpx
+
+    monkeypatch.setattr(httpx, "request", lambda method, url, **kw: httpx.Response(200, json=answer))
+    f = tmp_path / "tok"
+    f.write_text("abc\n")
+    assert cli.main(["admin", "--token-file", str(f), *action]) == rc
+    assert capsys.readouterr().err.strip().splitlines() == ([note] if note else [])
