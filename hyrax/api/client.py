@@ -170,12 +170,21 @@ class EngineClient:
         cands = self._candidates(roles, exclude)
         return self.router(cands, self.inflight) if cands else None
 
+    def _first_hop_candidates(self) -> list:
+        """Where a new request may run its prompt: the prefill replicas in service, else the
+        colocated (or decode) ones."""
+        return self._candidates(("prefill",)) or self._candidates(("colocated", "decode"))
+
+    def _continuation_candidates(self, exclude: object) -> list:
+        """Where a request already streaming may go on after a hand-off: the replicas that decode
+        and accept requests, else those draining but in service. Draining keeps new requests out;
+        failing one the server already started would be worse than letting it finish there (or be
+        moved on by the drain)."""
+        return self._candidates(DECODING_ROLES, exclude) or self._candidates(DECODING_ROLES, exclude, draining=True)
+
     def _continuation(self, exclude: object):
-        """Where a request already streaming goes on after a hand-off with no target chosen: a
-        replica that decodes and accepts requests, else one that is draining but in service.
-        Draining keeps new requests out; failing one the server already started would be worse
-        than letting it finish there (or be moved on by the drain)."""
-        cands = self._candidates(DECODING_ROLES, exclude) or self._candidates(DECODING_ROLES, exclude, draining=True)
+        """Where a request goes on after a hand-off with no target chosen (by load)."""
+        cands = self._continuation_candidates(exclude)
         return self.router(cands, self.inflight) if cands else None
 
     def _next_try(self, tried: set[int], after_handoff: object = None):
@@ -184,11 +193,8 @@ class EngineClient:
         or decode one); for a hand-off offered by `after_handoff`, a replica that continues it
         (`_continuation`). By load alone (the first hop's cache-aware decision is counted once
         per request); None when none is left."""
-        if after_handoff is not None:
-            cands = (self._candidates(DECODING_ROLES, after_handoff)
-                     or self._candidates(DECODING_ROLES, after_handoff, draining=True))
-        else:
-            cands = self._candidates(("prefill",)) or self._candidates(("colocated", "decode"))
+        cands = (self._continuation_candidates(after_handoff) if after_handoff is not None
+                 else self._first_hop_candidates())
         cands = [b for b in cands if id(b) not in tried]
         return self.router(cands, self.inflight) if cands else None
 
@@ -204,7 +210,7 @@ class EngineClient:
         """Where a new request runs its prompt: a prefill replica if there is one, else a
         colocated (or decode) one; among several, the one with the longest cached prefix unless it
         is too busy (cache_routing.py)."""
-        cands = self._candidates(("prefill",)) or self._candidates(("colocated", "decode"))
+        cands = self._first_hop_candidates()
         if not cands:
             return None
         if self.cache_route_margin is None or len(cands) < 2:
@@ -396,9 +402,6 @@ class EngineClient:
         if ids:
             await asyncio.wait([asyncio.ensure_future(self.abort(rid)) for rid in ids], timeout=timeout_s)
         return len(ids)
-
-    async def _each(self, cmd: Command) -> list:
-        return list(await asyncio.gather(*(b.run(cmd) for b in self.backends)))
 
     async def retract(self, cmd: Retract) -> dict[str, Outcome]:
         """By ids: each on the replica that owns it. By count: replica by replica until that
