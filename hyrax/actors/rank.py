@@ -186,7 +186,7 @@ class RankWorker:
                 self._ringer.ring()
             return PARKED
         try:
-            result = to_wire(self.execute(from_wire(wire)))
+            result = self.execute_wire(wire)
         except BaseException:
             self._ringer.ring()  # the error goes through the graph
             raise
