@@ -227,6 +227,50 @@ async def _collect(request: Request, choices: list[Choice], reservation: Reserva
         reservation.release_all()
 
 
+async def _under_way(request: Request, choices: list[Choice], reservation: Reservation):
+    """A streamed call's events, once the call is under way: its choices run until the first
+    event that is not a choice ending in an error before any token. Until then no response has
+    begun, so a call whose every choice ended that way is answered with the first one's error and
+    its status, as a non-streaming call is (a 503 with Retry-After when every replica refused it),
+    rather than with a 200 stream that holds only an error event. A client that disconnects
+    meanwhile aborts them all."""
+    events = run_choices(request.app.state.client, choices, request.app.state.metrics, reservation)
+    head: list[tuple[Choice, str, bool]] = []
+
+    async def until_under_way() -> bool:
+        failed = 0
+        async for c, delta, finished in events:
+            head.append((c, delta, finished))
+            if not (finished and c.error and not c.token_ids):
+                return True
+            failed += 1
+            if failed == len(choices):
+                return False
+        return False
+
+    under_way = False
+    try:
+        under_way = await until_disconnected(request, until_under_way())
+    except ClientGone:  # nobody reads this answer; its choices are aborted already
+        raise APIError(499, "the client disconnected", code="client_disconnected") from None
+    finally:
+        if not under_way:
+            await events.aclose()
+            reservation.release_all()
+    if not under_way:
+        raise _choice_error(min((c for c, _, _ in head), key=lambda c: c.index))
+
+    async def stream():
+        try:
+            for event in head:
+                yield event
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+    return stream()
+
+
 def _card(request: Request) -> dict:
     info = request.app.state.client.model
     return {"id": info.name, "object": "model", "created": request.app.state.started, "owned_by": "hyrax",
@@ -258,7 +302,6 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     choices = _choices(request, body, call_id, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs,
                        grammar_of(body))
     reservation = _admit(request, choices)
-    client = request.app.state.client
     rid, created = f"cmpl-{call_id}", int(time.time())
     headers = {REQUEST_ID_HEADER: call_id}
     echo = {c.index: info.tokenizer.decode(c.prompt_ids) if body.echo else "" for c in choices}
@@ -270,11 +313,13 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                 "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
     if body.stream:
+        under_way = await _under_way(request, choices, reservation)
+
         async def events():
             # per choice: logprob entries sent, and the text offset of the next one (from the start
             # of the completion, as in the whole answer)
             sent_echo, sent_lp = set(), {c.index: (0, 0) for c in choices}
-            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
+            async for c, delta, finished in under_way:
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
                 if delta or finished:
@@ -344,7 +389,6 @@ async def chat(body: ChatRequest, request: Request, response: Response):
         made = c.index in parsers and parsers[c.index].made_calls
         return "tool_calls" if made and c.finish_reason == "stop" else c.finish_reason
     reservation = _admit(request, choices)
-    client = request.app.state.client
     rid, created = f"chatcmpl-{call_id}", int(time.time())
     headers = {REQUEST_ID_HEADER: call_id}
 
@@ -353,6 +397,8 @@ async def chat(body: ChatRequest, request: Request, response: Response):
                 "choices": [{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     if body.stream:
+        under_way = await _under_way(request, choices, reservation)
+
         async def events():
             started, sent_lp = set(), {c.index: 0 for c in choices}
 
@@ -362,7 +408,7 @@ async def chat(body: ChatRequest, request: Request, response: Response):
                 n0, n1 = sent_lp[c.index], len(c.logprobs)
                 sent_lp[c.index] = n1
                 return _chat_logprobs(c, info.tokenizer, n0, n1)
-            async for c, delta, finished in run_choices(client, choices, request.app.state.metrics, reservation):
+            async for c, delta, finished in under_way:
                 if c.index not in started:
                     started.add(c.index)
                     yield _sse(chunk(c, {"role": "assistant", "content": None if tools.forced else ""}, None))

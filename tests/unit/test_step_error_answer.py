@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from engine_helpers import BASE_CONFIG, HYBRID, tiny_model
 from gateway_fakes import gateway
 from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
@@ -26,11 +28,12 @@ def _replica():
     return EngineLoop(engine_for_model(tiny_model(HYBRID), config), "step-error-answer")
 
 
-def test_a_call_whose_first_step_raised_on_live_ranks_is_an_error_answer_not_an_empty_200():
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_whose_first_step_raised_on_live_ranks_is_an_error_answer_not_an_empty_200(stream):
     loop = _replica()
     try:
         client = gateway(LocalBackend(loop))
-        r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 5})
+        r = client.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 5, "stream": stream})
         assert r.status_code >= 500, (r.status_code, r.text)
         err = r.json()["error"]
         assert err["code"] in ("internal_error", "unavailable") and "Error" not in err["message"], err
@@ -39,15 +42,16 @@ def test_a_call_whose_first_step_raised_on_live_ranks_is_an_error_answer_not_an_
         loop.shutdown()
 
 
-def test_a_stream_whose_step_raised_on_live_ranks_ends_with_an_error_event():
+def test_a_stream_whose_step_raised_on_live_ranks_after_a_token_ends_with_an_error_event():
     loop = _replica()
     try:
         client = gateway(LocalBackend(loop))
-        with client.stream("POST", "/v1/completions",
-                           json={"model": "m", "prompt": PROMPT, "max_tokens": 5, "stream": True}) as r:
+        with client.stream("POST", "/v1/completions",  # 34 tokens: the fault fires at its third token
+                           json={"model": "m", "prompt": PROMPT[:34], "max_tokens": 5, "stream": True}) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]", events
         bodies = [json.loads(e) for e in events[:-1]]
+        assert any(b.get("choices") and b["choices"][0]["text"] for b in bodies), bodies  # tokens came first
         assert any(b.get("choices") and b["choices"][0]["finish_reason"] == "error" for b in bodies), bodies
         assert "error" in bodies[-1], bodies  # the error event follows the "error" chunk
     finally:
