@@ -28,8 +28,8 @@ INERT_KEYS = frozenset({
     "architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache",
     "initializer_range", "attention_dropout", "hidden_dropout", "output_router_logits", "router_aux_loss_coef",
     "num_logits_to_keep", "use_mamba_kernels", "z_loss_coefficient",
-    # Mamba2 initialisation ranges (only the init of dt_bias reads them; NemotronH clamps dt at
-    # time_step_min too, and its parser reads it) ...
+    # Mamba2 initialisation ranges (only the init of dt_bias reads them; dt is clamped to
+    # time_step_limit, in every family) ...
     "time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
     # ... and generation/tokenizer hints that the tokenizer files carry too
     "tokenizer_class", "auto_map",
@@ -232,7 +232,6 @@ def _nemotron_h(k: Keys) -> ModelConfig:
     k.get("moe_shared_expert_overlap")  # a scheduling hint for fused kernels
     k.get("expand")  # the Mamba width is mamba_num_heads * mamba_head_dim
     k.get("mamba_proj_bias")  # NemotronH's Mamba projections follow use_bias
-    k.get("time_step_limit")  # NemotronH clamps dt from below at time_step_min instead
     common = _common(k, n)
     moe = None
     if "moe" in raw:
@@ -257,8 +256,7 @@ def _nemotron_h(k: Keys) -> ModelConfig:
         mamba_d_state=int(k.get("ssm_state_size", 0)), mamba_n_groups=int(k.get("n_groups", 1)),
         mamba_d_conv=int(k.get("conv_kernel", 4)), mamba_chunk_size=int(k.get("chunk_size", 128)),
         mamba_conv_bias=bool(k.get("use_conv_bias", True)), mamba_proj_bias=bias,
-        time_step_limit=(float(k.get("time_step_min", 0.001)), float("inf")),
-        use_rope=False, partial_rotary_factor=0.0,
+        time_step_limit=_time_step_limit(k), use_rope=False, partial_rotary_factor=0.0,
         rms_norm_eps=float(k.get("layer_norm_epsilon", 1e-5)), model_type="nemotron_h",
     )
 

@@ -1,0 +1,89 @@
+"""Config values away from the defaults the family tests use, each in a tiny random checkpoint
+that transformers writes: the checkpoint either loads and computes transformers' logits
+(prefill, chunked prefill, decode steps; TP 2 where the value touches sharded weights) or is
+refused with a one-line error naming the key. Never loaded with other math."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_families as hff
+from test_config_errors import raises_input_error
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=hff.VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+             mamba_chunk_size=8)
+CHUNKS = ([21], [8, 5, 8], [16, 1, 1, 1, 1, 1])
+
+
+def nemotron_h(**overrides):
+    return transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**{
+        **COMMON, "hybrid_override_pattern": "M*-EM-*E", "head_dim": 16, "mamba_num_heads": 8,
+        "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, **overrides}))
+
+
+def bamba(**overrides):
+    return transformers.BambaForCausalLM(transformers.BambaConfig(**{
+        **COMMON, **MAMBA, "num_hidden_layers": 3, "attn_layer_indices": [1], **overrides}))
+
+
+def granite(**overrides):
+    return transformers.GraniteMoeHybridForCausalLM(transformers.GraniteMoeHybridConfig(**{
+        **COMMON, **MAMBA, "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
+        "shared_intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "position_embedding_type": "rope", **overrides}))
+
+
+def falcon_h1(**overrides):
+    return transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**{
+        **COMMON, "num_hidden_layers": 2, "mamba_d_ssm": 96, "mamba_n_heads": 6, "mamba_d_head": 16,
+        "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 8, **overrides}))
+
+
+def qwen3_next(**overrides):
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{
+        **COMMON, "num_hidden_layers": 2, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, **overrides}))
+
+
+def save(hf, path, seed: int = 3):
+    """Randomise (recurrent parameters, norms, and every bias, so that a dropped bias shows) and save."""
+    torch.manual_seed(0)
+    hf = hff.randomize_hf_(hf.eval())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    hf.save_pretrained(path)
+    return hf
+
+
+def assert_matches_transformers(path, hf, tp2: bool = False):
+    ids = hff.prompts((21,))[0]
+    for chunks in CHUNKS:
+        assert hff.teacher_forced_max_diff(path, hf, ids, chunks) < 1e-4, chunks
+    if tp2:
+        ref = hff.hf_logits(hf, ids)
+        for logits in hff.rank_logits(path, 2, ids, [8, 13]):
+            torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+
+
+def test_nemotron_h_clamps_dt_at_time_step_limit(tmp_path):
+    """transformers' NemotronH clamps dt to `time_step_limit` (as the Mamba2 kernels it was
+    trained with do), not from below at `time_step_min`, an initialisation bound."""
+    hf = save(nemotron_h(time_step_limit=[0.05, 0.5]), tmp_path)
+    assert_matches_transformers(tmp_path, hf)
+
+
+def test_nemotron_h_time_step_min_does_not_clamp_dt(tmp_path):
+    hf = save(nemotron_h(time_step_min=0.3), tmp_path)
+    assert_matches_transformers(tmp_path, hf)
