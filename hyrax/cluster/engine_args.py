@@ -81,7 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = False) -> Non
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size >= 2, one for 1; the first decode step of each compiles it, "
                         "seconds on a small CPU: 6-9 s on a 2-core VM, for 1.2-1.35x), cuda_graphs = a CUDA "
-                        "graph per batch size (CUDA and --attention-backend sdpa only; not yet run on a GPU). "
+                        "graph per batch size and key-length bucket (CUDA and --attention-backend sdpa only; not yet run on a GPU). "
                         "Prefill stays eager "
                         "(default off)")
     g.add_argument("--deterministic", action="store_true",
