@@ -87,3 +87,26 @@ def test_nemotron_h_clamps_dt_at_time_step_limit(tmp_path):
 def test_nemotron_h_time_step_min_does_not_clamp_dt(tmp_path):
     hf = save(nemotron_h(time_step_min=0.3), tmp_path)
     assert_matches_transformers(tmp_path, hf)
+
+
+@pytest.mark.parametrize("build", [granite, falcon_h1], ids=["granitemoehybrid", "falcon_h1"])
+@pytest.mark.parametrize("where", ["rope_parameters", "top_level"])
+def test_partial_rotary_factor_is_refused_where_transformers_rotates_the_whole_head(tmp_path, build, where):
+    """transformers' Granite and Falcon-H1 rotate every channel of a head whatever
+    `partial_rotary_factor` says (older releases failed on it); Hyrax rotated only that part."""
+    save(build(), tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    if where == "top_level":
+        d["partial_rotary_factor"] = 0.5
+    else:
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5}
+    p.write_text(json.dumps(d))
+    raises_input_error(lambda: hff.load_model(tmp_path), "'partial_rotary_factor'")
+
+
+@pytest.mark.parametrize("build", [granite, falcon_h1], ids=["granitemoehybrid", "falcon_h1"])
+def test_whole_head_rope_with_its_own_theta_matches_transformers(tmp_path, build):
+    rope = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.0}
+    hf = save(build(rope_parameters=rope), tmp_path)
+    assert_matches_transformers(tmp_path, hf)

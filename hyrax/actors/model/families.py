@@ -78,8 +78,10 @@ def _eos(v) -> tuple[int, ...]:
     return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
-def _rope(k: Keys, default_partial: float) -> dict:
-    """rope_theta and partial_rotary_factor from `rope_parameters` / `rope_scaling` / top level."""
+def _rope(k: Keys, default_partial: float | None) -> dict:
+    """rope_theta and partial_rotary_factor from `rope_parameters` / `rope_scaling` / top level.
+    `default_partial` None: the family rotates whole heads (transformers' Granite and Falcon-H1
+    ignore the factor), so a factor other than 1 is refused rather than honoured or dropped."""
     rope = k.get("rope_parameters") or k.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise HyraxInputError("config.json key 'rope_parameters' must be an object")
@@ -89,10 +91,11 @@ def _rope(k: Keys, default_partial: float) -> dict:
     extra = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if extra:
         raise HyraxInputError(f"config.json rope parameter {sorted(extra)[0]!r} is not supported")
-    return dict(
-        rope_theta=float(rope.get("rope_theta", k.get("rope_theta", 10000.0))),
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", k.get("partial_rotary_factor", default_partial))),
-    )
+    partial = float(rope.get("partial_rotary_factor", k.get("partial_rotary_factor", default_partial or 1.0)))
+    if default_partial is None and partial != 1.0:
+        raise HyraxInputError(f"config.json key 'partial_rotary_factor' = {partial} is not supported for model_type "
+                              f"{k.model_type!r}: its attention rotates whole heads")
+    return dict(rope_theta=float(rope.get("rope_theta", k.get("rope_theta", 10000.0))), partial_rotary_factor=partial)
 
 
 def _common(k: Keys, n_layers: int) -> dict:
@@ -190,7 +193,7 @@ def _granite(k: Keys) -> ModelConfig:
     return ModelConfig(
         **common, intermediate_size=moe.intermediate_size, layer_types=tuple(types),
         ffn_types=("moe",) * n, moe=moe, hidden_act=act,
-        **_bamba_mamba(k, common["hidden_size"]), **_rope(k, 1.0), use_rope=pos == "rope",
+        **_bamba_mamba(k, common["hidden_size"]), **_rope(k, None), use_rope=pos == "rope",
         rms_norm_eps=float(k.get("rms_norm_eps", 1e-6)), model_type="granitemoehybrid",
         embedding_multiplier=float(k.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(k.get("residual_multiplier", 1.0)),
@@ -336,7 +339,7 @@ def _falcon_h1(k: Keys) -> ModelConfig:
         mamba_proj_bias=bool(k.get("mamba_proj_bias", False)),
         mamba_out_proj_bias=bool(k.get("projectors_bias", False)),
         mamba_norm=("norm_then_gate" if before_gate else "gate_then_norm") if rms_norm else "gate_only",
-        time_step_limit=_time_step_limit(k), **_rope(k, 1.0),
+        time_step_limit=_time_step_limit(k), **_rope(k, None),
         rms_norm_eps=float(k.get("rms_norm_eps", 1e-5)), model_type="falcon_h1",
         embedding_multiplier=float(k.get("embedding_multiplier", 1.0)),
         logits_multiplier=float(k.get("lm_head_multiplier", 1.0)), mup=mup,
