@@ -1,6 +1,9 @@
 """Admin API (bearer token from HYRAX_ADMIN_TOKEN): inspect, retract, resume requests."""
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field, field_validator, model_validator
 
@@ -12,6 +15,8 @@ from hyrax.api.errors import APIError
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.schemas import Body, Text
 
+log = logging.getLogger("hyrax.api")
+EVENTS_TIMEOUT_S = 5.0
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=JSONRoute)
 
 
@@ -75,6 +80,23 @@ async def requests_(request: Request):
 @router.get("/pools")
 async def pools(request: Request):
     return {"replicas": await request.app.state.client.pools()}
+
+
+@router.get("/events")
+async def events(request: Request):
+    """The deployment controller's event log (hyrax/cluster/event_log.py): replicas lost, hung or
+    down and replaced, added, retired, removed; newest last, with times."""
+    source = request.app.state.deployment_events
+    if source is None:
+        raise APIError(404, "this gateway serves an in-process engine: there is no deployment controller and "
+                            "no event log", code="not_found")
+    try:
+        page = await asyncio.wait_for(source(), EVENTS_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - restarting, or gone: the operator is told to ask again
+        log.warning("the deployment controller did not answer for its events", exc_info=True)
+        raise APIError(503, "the deployment controller did not answer; try again", code="unavailable",
+                       headers={"Retry-After": "1"}) from None
+    return page.as_dict()
 
 
 @router.get("/health")

@@ -72,7 +72,10 @@ def _replay(messages: list[dict], receive):
     return replayed
 
 
-def create_app(client, settings: GatewaySettings) -> FastAPI:
+def create_app(client, settings: GatewaySettings, deployment_events=None) -> FastAPI:
+    """The gateway over `client`. `deployment_events`: an async callable answering the deployment
+    controller's `EventPage` (hyrax/cluster/event_log.py) for `GET /admin/events`; None where no
+    controller runs the replicas (an in-process engine)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async def watch():
@@ -89,6 +92,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="Hyrax", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.client = client
+    app.state.deployment_events = deployment_events
     app.state.settings = settings
     app.state.ready = False
     app.state.health = NOT_CHECKED  # the last health round's report (hyrax/api/health.py)

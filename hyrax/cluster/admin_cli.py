@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     acts.add_parser("requests", help="list requests with state and indices (a retracted one: its backup, with checksums)")
     acts.add_parser("pools", help="pool usage per replica and component")
     acts.add_parser("health", help="each replica's state with its own health answer (last error, stuck reason)")
+    acts.add_parser("events", help="the deployment controller's event log: replicas lost, hung, down, replaced, "
+                                   "added, retired (newest last)")
     r = acts.add_parser("retract", help="retract requests")
     sel = r.add_mutually_exclusive_group(required=True)
     sel.add_argument("--id", action="append", dest="ids", help="request id (repeatable)")
@@ -82,8 +84,8 @@ def _request(a) -> tuple[str, str, dict | None]:
         return "GET", "/admin/requests", None
     if a.action == "pools":
         return "GET", "/admin/pools", None
-    if a.action == "health":
-        return "GET", "/admin/health", None
+    if a.action in ("health", "events"):
+        return "GET", f"/admin/{a.action}", None
     if a.action == "retract":
         body = {"request_ids": a.ids} if a.ids else {"count": a.count} if a.count is not None else {"all": True}
         body.update({k: v for k, v in (("mode", a.mode), ("hold", a.hold or None)) if v})

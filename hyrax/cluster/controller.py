@@ -24,6 +24,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.cluster.autoscale import Autoscaler, ReplicaLoad, ScalePolicy
 from hyrax.cluster.deployment import Deployment, NotPlaced, Replica
+from hyrax.cluster.event_log import EventLog, EventPage
 from hyrax.cluster.placement import RoleSpec, namespace
 from hyrax.cluster.supervision import Check, HealthTracker, ReplaceBackoff, Supervision, Verdict
 
@@ -72,7 +73,7 @@ class DeploymentController:
         self.retiring: dict[int, float] = {}  # id(replica) -> when it was retired (monotonic)
         self.leaving: list[tuple[Replica, float]] = []  # out of describe(), stopped once gateways let go
         self.generation = time.time_ns()  # a restarted controller's differs: every gateway refreshes
-        self.scale_events: list[str] = []
+        self.log = EventLog()  # what happened to the replicas, for operators (event_log.py)
         self.missing: list[str] = []  # roles of replicas that died and are not replaced yet
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._take_back()
@@ -224,10 +225,14 @@ class DeploymentController:
 
     def _event(self, what: str) -> None:
         self.generation += 1
-        self.scale_events.append(what)
+        self.log.add(what)
 
     def events(self) -> list[str]:
-        return list(self.scale_events)
+        return self.log.texts()
+
+    def event_page(self) -> EventPage:
+        """The newest events with their times, for `GET /admin/events`."""
+        return self.log.page()
 
     def replicas(self) -> list[Replica]:
         return list(self.deployment.replicas)

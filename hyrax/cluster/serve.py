@@ -390,7 +390,8 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         client = client_for(dep, name, a.max_inflight, lease=lease,
                             cache_route_margin=None if a.cache_route_margin < 0 else a.cache_route_margin)
         app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
-                                                 max_body_bytes=int(a.max_body_mb * 2**20)))
+                                                 max_body_bytes=int(a.max_body_mb * 2**20)),
+                         deployment_events=_events_of(ctl))
         app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)
         base = f"http://{a.host}:{a.port}"
         print(f"hyrax: serving {name!r}\n"
@@ -423,6 +424,13 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         if started_ray:
             ray.shutdown()
     return 0
+
+
+def _events_of(ctl):
+    """`GET /admin/events`' source: the controller's event page, asked through Ray."""
+    async def page():
+        return await ctl.event_page.remote()
+    return page
 
 
 def _with_task(app, task):

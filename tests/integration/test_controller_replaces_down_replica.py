@@ -4,6 +4,7 @@ every gateway and serving nothing, while the deployment counted it as one of its
 controller now stops it and places a new one, which serves."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import ray
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.cluster import controller
 from hyrax.cluster.placement import RoleSpec
+from hyrax.cluster.serve import _events_of
 from hyrax.cluster.supervision import Supervision
 from ray_harness import DEMO_MODEL, assert_clean, call, prompt, reference, run_all
 
@@ -54,6 +56,11 @@ def test_a_replica_whose_ranks_cannot_be_kept_alive_is_replaced_by_the_controlle
         assert f"down colocated/{first.index}: its ranks could not be restarted; stopped" in events, events
         assert f"replaced a lost colocated replica with colocated/{second.index}" in events, events
         assert [r.index for r in ray.get(ctl.replicas.remote())] == [second.index]  # the down one is gone
+        # what an operator reads of it (GET /admin/events), through the source hyrax serve gives the gateway
+        page = asyncio.run(_events_of(ctl)())
+        told = [e.what for e in page.events]
+        assert told == events and page.total == len(events), (told, events)
+        assert all(a.at <= b.at for a, b in zip(page.events, page.events[1:])) and page.events[-1].at <= time.time()
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(coord.health.remote(), timeout=30)
         p = prompt(15, seed=1401)
