@@ -110,3 +110,25 @@ def test_whole_head_rope_with_its_own_theta_matches_transformers(tmp_path, build
     rope = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.0}
     hf = save(build(rope_parameters=rope), tmp_path)
     assert_matches_transformers(tmp_path, hf)
+
+
+def test_nemotron_h_never_ties_its_lm_head_to_the_embeddings(tmp_path):
+    """transformers' NemotronH keeps its own LM head even with `tie_word_embeddings: true`."""
+    hf = save(nemotron_h(tie_word_embeddings=True), tmp_path)
+    assert not torch.equal(hf.lm_head.weight, hf.model.embeddings.weight)
+    assert_matches_transformers(tmp_path, hf)
+
+
+def test_a_tied_config_whose_checkpoint_carries_its_own_lm_head_uses_that_head(tmp_path):
+    """transformers does not tie an LM head that the checkpoint stores with other values than
+    the embeddings (it warns); such a checkpoint computes with the stored head."""
+    from safetensors.torch import load_file, save_file
+
+    save(bamba(tie_word_embeddings=True), tmp_path)
+    f = tmp_path / "model.safetensors"
+    weights = load_file(f)
+    weights["lm_head.weight"] = torch.randn(weights["model.embed_tokens.weight"].shape)
+    save_file(weights, f, metadata={"format": "pt"})
+    hf = transformers.BambaForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(hf.lm_head.weight, weights["lm_head.weight"])
+    assert_matches_transformers(tmp_path, hf)

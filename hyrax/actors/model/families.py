@@ -236,6 +236,7 @@ def _nemotron_h(k: Keys) -> ModelConfig:
     k.get("expand")  # the Mamba width is mamba_num_heads * mamba_head_dim
     k.get("mamba_proj_bias")  # NemotronH's Mamba projections follow use_bias
     common = _common(k, n)
+    common["tie_word_embeddings"] = False  # transformers' NemotronH never ties its LM head
     moe = None
     if "moe" in raw:
         moe = MoeConfig(

@@ -7,6 +7,7 @@ the checkpoint. Replicated parameters (embeddings, norms, LM head, routers) are 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
+    name_of = weight_namer(cfg)
+    if cfg.tie_word_embeddings and _stores_lm_head(files, name_of):
+        # as transformers does: a head the checkpoint stores is used, tied config or not
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with weights_left_uninitialised():  # every weight is read from the checkpoint below
         model = HybridModel(cfg, tp, dtype, allreduce, device, attn_backend)
     with torch.device("meta"), weights_left_uninitialised():  # the unsharded shapes, to check against
@@ -58,7 +63,6 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     rules = model.shard_rules()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    name_of = weight_namer(cfg)
     for f in files:
         with SafetensorsFile(f) as h:
             for ckpt_name in h.keys():
@@ -98,6 +102,14 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
         plan_readouts(model)  # and the SSD decode readout the form this CPU runs faster
     capture_decode(model, captured_decode, device)
     return model
+
+
+def _stores_lm_head(files: list[Path], name_of) -> bool:
+    for f in files:
+        with SafetensorsFile(f) as h:
+            if any(name_of(n) == "lm_head.weight" for n in h.keys()):
+                return True
+    return False
 
 
 def save_model(model: HybridModel, path: str | Path) -> None:
