@@ -69,7 +69,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     for lo, hi, role in SCALING_FLAGS:
         shape.add_argument(lo, type=int, default=None,
                            help=f"autoscale the {role or 'decode (or colocated)'} role between this many replicas and "
-                                f"{hi}, on queue depth and pool usage; a replica scaled down is drained by live migration")
+                                f"{hi}, on queue depth"
+                                + (f", prompts held (more than {PREFILL_HELD_PER_REPLICA:g} a replica),"
+                                   if role == "prefill" else "")
+                                + " and pool usage; a replica scaled down is drained by live migration")
         shape.add_argument(hi, type=int, default=None, help=f"upper bound of {lo}' autoscaling")
     shape.add_argument("--hung-replica-timeout", type=positive_float, default=15.0,
                        help="seconds a replica may leave the controller's health checks unanswered before it "
