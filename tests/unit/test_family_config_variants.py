@@ -132,3 +132,11 @@ def test_a_tied_config_whose_checkpoint_carries_its_own_lm_head_uses_that_head(t
     hf = transformers.BambaForCausalLM.from_pretrained(tmp_path).eval()
     assert torch.equal(hf.lm_head.weight, weights["lm_head.weight"])
     assert_matches_transformers(tmp_path, hf)
+
+
+def test_bamba_head_dim_apart_from_hidden_over_heads_matches_transformers(tmp_path):
+    """BambaConfig has no head_dim argument, but transformers' Bamba attention and RoPE read a
+    `head_dim` the config carries (here 32, against hidden_size / heads = 16)."""
+    hf = save(bamba(head_dim=32), tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["head_dim"] == 32
+    assert_matches_transformers(tmp_path, hf, tp2=True)

@@ -162,9 +162,7 @@ def _hyrax_or_bamba(k: Keys, model_type: str) -> ModelConfig:
         raise HyraxInputError("config.json needs `layer_types` or `attn_layer_indices`")
     _layer_count(k, types)
     k.choice("hidden_act", ACTIVATIONS, "silu")
-    common = _common(k, n)
-    if model_type == "bamba":  # Bamba's attention has no head_dim key: hidden / heads
-        common["head_dim"] = common["hidden_size"] // common["num_attention_heads"]
+    common = _common(k, n)  # head_dim: BambaConfig has no such argument, but its attention reads one present
     return ModelConfig(
         **common, intermediate_size=int(k.req("intermediate_size")), layer_types=tuple(types),
         **_bamba_mamba(k, common["hidden_size"]), **_rope(k, 0.5),
