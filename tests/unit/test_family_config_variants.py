@@ -140,3 +140,11 @@ def test_bamba_head_dim_apart_from_hidden_over_heads_matches_transformers(tmp_pa
     hf = save(bamba(head_dim=32), tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["head_dim"] == 32
     assert_matches_transformers(tmp_path, hf, tp2=True)
+
+
+def test_nemotron_h_mlp_bias_reaches_the_shared_expert(tmp_path):
+    """NemotronH's `mlp_bias` puts biases on its relu² MLPs and on the MoE's shared expert
+    (the routed experts have none)."""
+    hf = save(nemotron_h(mlp_bias=True), tmp_path)
+    assert hf.model.layers[3].mixer.shared_experts.down_proj.bias is not None
+    assert_matches_transformers(tmp_path, hf, tp2=True)

@@ -66,6 +66,7 @@ class MoeConfig:
     n_group: int = 1
     topk_group: int = 1
     shared_expert_gate: bool = False  # Qwen: shared expert output times sigmoid(gate(x))
+    shared_expert_bias: bool = False  # biases on the shared expert's projections (NemotronH: mlp_bias)
 
     def __post_init__(self):
         if self.router not in ("topk_softmax", "softmax_topk", "sigmoid_grouped"):

@@ -244,6 +244,7 @@ def _nemotron_h(k: Keys) -> ModelConfig:
             router="sigmoid_grouped", gated_experts=False, norm_topk_prob=bool(k.get("norm_topk_prob", True)),
             routed_scaling_factor=float(k.get("routed_scaling_factor", 1.0)),
             n_group=int(k.get("n_group", 1)), topk_group=int(k.get("topk_group", 1)),
+            shared_expert_bias=common["mlp_bias"],
         )
     else:
         for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",

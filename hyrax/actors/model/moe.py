@@ -102,7 +102,8 @@ class MoE(nn.Module):
             self.experts = (StackedExperts if stacked_experts else ExpertList)(m, h, tp, dtype)
         if m.shared_intermediate_size:
             shared = FusedGatedMLP if fused_shared else GatedMLP if m.gated_experts else ReluSqMLP
-            self.shared_expert = shared(h, m.shared_intermediate_size, tp, dtype)
+            bias = {"bias": True} if m.shared_expert_bias else {}  # FusedGatedMLP (Granite) has none
+            self.shared_expert = shared(h, m.shared_intermediate_size, tp, dtype, **bias)
             if m.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
         self.allreduce = allreduce
