@@ -166,16 +166,23 @@ def _usage(choices: list[Choice], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(c: Choice, tok, start: int, end: int, offset: int) -> dict:
-    """OpenAI completions format for tokens [start, end) of a choice."""
+def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream) -> dict:
+    """OpenAI completions format for tokens [start, end) of a choice. `text`: a stream without
+    stop strings fed the choice's tokens before `start` (fed these here), whose emitted length
+    is where the next token starts in the completion's text: a token that ends inside a
+    character adds nothing until the character is whole (alone, each such token decodes to
+    U+FFFD, and counting those put every later offset past its token). Tokens that decode to
+    the same text share one key of top_logprobs, which keeps the most likely one's logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        s = tok.decode([t])
-        out["tokens"].append(s)
+        out["tokens"].append(tok.decode([t]))
         out["token_logprobs"].append(lp["logprob"])
-        out["top_logprobs"].append({tok.decode([a]): v for a, v in lp["top"]})
-        out["text_offset"].append(offset)
-        offset += len(s)
+        top: dict[str, float] = {}
+        for a, v in lp["top"]:  # most likely first
+            top.setdefault(tok.decode([a]), v)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(text.sent)
+        text.feed([t])
     return out
 
 
@@ -316,18 +323,19 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         under_way = await _under_way(request, choices, reservation)
 
         async def events():
-            # per choice: logprob entries sent, and the text offset of the next one (from the start
-            # of the completion, as in the whole answer)
-            sent_echo, sent_lp = set(), {c.index: (0, 0) for c in choices}
+            # per choice: logprob entries sent, and the text of their tokens (where the next one
+            # starts, from the start of the completion, as in the whole answer)
+            sent_echo = set()
+            sent_lp = {c.index: (0, TextStream(info.tokenizer.decode)) for c in choices}
             async for c, delta, finished in under_way:
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
                 if delta or finished:
                     lp = None
                     if want_lp:
-                        (n0, offset), n1 = sent_lp[c.index], len(c.logprobs)
-                        lp = _completion_logprobs(c, info.tokenizer, n0, n1, offset)
-                        sent_lp[c.index] = n1, offset + sum(map(len, lp["tokens"]))
+                        (n0, text), n1 = sent_lp[c.index], len(c.logprobs)
+                        lp = _completion_logprobs(c, info.tokenizer, n0, n1, text)
+                        sent_lp[c.index] = n1, text
                     yield _sse(chunk(c, delta, c.finish_reason if finished else None, lp))
                 if finished and c.error:
                     yield _stream_error(c)
@@ -343,7 +351,8 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
     return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "text": texts[c.index],
-                         "logprobs": _completion_logprobs(c, info.tokenizer, 0, len(c.logprobs), 0) if want_lp else None,
+                         "logprobs": _completion_logprobs(c, info.tokenizer, 0, len(c.logprobs),
+                                                          TextStream(info.tokenizer.decode)) if want_lp else None,
                          "finish_reason": c.finish_reason} for c in sorted(choices, key=lambda c: c.index)],
             "usage": _usage(choices, body.n)}
 

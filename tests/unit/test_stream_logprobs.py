@@ -39,14 +39,17 @@ def _items(tokens: list[int], reason: str) -> list[dict]:
              "logprobs": [{"logprob": -0.1 * (i + 1), "top": [[t, -0.1 * (i + 1)]]}]} for i, t in enumerate(tokens)]
 
 
+def _scripted(items: list[dict]) -> TestClient:
+    client = EngineClient(ModelInfo("m", 2048, ByteTokenizer(264, EOS), None, 264, (EOS,)), [ScriptedReplica(items)])
+    app = create_app(client, GatewaySettings(admin_token="t"))
+    app.state.ready = True
+    return TestClient(app)
+
+
 @pytest.fixture
 def gateway():
     def make(tokens: list[int], reason: str = "stop") -> TestClient:
-        client = EngineClient(ModelInfo("m", 2048, ByteTokenizer(264, EOS), None, 264, (EOS,)),
-                              [ScriptedReplica(_items(tokens, reason))])
-        app = create_app(client, GatewaySettings(admin_token="t"))
-        app.state.ready = True
-        return TestClient(app)
+        return _scripted(_items(tokens, reason))
     return make
 
 
@@ -73,12 +76,45 @@ def test_a_streamed_chat_answer_reports_every_tokens_logprob_as_the_whole_answer
 @pytest.mark.parametrize("tokens,extra", ANSWERS)
 def test_a_streamed_completions_answer_reports_the_whole_answers_logprobs_and_text_offsets(gateway, tokens, extra):
     body = {"model": "m", "prompt": "hi", "logprobs": 1, **extra}
-    http = gateway(tokens)
+    whole, joined = _both(gateway(tokens), body)
+    assert whole["text_offset"] == [0, 1, 2, 3, 4, 5][:len(tokens)]
+    assert joined == whole
+
+
+def _both(http: TestClient, body: dict) -> tuple[dict, dict]:
+    """The completions answer's logprobs, whole and joined from its stream."""
     whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     joined = {k: [] for k in whole}
     for ev in _events(http.post("/v1/completions", json={**body, "stream": True}).text):
         for c in ev["choices"]:
             for k in joined:
                 joined[k] += (c["logprobs"] or {}).get(k, [])
-    assert whole["text_offset"] == [0, 1, 2, 3, 4, 5][:len(tokens)]
+    return whole, joined
+
+
+# "éa日b": é and 日 are 2 and 3 bytes, one token each byte (the byte tokenizer, as the demo model's)
+MULTIBYTE = [*"é".encode(), ord("a"), *"日".encode(), ord("b")]
+
+
+def test_completions_text_offsets_index_the_text_across_characters_split_over_tokens():
+    """OpenAI's text_offset is where each token starts in the completion's text. A token that is
+    part of a character decodes alone to U+FFFD; counting that as a character put every token
+    after 'é' one character late ([0, 1, 2, 3, 4, 5, 6] for a 4-character text)."""
+    http = _scripted(_items(MULTIBYTE, "length"))
+    whole, joined = _both(http, {"model": "m", "prompt": "hi", "logprobs": 1})
+    text = http.post("/v1/completions", json={"model": "m", "prompt": "hi"}).json()["choices"][0]["text"]
+    assert text == "éa日b"
+    assert whole["text_offset"] == [0, 0, 1, 2, 2, 2, 3]
+    assert joined == whole
+
+
+def test_completions_top_logprobs_keep_the_most_likely_of_tokens_that_read_the_same():
+    """top_logprobs maps each token's text to its logprob; tokens that decode to the same text
+    (bytes of a character, each alone U+FFFD) share one key, which must hold the most likely
+    one's logprob, not whichever came last (the least likely)."""
+    top = [[0xC3, -0.1], [0xC4, -0.2], [0xC5, -0.9]]
+    items = [{"token_ids": [t], "finished": i == 1, "finish_reason": "length" if i == 1 else None,
+              "logprobs": [{"logprob": -0.1, "top": top}]} for i, t in enumerate("é".encode())]
+    whole, joined = _both(_scripted(items), {"model": "m", "prompt": "hi", "logprobs": 3})
+    assert whole["top_logprobs"] == [{"\ufffd": -0.1}, {"\ufffd": -0.1}]
     assert joined == whole
