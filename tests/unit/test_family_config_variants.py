@@ -148,3 +148,11 @@ def test_nemotron_h_mlp_bias_reaches_the_shared_expert(tmp_path):
     hf = save(nemotron_h(mlp_bias=True), tmp_path)
     assert hf.model.layers[3].mixer.shared_experts.down_proj.bias is not None
     assert_matches_transformers(tmp_path, hf, tp2=True)
+
+
+def test_dense_qwen3_next_without_experts_loads_its_unused_moe_keys(tmp_path):
+    """num_experts 0: every layer is a dense SwiGLU MLP; Qwen3NextConfig still writes its MoE
+    keys (moe_intermediate_size, ...), which then change nothing."""
+    hf = save(qwen3_next(num_experts=0), tmp_path)
+    assert "moe_intermediate_size" in json.loads((tmp_path / "config.json").read_text())
+    assert_matches_transformers(tmp_path, hf)

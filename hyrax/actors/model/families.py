@@ -279,12 +279,13 @@ def _qwen3_next(k: Keys) -> ModelConfig:
     dense = set(k.get("mlp_only_layers", []))
     step = int(k.get("decoder_sparse_step", 1))
     ffn = tuple("moe" if experts and i not in dense and (i + 1) % step == 0 else "gated" for i in range(n))
-    moe = MoeConfig(
+    routing = dict(  # read even when no layer routes (num_experts 0): Qwen3NextConfig writes them all
         num_experts=experts, top_k=int(k.get("num_experts_per_tok", 1)),
         intermediate_size=int(k.get("moe_intermediate_size", 1)),
         shared_intermediate_size=int(k.get("shared_expert_intermediate_size", 0)),
-        router="softmax_topk", norm_topk_prob=bool(k.get("norm_topk_prob", False)), shared_expert_gate=True,
-    ) if "moe" in ffn else None
+        norm_topk_prob=bool(k.get("norm_topk_prob", False)),
+    )
+    moe = MoeConfig(**routing, router="softmax_topk", shared_expert_gate=True) if "moe" in ffn else None
     gdn = GdnConfig(
         num_k_heads=int(k.req("linear_num_key_heads")), num_v_heads=int(k.req("linear_num_value_heads")),
         k_head_dim=int(k.req("linear_key_head_dim")), v_head_dim=int(k.req("linear_value_head_dim")),
