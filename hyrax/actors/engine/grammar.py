@@ -71,7 +71,7 @@ class GrammarSpec:
             if not options or not all(isinstance(o, str) and o for o in options):
                 raise HyraxInputError("choice must be a non-empty list of non-empty strings")
         try:
-            self._grammar()
+            _compile_check(self._grammar())
         except RuntimeError as e:  # xgrammar reports a bad schema or pattern as RuntimeError
             raise HyraxInputError(f"invalid {self.kind.value}: {_first_line(e)}") from None
 
@@ -94,8 +94,10 @@ class GrammarSpec:
 
     @property
     def _choice_ebnf(self) -> str:
-        # JSON string literals are valid EBNF string literals (quotes, backslashes, \uXXXX)
-        return "root ::= " + " | ".join(json.dumps(o) for o in json.loads(self.source))
+        # JSON string literals are valid EBNF string literals (quotes, backslashes, \uXXXX), but
+        # xgrammar reads a \ud83d\ude00 pair as two lone surrogates: characters outside the BMP
+        # are written as themselves
+        return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in json.loads(self.source))
 
     def compile(self, compiler):
         """xgrammar CompiledGrammar for `compiler`'s tokenizer (the compiler caches by source)."""
@@ -109,6 +111,15 @@ class GrammarSpec:
 @functools.lru_cache(maxsize=256)
 def _check(spec: GrammarSpec) -> None:
     spec._check()
+
+
+def _compile_check(grammar) -> None:
+    """Compile `grammar` with an empty vocabulary: some schemas xgrammar parses fail only when
+    compiled (a negative minLength), and on rank 0 that would fail the step of every request
+    batched with it. Milliseconds for an ordinary schema: the cost grows with the vocabulary."""
+    import xgrammar as xgr
+
+    xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False).compile_grammar(grammar)
 
 
 def _first_line(e: Exception) -> str:

@@ -37,6 +37,9 @@ FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname
 ALONE = ("$ref", "enum", "const", "anyOf", "oneOf", "allOf")
 NOT_CONSTRAINTS = ANNOTATIONS | {"$defs", "definitions", "$id"}
 STRING_GROUPS = (("pattern",), ("format",), ("minLength", "maxLength"))  # xgrammar applies one group
+# Size bounds: xgrammar reads a negative maxLength as "no bound", and a negative minLength passes its
+# parse and then fails the compile against the tokenizer; JSON Schema wants non-negative integers.
+SIZES = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -81,6 +84,7 @@ def _check_node(path: str, node: dict, strict: bool) -> None:
         if k not in KEYWORD_TYPE and k not in ANNOTATIONS and not (k == "$id" and not path):
             raise _refuse(path, k, "not enforced by the grammar engine, which would ignore it, so the answer could "
                                    "break it (docs/api.md lists the keywords it enforces)")
+    _check_values(path, node)
     types = _types(node)
     alone = [k for k in ALONE if k in node]
     if alone:
@@ -105,6 +109,49 @@ def _check_node(path: str, node: dict, strict: bool) -> None:
             raise _refuse(path, "format", f"{node['format']!r} is not enforced by the grammar engine (it enforces "
                                           f"{', '.join(sorted(FORMATS))})")
     _check_object(path, node, strict)
+
+
+def _check_values(path: str, node: dict) -> None:
+    """Values xgrammar parses without complaint and then ignores or misreads."""
+    for k in SIZES:
+        v = node.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+            raise _refuse(path, k, f"{v} is negative; a size bound is a non-negative integer")
+    if node.get("type") == []:
+        raise _refuse(path, "type", "an empty list of types, which the grammar engine reads as any type")
+    for k in ("anyOf", "oneOf"):
+        if node.get(k) == []:
+            raise _refuse(path, k, "an empty list: no value matches it (give at least one schema)")
+    patterns = [("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += [("patternProperties", p) for p in node["patternProperties"]]
+    for k, p in patterns:
+        at = lookahead_at(p)
+        if at is not None:
+            raise _refuse(path, k, f"{p!r} has a lookahead at character {at}, which the grammar engine ignores in a "
+                                   "schema (it would accept strings the pattern refuses)")
+
+
+def lookahead_at(pattern: str) -> int | None:
+    """Where `pattern` has a lookahead, `(?=` or `(?!`, outside a character class and not
+    escaped; None if nowhere."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            if pattern.startswith("]", i + 1) or pattern.startswith("^]", i + 1):  # a leading ] is a member
+                i += 2 if pattern[i + 1] == "]" else 3
+                continue
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return i
+        i += 1
+    return None
 
 
 def _check_object(path: str, node: dict, strict: bool) -> None:
