@@ -187,9 +187,10 @@ def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream)
 
 
 def _chat_logprobs(c: Choice, tok, start: int, end: int) -> dict:
+    """OpenAI chat format for tokens [start, end) of a choice: `bytes` are the token's own
+    (a token inside a character reads U+FFFD alone, and its bytes put the character back)."""
     def entry(t: int, v: float) -> dict:
-        s = tok.decode([t])
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+        return {"token": tok.decode([t]), "logprob": v, "bytes": list(tok.token_bytes(t))}
 
     return {"content": [dict(entry(t, lp["logprob"]), top_logprobs=[entry(a, v) for a, v in lp["top"]])
                         for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end])]}

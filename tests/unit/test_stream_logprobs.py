@@ -118,3 +118,33 @@ def test_completions_top_logprobs_keep_the_most_likely_of_tokens_that_read_the_s
     whole, joined = _both(_scripted(items), {"model": "m", "prompt": "hi", "logprobs": 3})
     assert whole["top_logprobs"] == [{"\ufffd": -0.1}, {"\ufffd": -0.1}]
     assert joined == whole
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes_and_join_into_the_text():
+    """OpenAI's `bytes` is what lets a client put back a character split over tokens: each
+    token's own UTF-8 bytes. A token inside a character decodes alone to U+FFFD, whose bytes
+    ([239, 191, 189]) were reported instead."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+    http = _scripted(_items(MULTIBYTE, "length"))
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert [e["bytes"] for e in content] == [[b] for b in MULTIBYTE]
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [[b] for b in MULTIBYTE]
+    assert bytes(b for e in content for b in e["bytes"]).decode() == whole["message"]["content"] == "éa日b"
+    streamed = [e for ev in _events(http.post("/v1/chat/completions", json={**body, "stream": True}).text)
+                for c in ev["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert streamed == content
+
+
+def test_a_tokenizer_json_tokens_bytes_join_into_the_text():
+    """The demo checkpoint's byte-level BPE: every token of a text with characters of 2, 3 and 4
+    bytes gives its own bytes, and they join into the text's UTF-8."""
+    from pathlib import Path
+
+    from hyrax.actors.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo", 256)
+    text = "naïve 日本 😀 end"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # some token is part of a character
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()

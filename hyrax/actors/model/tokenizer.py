@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 from hyrax.actors.model.errors import HyraxInputError
@@ -36,6 +37,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for in decoded text (a special token: none)."""
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
 
 
 class ChatPrompt(str):
@@ -116,10 +121,48 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for in decoded text: its decoding alone, unless that
+        holds U+FFFD (the token is part of a character), then its vocabulary piece read as the
+        decoder writes bytes (a byte-level character each, or a `<0xXX>` byte-fallback token)."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        raw = _piece_bytes(self._tok.id_to_token(token_id) or "", self._byte_pieces)
+        return text.encode("utf-8") if raw is None else raw
+
+    @functools.cached_property
+    def _byte_pieces(self) -> str | None:
+        """How vocabulary pieces write bytes: "ByteLevel", "ByteFallback", or None (neither)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [])} | {decoder.get("type")}
+        return next((k for k in ("ByteLevel", "ByteFallback") if k in kinds), None)
+
     @functools.cached_property
     def max_bytes_per_token(self) -> float | None:
         """The most bytes of input text one token stands for, None when unknown (token_bytes.py)."""
         return max_bytes_per_token(json.loads(self._tok.to_str()))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a byte-level BPE
+    vocabulary (printable Latin-1 bytes as themselves, the others from U+0100 on, in order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    others = (b for b in range(256) if b not in printable)
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_bytes(piece: str, kind: str | None) -> bytes | None:
+    """The bytes a vocabulary piece writes under a decoder of `kind` (see `_byte_pieces`); None
+    when it writes none that way."""
+    if kind == "ByteLevel" and piece and all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    m = _BYTE_FALLBACK.fullmatch(piece) if kind == "ByteFallback" else None
+    return bytes([int(m.group(1), 16)]) if m else None
 
 
 def load_tokenizer(model_dir: str | Path, vocab_size: int):
