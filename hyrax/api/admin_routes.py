@@ -1,9 +1,6 @@
 """Admin API (bearer token from HYRAX_ADMIN_TOKEN): inspect, retract, resume requests."""
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from fastapi import APIRouter, Depends, Request
 from pydantic import Field, field_validator, model_validator
 
@@ -11,12 +8,11 @@ from hyrax.actors.engine.commands import Resume, Retract
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.engine.selection import Selection
 from hyrax.api.auth import require_admin
+from hyrax.api.deployment_events import ControllerSilent, fetch
 from hyrax.api.errors import APIError
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.schemas import Body, Text
 
-log = logging.getLogger("hyrax.api")
-EVENTS_TIMEOUT_S = 5.0
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=JSONRoute)
 
 
@@ -91,9 +87,8 @@ async def events(request: Request):
         raise APIError(404, "this gateway serves an in-process engine: there is no deployment controller and "
                             "no event log", code="not_found")
     try:
-        page = await asyncio.wait_for(source(), EVENTS_TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - restarting, or gone: the operator is told to ask again
-        log.warning("the deployment controller did not answer for its events", exc_info=True)
+        page = await fetch(source)
+    except ControllerSilent:
         raise APIError(503, "the deployment controller did not answer; try again", code="unavailable",
                        headers={"Retry-After": "1"}) from None
     return page.as_dict()

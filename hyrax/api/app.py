@@ -119,7 +119,8 @@ def create_app(client, settings: GatewaySettings, deployment_events=None) -> Fas
 
     @app.get("/metrics")
     async def metrics():
-        return Response(await render_metrics(client, app.state.metrics), media_type=CONTENT_TYPE_LATEST)
+        return Response(await render_metrics(client, app.state.metrics, app.state.deployment_events),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():

@@ -8,6 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from hyrax.api.deployment_events import ControllerSilent, fetch
 from hyrax.api.health import HealthReport
 
 disable_created_metrics()  # no *_created series: they double the scrape for no dashboard use
@@ -181,8 +182,30 @@ def route_families(route) -> list:
     return [d, hit, refused]
 
 
-async def render(client, gateway: GatewayMetrics) -> bytes:
+def event_families(page) -> list:
+    """The deployment controller's events by kind since it started (hyrax/cluster/event_log.py)."""
+    fam = CounterMetricFamily("hyrax_deployment_events", "Events of the deployment controller since it started: "
+                              "replicas it stopped (dead, hung, down), replacements placed or failed, autoscaler "
+                              "steps, its own restart.", labels=["kind"])
+    for kind, n in page.counts:
+        fam.add_metric([kind], n)
+    return [fam]
+
+
+async def _events(source) -> list:
+    """`event_families` of the controller's page; none when there is no controller or it does not
+    answer in time (the scrape goes on without them, as it does without a replica that is gone)."""
+    if source is None:
+        return []
+    try:
+        return event_families(await fetch(source))
+    except ControllerSilent:
+        return []
+
+
+async def render(client, gateway: GatewayMetrics, deployment_events=None) -> bytes:
     stats, pools, health = await client.stats(), await client.pools(), await client.health()
     reg = CollectorRegistry()
-    reg.register(_Snapshot(engine_families(stats, pools, health) + route_families(client.route_stats)))
+    reg.register(_Snapshot(engine_families(stats, pools, health) + route_families(client.route_stats)
+                           + await _events(deployment_events)))
     return generate_latest(gateway.registry) + generate_latest(reg)

@@ -101,7 +101,7 @@ class DeploymentController:
         again until the autoscaler retires it anew); replicas of a role short of its count (one
         that died while the controller was down) are replaced as usual."""
         adopted = self.deployment.adopt()
-        self._event(f"restarted: took back {len(adopted)} replicas "
+        self._event("restarted", f"restarted: took back {len(adopted)} replicas "
                     f"({', '.join(f'{r.role}/{r.index}' for r in adopted) or 'none'})")
         if not adopted:
             return  # it died before placing anything: the next ensure() deploys
@@ -140,11 +140,11 @@ class DeploymentController:
                     self.deployment.remove_replica(r, graceful=False)
                     self.retiring.pop(id(r), None)
                     self.missing.append(r.role)
-                    self._event({Verdict.DEAD: f"lost {r.role}/{r.index}",
-                                 Verdict.HUNG: f"hung {r.role}/{r.index}: no health answer for "
-                                               f"{self.supervision.hung_after_s:g} s; killed",
-                                 Verdict.DOWN: f"down {r.role}/{r.index}: its ranks could not be restarted; "
-                                               f"stopped"}[verdict])
+                    self._event(verdict.value, {
+                        Verdict.DEAD: f"lost {r.role}/{r.index}",
+                        Verdict.HUNG: f"hung {r.role}/{r.index}: no health answer for "
+                                      f"{self.supervision.hung_after_s:g} s; killed",
+                        Verdict.DOWN: f"down {r.role}/{r.index}: its ranks could not be restarted; stopped"}[verdict])
             self._replace_missing()
 
     def _replace_missing(self) -> None:
@@ -161,11 +161,11 @@ class DeploymentController:
                 break
             except Exception as e:  # noqa: BLE001 - ranks that cannot start, a node lost meanwhile
                 wait = self.backoff.failed(role, time.monotonic())
-                self._event(f"could not replace a lost {role} replica ({_one_line(e)}); next try in {wait:g} s")
+                self._event("replace_failed", f"could not replace a lost {role} replica ({_one_line(e)}); next try in {wait:g} s")
                 continue
             self.backoff.succeeded(role)
             self.missing.remove(role)
-            self._event(f"replaced a lost {role} replica with {role}/{new.index}")
+            self._event("replaced", f"replaced a lost {role} replica with {role}/{new.index}")
 
     def _listed(self) -> list[Replica]:
         gone = {id(r) for r, _ in self.leaving}
@@ -212,20 +212,20 @@ class DeploymentController:
             if idle[id(r)] >= 2 and now - self.retiring[id(r)] >= drain_s:
                 del self.retiring[id(r)]
                 self.leaving.append((r, now))
-                self._event(f"removed {role}/{r.index}")
+                self._event("removed", f"removed {role}/{r.index}")
         serving = [r for r in reps if id(r) not in self.retiring]
         step = scaler.decide([_measure(r) for r in serving])
         if step > 0:
             r = self.deployment.add_replica(role, timeout_s=300)
-            self._event(f"added {role}/{r.index}")
+            self._event("added", f"added {role}/{r.index}")
         elif step < 0:
             victim = max(serving, key=lambda r: r.index)  # the newest: last in, first out
             self.retiring[id(victim)] = now
-            self._event(f"retiring {role}/{victim.index}")
+            self._event("retiring", f"retiring {role}/{victim.index}")
 
-    def _event(self, what: str) -> None:
+    def _event(self, kind: str, what: str) -> None:
         self.generation += 1
-        self.log.add(what)
+        self.log.add(kind, what)
 
     def events(self) -> list[str]:
         return self.log.texts()

@@ -89,15 +89,19 @@ def pd_run() -> PDRun:
     started = False if ray.is_initialized() else init_ray(num_cpus=16, dashboard=False, num_gpus=0)
     try:
         from hyrax.actors.engine.config import EngineConfig
-        from hyrax.cluster.deployment import Deployment, RoleSpec
+        from hyrax.cluster import controller
+        from hyrax.cluster.deployment import RoleSpec
         from hyrax.cluster.ray_client import client_for
+        from hyrax.cluster.serve import _events_of
 
-        dep = Deployment(DEMO_MODEL, [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1)],
-                         EngineConfig(forced_retraction_interval=FORCED_INTERVAL))
+        # as hyrax serve deploys: a controller owns the replicas, and /metrics counts its events
+        ctl = controller.create("observability", DEMO_MODEL, MODEL, [RoleSpec("prefill", 1, 1), RoleSpec("decode", 1, 1)],
+                                EngineConfig(forced_retraction_interval=FORCED_INTERVAL), rank_timeout_s=60,
+                                attach=False)
         try:
-            dep.start(timeout_s=300)
+            dep = controller.ensure(ctl, timeout_s=300)
             coords = {(r.role, r.index): r.coordinator for r in dep.replicas}
-            with serving(client_for(dep, MODEL)) as gw:
+            with serving(client_for(dep, MODEL), deployment_events=_events_of(ctl)) as gw:
                 responses = asyncio.run(_drive(gw.url))
 
                 def idle():
@@ -112,7 +116,7 @@ def pd_run() -> PDRun:
                 stats = dict(zip(coords, ray.get([c.stats.remote() for c in coords.values()], timeout=30)))
                 pools = dict(zip(coords, ray.get([c.pools.remote() for c in coords.values()], timeout=30)))
         finally:
-            dep.shutdown()
+            controller.tear_down(ctl)
     finally:
         if started:
             ray.shutdown()

@@ -41,11 +41,11 @@ PD_REQUESTS = [
 
 
 @contextlib.contextmanager
-def serving(client):
+def serving(client, deployment_events=None):
     """create_app(client) with the admin token, served on 127.0.0.1; yields the Gateway."""
     from hyrax.api.app import GatewaySettings, create_app
 
-    gw = Gateway(create_app(client, GatewaySettings(admin_token=ADMIN_TOKEN)))
+    gw = Gateway(create_app(client, GatewaySettings(admin_token=ADMIN_TOKEN), deployment_events=deployment_events))
     try:
         yield gw
     finally:
