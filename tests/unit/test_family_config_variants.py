@@ -156,3 +156,25 @@ def test_dense_qwen3_next_without_experts_loads_its_unused_moe_keys(tmp_path):
     hf = save(qwen3_next(num_experts=0), tmp_path)
     assert "moe_intermediate_size" in json.loads((tmp_path / "config.json").read_text())
     assert_matches_transformers(tmp_path, hf)
+
+
+def test_bamba_top_level_partial_rotary_factor_other_than_half_is_refused(tmp_path):
+    """transformers' Bamba rotates half of each head unless `rope_parameters` says otherwise: a
+    top-level `partial_rotary_factor` is overridden with 0.5 (older releases hard-coded 0.5
+    everywhere). Hyrax honoured the top-level value, 0.6 away from transformers' logits."""
+    save(bamba(), tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    d["rope_parameters"].pop("partial_rotary_factor")
+    d["partial_rotary_factor"] = 1.0
+    p.write_text(json.dumps(d))
+    raises_input_error(lambda: hff.load_model(tmp_path), "'partial_rotary_factor'")
+    d["partial_rotary_factor"] = 0.5  # what transformers uses: accepted
+    p.write_text(json.dumps(d))
+    assert hff.load_model(tmp_path).cfg.rotary_dim == 8
+
+
+def test_bamba_partial_rotary_factor_in_rope_parameters_matches_transformers(tmp_path):
+    hf = save(bamba(rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.0}),
+              tmp_path)
+    assert_matches_transformers(tmp_path, hf)

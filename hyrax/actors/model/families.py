@@ -78,10 +78,13 @@ def _eos(v) -> tuple[int, ...]:
     return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
-def _rope(k: Keys, default_partial: float | None) -> dict:
+def _rope(k: Keys, default_partial: float | None, top_level_partial: bool = True) -> dict:
     """rope_theta and partial_rotary_factor from `rope_parameters` / `rope_scaling` / top level.
     `default_partial` None: the family rotates whole heads (transformers' Granite and Falcon-H1
-    ignore the factor), so a factor other than 1 is refused rather than honoured or dropped."""
+    ignore the factor), so a factor other than 1 is refused rather than honoured or dropped.
+    Without `top_level_partial` only `rope_parameters` may change the factor (transformers'
+    Bamba overrides a top-level one with its default), so a top-level value other than the
+    default is refused."""
     rope = k.get("rope_parameters") or k.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise HyraxInputError("config.json key 'rope_parameters' must be an object")
@@ -91,7 +94,12 @@ def _rope(k: Keys, default_partial: float | None) -> dict:
     extra = set(rope) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if extra:
         raise HyraxInputError(f"config.json rope parameter {sorted(extra)[0]!r} is not supported")
-    partial = float(rope.get("partial_rotary_factor", k.get("partial_rotary_factor", default_partial or 1.0)))
+    default = 1.0 if default_partial is None else default_partial
+    top = k.get("partial_rotary_factor")
+    if top is not None and not top_level_partial and float(top) != default:
+        raise HyraxInputError(f"config.json key 'partial_rotary_factor' = {top} is not supported for model_type "
+                              f"{k.model_type!r}: transformers uses {default} unless rope_parameters sets it")
+    partial = float(rope.get("partial_rotary_factor", default if top is None else top))
     if default_partial is None and partial != 1.0:
         raise HyraxInputError(f"config.json key 'partial_rotary_factor' = {partial} is not supported for model_type "
                               f"{k.model_type!r}: its attention rotates whole heads")
@@ -165,7 +173,7 @@ def _hyrax_or_bamba(k: Keys, model_type: str) -> ModelConfig:
     common = _common(k, n)  # head_dim: BambaConfig has no such argument, but its attention reads one present
     return ModelConfig(
         **common, intermediate_size=int(k.req("intermediate_size")), layer_types=tuple(types),
-        **_bamba_mamba(k, common["hidden_size"]), **_rope(k, 0.5),
+        **_bamba_mamba(k, common["hidden_size"]), **_rope(k, 0.5, top_level_partial=model_type != "bamba"),
         rms_norm_eps=float(k.get("rms_norm_eps", 1e-5)), model_type=model_type,
     )
 
