@@ -44,6 +44,12 @@ def one(expr: str, labels: str = "") -> str:
     return f"max by (role, replica{', ' + labels if labels else ''}) ({expr})"
 
 
+def deployment_wide(expr: str, labels: str) -> str:
+    """A series about the whole deployment (the controller's events), once: every gateway asks
+    the same controller and exports the same counts."""
+    return f"max by ({labels}) ({expr})"
+
+
 def replica_pct(metric: str, p: float) -> str:
     """A replica's histogram, once per replica (see `one`), then the quantile over replicas."""
     return f"histogram_quantile({p}, sum by (le) ({one(f'rate({metric}_bucket[5m])', 'le')}))"
@@ -95,6 +101,7 @@ def build() -> dict:
             q(f"sum by (finish_reason) ({one('rate(hyrax_requests_finished_total[5m])', 'finish_reason')})", "finished {{finish_reason}}"),
             q("min by (role, replica) (hyrax_replica_healthy)", "healthy {{role}}/{{replica}}"),
             q(f"sum ({one('increase(hyrax_replica_recoveries_total[15m])')})", "recoveries (15m)"),
+            q(deployment_wide("increase(hyrax_deployment_events_total[15m])", "kind") + " > 0", "{{kind}} (15m)"),
         ], 0, 32, "short", w=24),
         panel(10, "Prefix cache hit rate (prompt tokens)", [
             q(one("rate(hyrax_prefix_cache_hit_tokens_total[5m])") + " / "

@@ -82,13 +82,20 @@ GATEWAY_LOCAL = ("hyrax_time_to_first_token_seconds", "hyrax_inter_token_latency
                  "hyrax_e2e_request_latency_seconds", "hyrax_router_")
 
 
+DEPLOYMENT_WIDE = ("hyrax_deployment_events_total",)  # the controller's: the same from every gateway
+
+
 def replica_queries_unaggregated(dashboard) -> list[str]:
     """Queries over replica series (exported by every gateway, so scraped once per gateway pod)
-    that do not first take one series per replica (`max/min by (role, replica ...)`)."""
+    that do not first take one series per replica (`max/min by (role, replica ...)`), and over
+    the controller's series that do not first take one per label set (`max by (kind)`)."""
     bad = []
     for title, expr in grafana_exprs(dashboard):
         names = promql_metric_names(expr)
-        if any(not n.startswith(GATEWAY_LOCAL) for n in names) and "by (role, replica" not in expr:
+        if names & set(DEPLOYMENT_WIDE):
+            if "max by (kind)" not in expr:
+                bad.append(f"{title}: {expr}")
+        elif any(not n.startswith(GATEWAY_LOCAL) for n in names) and "by (role, replica" not in expr:
             bad.append(f"{title}: {expr}")
     return bad
 
@@ -100,3 +107,6 @@ def test_replica_series_are_counted_once_with_several_gateways():
     d = load_grafana()
     d["panels"][0]["targets"].append({"expr": "sum by (role) (rate(hyrax_generation_tokens_total[1m]))", "refId": "Z"})
     assert len(replica_queries_unaggregated(d)) == 1  # the check notices a plain sum
+    d["panels"][0]["targets"].append({"expr": "sum by (kind) (increase(hyrax_deployment_events_total[15m]))",
+                                      "refId": "Y"})
+    assert len(replica_queries_unaggregated(d)) == 2  # and a sum of the controller's counts over gateways

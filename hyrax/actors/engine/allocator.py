@@ -37,7 +37,7 @@ class IndexAllocator:
 
     def allocate(self, owner: str, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """`n` free indices for `owner`, most recently freed first, skipping the indices in
-        `avoid` while others are free (used by restores: see Retractor.restore)."""
+        `avoid` while others are free (used by restores: see StateMoves.load in moves.py)."""
         if n > len(self._free):
             raise AllocationError(f"{self.name}: need {n}, {len(self._free)} free")
         if not avoid:
