@@ -178,3 +178,16 @@ def test_bamba_partial_rotary_factor_in_rope_parameters_matches_transformers(tmp
     hf = save(bamba(rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.0}),
               tmp_path)
     assert_matches_transformers(tmp_path, hf)
+
+
+def test_bamba_layer_types_are_refused_by_name(tmp_path):
+    """A Bamba's layers come from `attn_layer_indices` alone (transformers cannot even load a
+    BambaConfig carrying `layer_types`); Hyrax took `layer_types` from its own dialect, sliding
+    windows included, and computed what no Bamba does."""
+    save(bamba(), tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    del d["attn_layer_indices"]
+    d.update(layer_types=["mamba", "sliding_attention", "mamba"], sliding_window=4)
+    p.write_text(json.dumps(d))
+    raises_input_error(lambda: hff.load_model(tmp_path), "'layer_types'", "bamba")

@@ -161,6 +161,9 @@ def _layer_count(k: Keys, types: list) -> int:
 
 def _hyrax_or_bamba(k: Keys, model_type: str) -> ModelConfig:
     n = int(k.req("num_hidden_layers"))
+    if model_type == "bamba" and k.get("layer_types") is not None:
+        raise HyraxInputError("config.json key 'layer_types' is not supported for model_type 'bamba': "
+                              "its layers come from attn_layer_indices")
     if k.get("layer_types") is not None:
         types = [_LAYER_ALIASES.get(t, t) for t in k.get("layer_types")]
     elif "attn_layer_indices" in k.d:
