@@ -49,7 +49,8 @@ async def summary(request: Request):
         reps.append(r)
     ttft = request.app.state.metrics.ttft
     return {"model": client.model.name, "ready": request.app.state.ready, "replicas": reps,
-            "pool_usage": usage, "ttft_p50": _p50(ttft)}
+            "pool_usage": usage, "ttft_p50": _p50(ttft),
+            "controller": request.app.state.deployment_events is not None}  # /admin/events has a log to read
 
 
 def _p50(hist) -> float | None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from obs_harness import ADMIN, ADMIN_TOKEN, HTTP, MODEL, admin_get, pools_clean, wait_until
+from obs_harness import ADMIN, ADMIN_TOKEN, DEMO_MODEL, HTTP, MODEL, admin_get, pools_clean, serving, wait_until
 
 CHARTS = ("c-throughput", "c-queue", "c-pools", "c-retract", "c-transfer", "c-ttft", "c-prefix")
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, Hyrax!", "0123456789" * 5, "Tell me more."]
@@ -174,4 +174,38 @@ def test_dashboard_charts_lists_and_retracts_a_streaming_request(local, page, tm
 def test_dashboard_page_loads_without_any_console_error(local, page):
     page.goto(f"{local.url}/dashboard", wait_until="load")
     page.wait_for_function("Number(document.getElementById('c-queue').dataset.points || 0) >= 2", timeout=10_000)
+    assert _errors(page) == []
+
+
+def test_dashboard_shows_the_deployment_controllers_events_newest_first(local, page):
+    """Where a controller runs the deployment, the page lists its events (GET /admin/events) with
+    the admin token, newest first, replicas it stopped marked; without one (the in-process
+    gateway above) the section stays hidden and nothing asks for the log. The log here is the
+    controller's own EventLog, read without Ray."""
+    from hyrax.api.client import EngineClient, LocalBackend
+    from hyrax.cluster.event_log import EventLog
+    from hyrax.cluster.ray_client import model_info
+
+    log = EventLog()
+    log.add("down", "down colocated/0: its ranks could not be restarted; stopped")
+    log.add("replaced", "replaced a lost colocated replica with colocated/1")
+
+    async def events():
+        return log.page()
+
+    page.goto(f"{local.url}/dashboard", wait_until="load")  # no controller: hidden
+    page.wait_for_function("Number(document.getElementById('c-queue').dataset.points || 0) >= 2", timeout=10_000)
+    assert page.is_hidden("#events-section")
+
+    with serving(EngineClient(model_info(DEMO_MODEL, MODEL), [LocalBackend(local.loop)]), deployment_events=events) as gw:
+        page.goto(f"{gw.url}/dashboard", wait_until="load")
+        page.wait_for_selector("#events-section", state="visible", timeout=10_000)
+        page.fill("#token", ADMIN_TOKEN)
+        page.dispatch_event("#token", "change")
+        page.wait_for_function("document.querySelectorAll('#events tbody tr').length === 2", timeout=10_000)
+        rows = page.evaluate("""() => [...document.querySelectorAll('#events tbody tr')]
+            .map(tr => [tr.cells[1].textContent, tr.cells[1].className, tr.cells[2].textContent])""")
+        assert rows == [["replaced", "", "replaced a lost colocated replica with colocated/1"],
+                        ["down", "bad", "down colocated/0: its ranks could not be restarted; stopped"]], rows
+        assert page.is_hidden("#events-hint")
     assert _errors(page) == []

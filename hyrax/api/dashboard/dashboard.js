@@ -1,5 +1,6 @@
 // Hyrax live dashboard: polls /dashboard/summary (public aggregates) every second and, with
-// the admin token, /admin/requests; draws its own small line charts (no external assets).
+// the admin token, /admin/requests and (every 5 s, where a controller runs the deployment)
+// /admin/events; draws its own small line charts (no external assets).
 "use strict";
 const HISTORY = 120;
 const COLORS = ["#2b6cb0", "#d69e2e", "#cc1f1a", "#1f9d55", "#805ad5", "#dd6b20", "#319795", "#718096"];
@@ -119,6 +120,30 @@ async function refreshTable() {
   });
 }
 
+const EVENTS_SHOWN = 20, EVENTS_EVERY = 5;  // the newest 20, asked every 5th tick
+const STOPPED = new Set(["dead", "hung", "down", "replace_failed"]);
+let ticks = 0;
+
+async function refreshEvents(controller) {
+  // only where a controller keeps a log (hyrax serve): an in-process gateway answers 404
+  document.getElementById("events-section").hidden = !controller;
+  if (!controller || !token() || ticks++ % EVENTS_EVERY) return;
+  let page;
+  try { page = await admin("/admin/events"); } catch (e) { status("events: " + e.message); return; }
+  document.getElementById("events-hint").style.display = "none";
+  const tb = document.querySelector("#events tbody");
+  tb.innerHTML = "";
+  page.events.slice(-EVENTS_SHOWN).reverse().forEach(e => {
+    const tr = document.createElement("tr");
+    [new Date(e.time * 1000).toLocaleString(), e.kind, e.event].forEach((v, i) => {
+      const td = document.createElement("td"); td.textContent = v;
+      if (i === 1 && STOPPED.has(e.kind)) td.className = "bad";
+      tr.appendChild(td);
+    });
+    tb.appendChild(tr);
+  });
+}
+
 async function act(path, body) {
   try { const j = await admin(path, body); status(path + ": " + JSON.stringify(j.results || j.result || j)); }
   catch (e) { status(path + " failed: " + e.message); }
@@ -131,8 +156,10 @@ document.getElementById("token").value = sessionStorage.getItem("hyrax-admin-tok
 document.getElementById("token").onchange = e => { sessionStorage.setItem("hyrax-admin-token", e.target.value); refreshTable(); };
 
 async function tick() {
-  try { const r = await fetch("/dashboard/summary"); if (r.ok) update(await r.json()); } catch (e) { /* server restarting */ }
+  let d = null;
+  try { const r = await fetch("/dashboard/summary"); if (r.ok) { d = await r.json(); update(d); } } catch (e) { /* server restarting */ }
   refreshTable();
+  if (d) refreshEvents(d.controller);
 }
 tick();
 setInterval(tick, 1000);
