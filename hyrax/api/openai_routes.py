@@ -117,7 +117,7 @@ def _penalty_params(body: _Sampling, vocab: int) -> dict:
             raise APIError(400, f"{name}: token ids must be in [0, {vocab})", param=name, code="invalid_value")
     return {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "logit_bias": bias, "min_tokens": body.min_tokens,
-            "stop_token_ids": tuple(body.stop_token_ids or ())}
+            "min_p": body.min_p, "stop_token_ids": tuple(body.stop_token_ids or ())}
 
 
 def _budget(prompt_tokens: int, max_tokens: int | None, default_max: int | None, context: int, prompt_param: str,

@@ -36,7 +36,6 @@ UNSUPPORTED_FIELDS = {
     "guided_grammar": "grammars other than JSON schema, regex and choice",
     "best_of": "best_of",
     "suffix": "suffix",
-    "min_p": "min_p",
     "audio": "audio",
     "modalities": "other modalities",
     "prediction": "predicted outputs",
@@ -182,6 +181,8 @@ class _Sampling(Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias added to its logit")
     min_tokens: StrictInt = Field(default=0, ge=0, description="EOS and stop_token_ids are masked until then")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                         description="after temperature, tokens less likely than min_p x the most likely are dropped")
     user: Text | None = Field(default=None, description="accepted and ignored (no per-user accounting)")
     response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
     structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM's json / regex / choice")

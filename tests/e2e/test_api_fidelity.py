@@ -51,7 +51,7 @@ def test_unknown_field_of_a_chat_message_is_400(local, no_generation):
     ("/v1/completions", "guided_regex", "a+"),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", "end"),
-    ("/v1/completions", "min_p", 0.1),
+    ("/v1/completions", "store", True),
 ])
 def test_unsupported_field_is_400_saying_so_and_null_means_absent(local, path, field, value):
     before = len(local.client.requests)
@@ -299,6 +299,17 @@ def test_min_tokens_masks_the_stop_token_until_reached(local):
             "stop_token_ids": [target], "min_tokens": 3}
     r = post(local.url, "/v1/completions", body).json()
     assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "stop", r
+
+
+def test_min_p_of_1_draws_only_the_most_likely_token_and_a_smaller_one_still_samples(local):
+    """Through the demo model: min_p 1 leaves each step only its most likely token, so a hot
+    seeded answer equals the greedy one; min_p 0.05 at the same seed still samples."""
+    body = {**COMPLETION, "prompt": "The quick brown", "max_tokens": 16, "temperature": 3.0, "seed": 5}
+    text = {m: post(local.url, "/v1/completions", {**body, "min_p": m}).json()["choices"][0]["text"]
+            for m in (1.0, 0.05, 0.0)}
+    greedy = post(local.url, "/v1/completions", {**body, "temperature": 0}).json()["choices"][0]["text"]
+    assert text[1.0] == greedy
+    assert text[0.05] != greedy and text[0.0] != text[0.05]
 
 
 # ---- tokenize / detokenize ------------------------------------------------------------------------

@@ -191,3 +191,15 @@ def test_bamba_layer_types_are_refused_by_name(tmp_path):
     d.update(layer_types=["mamba", "sliding_attention", "mamba"], sliding_window=4)
     p.write_text(json.dumps(d))
     raises_input_error(lambda: hff.load_model(tmp_path), "'layer_types'", "bamba")
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "gated_deltanet"])
+def test_granite_layer_type_of_another_family_is_refused_by_name(tmp_path, layer_type):
+    """Granite layers are Mamba2 or full attention (transformers builds attention for any other
+    name); Hyrax passed other names through as its own layer types, e.g. sliding-window."""
+    save(granite(), tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    d.update(layer_types=["mamba", layer_type], sliding_window=4)
+    p.write_text(json.dumps(d))
+    raises_input_error(lambda: hff.load_model(tmp_path), repr(layer_type))

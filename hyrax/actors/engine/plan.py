@@ -21,7 +21,7 @@ TOP_K_OFF_FROM = 2**31  # a top_k this large exceeds every vocabulary: no top-k
 
 @dataclass(frozen=True)
 class LogitProcessing:
-    """Penalties, bias and min_tokens of one request, with the tokens they depend on. Built
+    """Penalties, bias, min_tokens and min_p of one request, with the tokens they depend on. Built
     from the coordinator's request (never from rank-side memory), so a retracted, restored,
     transferred or migrated request is processed exactly as if it had never moved."""
 
@@ -33,6 +33,7 @@ class LogitProcessing:
     min_tokens: int
     ignore_eos: bool
     history: array  # int32 prompt + output ids up to this step; a negative last id is the in-flight token
+    min_p: float = 0.0  # after temperature, tokens less likely than min_p x the most likely are dropped
 
 
 class SamplingSpec(NamedTuple):
@@ -63,7 +64,7 @@ class SamplingSpec(NamedTuple):
         process = None
         if p.processes_logits:
             process = LogitProcessing(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias,
-                                      tuple(p.stop_token_ids), p.min_tokens, p.ignore_eos, array("i", ids))
+                                      tuple(p.stop_token_ids), p.min_tokens, p.ignore_eos, array("i", ids), p.min_p)
         return cls(p.temperature, p.top_p, top_k, seed, draw, p.logprobs, process,
                    GrammarStep.of(p.grammar, ids, draw))
 

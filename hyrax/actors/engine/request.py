@@ -33,6 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of prompt or output: positive logits / p, negative * p
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    min_p: float = 0.0  # after temperature: tokens less likely than min_p x the most likely one are dropped
     grammar: GrammarSpec | None = None  # structured output: the answer matches it, then EOS ends it
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -61,6 +62,8 @@ class SamplingParams:
         ids = [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
             raise HyraxInputError(f"logit_bias and stop_token_ids must be token ids in [0, {vocab_size or 'vocab'})")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise HyraxInputError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise HyraxInputError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.grammar is not None:
@@ -73,7 +76,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the sampler must look at the request's tokens (or bias logits) before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.min_p)
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ batch, nor on retraction, transfer or migration.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -245,6 +246,23 @@ def _processed(logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec],
     return x.index_copy_(0, idx, sub)
 
 
+def _min_p(logits: torch.Tensor, cols: SpecColumns, rows: list[int]) -> torch.Tensor:
+    """logits: (B, V), a copy the processing made. In the rows among `rows` that sample with a
+    min_p, sets to -inf every token less likely after temperature than min_p times the row's
+    most likely one: p_t >= min_p * p_max <=> logit_t >= max logit + temperature * ln(min_p), a
+    threshold on the logits as they are, so it runs before the temperature divides them (as
+    vLLM's comes before top-k and top-p). Greedy rows are left alone (their argmax stays)."""
+    at = [(k, s.temperature * math.log(s.process.min_p)) for k, s in ((k, cols.extra[k]) for k in rows)
+          if s.process.min_p > 0 and s.temperature >= GREEDY_BELOW]
+    if not at:
+        return logits
+    row, offset = upload(torch.from_numpy(np.array(at, dtype=np.float64).T.copy()), logits.device).unbind(0)  # (M,) each
+    idx = row.long()
+    sub = logits.index_select(0, idx)  # (M, V)
+    floor = sub.max(dim=-1, keepdim=True).values + offset.to(sub.dtype).unsqueeze(1)
+    return logits.index_copy_(0, idx, sub.masked_fill(sub < floor, float("-inf")))
+
+
 def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec] | SpecColumns,
            histories: list[Sequence[int] | None] | None = None, eos: tuple[int, ...] = (),
            allowed: torch.Tensor | None = None) -> list[int]:
@@ -252,7 +270,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec] | SpecColumns,
     `SpecColumns` (what a rank passes: no per-row object for a decode block's rows);
     histories as `process_logits` takes them (needed only for rows with a LogitProcessing);
     allowed: (B, V) bool, the tokens each row's grammar allows (structured output), applied
-    after the logit processing and before temperature and filtering. One host sync for the batch."""
+    after the logit processing and before min_p, temperature and filtering. One host sync for the batch."""
     cols = specs if isinstance(specs, SpecColumns) else SpecColumns.of(specs)
     if not len(cols):
         return []
@@ -262,6 +280,8 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec] | SpecColumns,
                             [histories[k] for k in processed], eos)
     if allowed is not None:
         logits = logits.masked_fill(~upload(allowed, logits.device), float("-inf"))
+    if processed:
+        logits = _min_p(logits, cols, processed)
     out = row_argmax(logits)
     # greedy rows (also temperatures so small the division would overflow) keep the argmax;
     # decisions on Python lists (`tolist` is one C call, and numpy's fixed cost per operation

@@ -187,7 +187,10 @@ def _granite(k: Keys) -> ModelConfig:
         raise HyraxInputError("config.json needs `layer_types`")
     alias = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "full_attention",
              "attention": "full_attention"}
-    types = [alias.get(t, t) for t in raw]
+    for t in raw:
+        if t not in alias:
+            raise HyraxInputError(f"config.json: unknown GraniteMoeHybrid layer type {t!r} (Mamba2 or full attention)")
+    types = [alias[t] for t in raw]
     n = _layer_count(k, types)
     act = k.choice("hidden_act", ACTIVATIONS, "silu")
     pos = k.choice("position_embedding_type", (None, "nope", "rope"), None)
