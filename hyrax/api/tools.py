@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass
 
 from hyrax.actors.engine.grammar import GrammarSpec
+from hyrax.actors.engine.schema_keywords import ALONE
 from hyrax.api.errors import APIError
 from hyrax.api.schemas import ChatRequest
 from hyrax.api.structured import check
@@ -28,6 +29,8 @@ from hyrax.api.text import DEFAULT_CHAT_TEMPLATE
 from hyrax.api.tool_parser import ToolCallParser
 
 ANY_OBJECT = {"type": "object"}
+# Keywords from which the grammar engine reads an object when "type" is not given.
+OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties"})
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,12 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
         return ToolPlan(rendered)
     if choice == "auto":
         return _plan_auto(body, template, tokenizer, rendered)
+    forced = set(by_name) if choice == "required" else {choice.function.name}  # the tools the answer may call
+    for i, t in enumerate(body.tools):
+        if t.function.name in forced and not _object_schema(t.function.parameters):
+            raise APIError(400, f"tool {t.function.name!r}: a forced call's arguments are a JSON object, so its "
+                                "parameters must be the schema of one (\"type\": \"object\" at the root)",
+                           param=f"tools.{i}.function.parameters", code="invalid_value")
     if choice == "required":
         spec = GrammarSpec.json_schema({"anyOf": [
             {"type": "object", "properties": {"name": {"const": n}, "arguments": f.parameters or ANY_OBJECT},
@@ -163,3 +172,13 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
     spec = GrammarSpec.json_schema(f.parameters or ANY_OBJECT, strict=f.strict is not False)
     check(spec, "tools")
     return ToolPlan(rendered, spec, name=name)
+
+
+def _object_schema(params: dict | None) -> bool:
+    """Whether every value `params` admits is an object (None and {}: any object, the default)."""
+    if not params:
+        return True
+    t = params.get("type")
+    if t is None:
+        return bool(OBJECT_KEYWORDS & params.keys()) and not any(k in params for k in ALONE)
+    return t == "object" or t == ["object"]
