@@ -144,6 +144,8 @@ class _Block:
         self._pos = 0  # listed: text before this is read
         self._from = 0  # listed: where the open call's body starts
         self._scan = _ValueScan()  # listed: the open call's body
+        self._stray: _ValueScan | None = None  # listed: an item that is no call body, skipped to its end
+        self._stray_from = 0
         self._state = "start"  # listed: start (before '['), items, done, or bad (not a list of calls)
 
     def feed(self, piece: str) -> list[dict]:
@@ -161,8 +163,15 @@ class _Block:
                     break
                 out += self._close_open()
                 continue
+            if self._stray is not None:
+                self._stray.scan(self.text[self._stray_from:])
+                if self._stray.end is None:
+                    self._pos = len(self.text)
+                    break
+                self._pos, self._stray = self._stray_from + max(self._stray.end, 1), None  # a stray '}' ends at 0
+                continue
             ch = self.text[self._pos]
-            if ch.isspace() or (ch == "," and self.made):
+            if ch.isspace() or (ch == "," and self._state == "items"):
                 self._pos += 1
             elif ch == "[" and self._state == "start":
                 self._state, self._pos = "items", self._pos + 1
@@ -171,6 +180,8 @@ class _Block:
             elif ch == "{":  # a call body (a bare one, without the array, is read too)
                 self._state, self._from = "items", self._pos
                 self._open, self._scan = _Call(len(self.calls)), _ValueScan()
+            elif self._state == "items":  # a stray item (a number, a string, a list): dropped
+                self._stray, self._stray_from = _ValueScan(), self._pos
             else:
                 self._state = "bad"
         return out
