@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import threading
@@ -76,8 +77,11 @@ class RayBackend:
 
     def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         sp = SamplingParams(**params) if isinstance(params, dict) else params
+        if sp.seed is None:  # drawn here and sent: a hand-off after a loss samples on with the replica's seed
+            sp = dataclasses.replace(sp, seed=random.getrandbits(62))
+            params = {**params, "seed": sp.seed} if isinstance(params, dict) else sp
         request = {"id": request_id, "prompt_ids": list(prompt_ids), "output_ids": [], "params": sp,
-                   "seed": sp.seed if sp.seed is not None else random.getrandbits(62), "retractions": 0}
+                   "seed": sp.seed, "retractions": 0}
         return self._follow(request, lambda feed: self.handle.submit.remote(feed.id, request_id, prompt_ids, params,
                                                                             gateway=self.gateway))
 

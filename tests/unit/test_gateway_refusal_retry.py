@@ -377,3 +377,31 @@ def test_a_refused_stream_is_closed_before_the_next_replica_is_asked():
         return [item async for item in client.generate("r1", [5, 6], {"max_tokens": 4})]
     asyncio.run(consume())
     assert events == ["refused stream closed", "next replica asked"], events
+
+
+def test_an_unseeded_request_sent_over_ray_samples_with_the_seed_its_hand_off_carries():
+    """The gateway keeps each request's tokens and seed, and a replica lost mid-stream is left by a
+    hand-off carrying them: the next replica rebuilds the state and samples on with that seed. It
+    must be the seed the first replica sampled with: the gateway drew one for a request without a
+    seed but sent the request without it, so the replica drew another, and the continuation after
+    a loss drew from a stream the request had never used."""
+    import ray.exceptions
+
+    from hyrax.cluster.ray_client import RayBackend
+
+    submitted = []
+    handle = _GoneActor(ray.exceptions.ActorUnavailableError("unreachable", None))
+
+    async def submit(feed_id, request_id, prompt_ids, params, **kw):
+        submitted.append(params)
+        raise ray.exceptions.ActorUnavailableError("unreachable", None)
+    handle.submit = _Remote(submit)
+    backend = RayBackend(handle, "colocated", 0, gateway="g")
+
+    async def consume():
+        return [item async for item in backend.generate("r1", [1, 2], {"max_tokens": 4, "temperature": 1.0})]
+    items = asyncio.run(consume())
+    handoff = items[-1]["handoff"]
+    [params] = submitted
+    assert isinstance(handoff["request"]["seed"], int)
+    assert params["seed"] == handoff["request"]["seed"] == handoff["request"]["params"].seed
