@@ -203,3 +203,20 @@ def test_granite_layer_type_of_another_family_is_refused_by_name(tmp_path, layer
     d.update(layer_types=["mamba", layer_type], sliding_window=4)
     p.write_text(json.dumps(d))
     raises_input_error(lambda: hff.load_model(tmp_path), repr(layer_type))
+
+
+@pytest.mark.parametrize("change", [dict(embedding_multiplier=2.0), dict(qk_norm=True), dict(mamba_norm="gate_only"),
+                                    dict(ffn_types=("relu2",) * 4)], ids=lambda c: next(iter(c)))
+def test_saving_a_model_hyrax_dialect_cannot_describe_is_refused(tmp_path, change):
+    """save_model writes Hyrax's own config dialect; a model with anything that dialect has no
+    key for (another family's multipliers, norms, feed-forward kinds) was written without it
+    and reloaded computing something else."""
+    from dataclasses import replace
+
+    from hyrax.actors.model.hybrid import HybridModel
+    from hyrax.actors.model.loader import save_model
+    from tiny_models import tiny_config
+
+    model = HybridModel(replace(tiny_config("full_swa_mamba"), **change))
+    with pytest.raises(ValueError, match=next(iter(change))):
+        save_model(model, tmp_path)

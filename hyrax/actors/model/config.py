@@ -272,7 +272,19 @@ class ModelConfig:
             raise HyraxInputError(f"config.json has an invalid value: {e}") from None
 
     def to_hf_dict(self) -> dict:
-        """A config.json for Hyrax's own dialect (Bamba keys + layer_types + sliding_window)."""
+        """A config.json for Hyrax's own dialect (Bamba keys + layer_types + sliding_window).
+        ValueError naming the fields when this config sets one the dialect has no key for
+        (another family's multipliers, norms, feed-forward kinds): written without it, the
+        file would load as another model."""
+        d = self._dialect_dict()
+        back = dataclasses.replace(ModelConfig.from_hf_dict(d), model_type=self.model_type)
+        lost = [f.name for f in dataclasses.fields(self) if getattr(back, f.name) != getattr(self, f.name)]
+        if lost:
+            raise ValueError(f"Hyrax's config dialect cannot describe {', '.join(lost)} of this "
+                             f"{self.model_type} model")
+        return d
+
+    def _dialect_dict(self) -> dict:
         return {
             "architectures": ["HyraxHybridForCausalLM"],
             "model_type": "hyrax_hybrid",
