@@ -220,3 +220,28 @@ def test_saving_a_model_hyrax_dialect_cannot_describe_is_refused(tmp_path, chang
     model = HybridModel(replace(tiny_config("full_swa_mamba"), **change))
     with pytest.raises(ValueError, match=next(iter(change))):
         save_model(model, tmp_path)
+
+
+def test_a_stale_weight_file_beside_model_safetensors_is_not_read(tmp_path):
+    """transformers reads model.safetensors (else the files its index names), nothing else in
+    the directory; Hyrax read every *.safetensors, so a stale file's weights replaced the
+    checkpoint's."""
+    from safetensors.torch import save_file
+
+    hf = save(bamba(), tmp_path)
+    save_file({"model.embed_tokens.weight": torch.randn(hff.VOCAB, 64)}, tmp_path / "stale.safetensors")
+    reread = transformers.BambaForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reread.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert_matches_transformers(tmp_path, hf)
+
+
+def test_a_weight_in_two_files_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save(bamba(), tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    save_file(weights, tmp_path / "a.safetensors")
+    save_file({"model.embed_tokens.weight": torch.randn(hff.VOCAB, 64)}, tmp_path / "b.safetensors")
+    raises_input_error(lambda: hff.load_model(tmp_path), "'model.embed_tokens.weight'", "a.safetensors",
+                       "b.safetensors")

@@ -49,9 +49,7 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     p = Path(path)
     cfg = ModelConfig.from_dir(p)
     check_tp(cfg, tp.size)
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
+    files = weight_files(p)
     name_of = weight_namer(cfg)
     if cfg.tie_word_embeddings and _stores_lm_head(files, name_of):
         # as transformers does: a head the checkpoint stores is used, tied config or not
@@ -62,7 +60,7 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
         full_shapes = {k: tuple(v.shape) for k, v in HybridModel(cfg, TP(), dtype, attn_backend="sdpa").named_parameters()}
     rules = model.shard_rules()
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: dict[str, str] = {}  # parameter -> the file it came from
     for f in files:
         with SafetensorsFile(f) as h:
             for ckpt_name in h.keys():
@@ -74,6 +72,8 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
                 if name not in params:
                     raise HyraxInputError(f"checkpoint weight {ckpt_name!r} has no place in the model the config "
                                           f"describes (model_type {cfg.model_type!r})")
+                if name in loaded:
+                    raise HyraxInputError(f"checkpoint weight {ckpt_name!r} is in both {loaded[name]} and {f.name}")
                 saved = h.shape(ckpt_name)
                 if saved != full_shapes[name]:
                     raise HyraxInputError(
@@ -90,8 +90,8 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
                     )
                 with torch.no_grad():
                     _fill(h, ckpt_name, rule, target)
-                loaded.add(name)
-    missing = set(params) - loaded
+                loaded[name] = f.name
+    missing = set(params) - loaded.keys()
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
@@ -102,6 +102,27 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
         plan_readouts(model)  # and the SSD decode readout the form this CPU runs faster
     capture_decode(model, captured_decode, device)
     return model
+
+
+def weight_files(p: Path) -> list[Path]:
+    """The weight files transformers reads in `p`: model.safetensors, else those that
+    model.safetensors.index.json maps weights to; without either, every *.safetensors."""
+    single, index = p / "model.safetensors", p / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise HyraxInputError(f"{index} is not a safetensors index (no weight_map of names to files)") from None
+        absent = [n for n in names if not (p / n).is_file()]
+        if absent:
+            raise HyraxInputError(f"{index} maps weights to {absent[0]!r}, which {str(p)!r} lacks")
+        return [p / n for n in names]
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise HyraxInputError(f"{str(p)!r} has no *.safetensors weight files")
+    return files
 
 
 def _stores_lm_head(files: list[Path], name_of) -> bool:
