@@ -2,11 +2,10 @@
 `structured_outputs` extras (json, regex, choice), as the engine's `GrammarSpec`."""
 from __future__ import annotations
 
-import json
-
 from hyrax.actors.engine.grammar import GrammarKind, GrammarSpec
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.api.errors import APIError
+from hyrax.api.json_body import parse
 from hyrax.api.schemas import _Sampling, lone_surrogate
 
 
@@ -28,14 +27,10 @@ def grammar_of(body: _Sampling) -> GrammarSpec | None:
         if so.json_ is not None:
             schema = so.json_
             if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError:
-                    raise APIError(400, "structured_outputs.json is not valid JSON", param=param,
-                                   code="invalid_value") from None
+                schema = _schema_text(schema)
             if not isinstance(schema, dict):
-                raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param,
-                               code="invalid_value")
+                raise APIError(400, "structured_outputs.json must be a JSON schema object",
+                               param="structured_outputs.json", code="invalid_value")
             where = lone_surrogate(schema)  # \ud800 escapes in the JSON text
             if where is not None:
                 raise APIError(400, f"structured_outputs.json: invalid text: lone surrogate {where}",
@@ -48,6 +43,17 @@ def grammar_of(body: _Sampling) -> GrammarSpec | None:
     if spec is not None:
         check(spec, param)
     return spec
+
+
+def _schema_text(text: str):
+    """The JSON value of a schema given as text, read as a request body is (json_body.parse): a
+    key twice in one object, nesting deeper than the parser goes or a number too long is a 400."""
+    try:
+        return parse(text.encode("utf-8"))
+    except APIError as e:
+        why = e.message.partition(": ")[2] or e.message  # "request body is not valid JSON: <why>"
+        raise APIError(400, f"structured_outputs.json is not valid JSON: {why}", param="structured_outputs.json",
+                       code="invalid_value") from None
 
 
 def check(spec: GrammarSpec, param: str) -> None:
