@@ -245,3 +245,23 @@ def test_a_weight_in_two_files_is_refused_by_name(tmp_path):
     save_file({"model.embed_tokens.weight": torch.randn(hff.VOCAB, 64)}, tmp_path / "b.safetensors")
     raises_input_error(lambda: hff.load_model(tmp_path), "'model.embed_tokens.weight'", "a.safetensors",
                        "b.safetensors")
+
+
+@pytest.mark.parametrize("build,absent", [
+    (lambda: qwen3_next(num_experts=12, moe_intermediate_size=8, shared_expert_intermediate_size=16),
+     ["num_experts_per_tok", "norm_topk_prob"]),
+    (granite, ["num_experts_per_tok"]),
+], ids=["qwen3_next", "granitemoehybrid"])
+def test_routing_keys_left_out_of_config_json_take_transformers_defaults(tmp_path, build, absent):
+    """A config.json may leave out keys whose value is the config class's default; transformers
+    then routes to its default top-k (Qwen3-Next 10, Granite 2) and renormalises Qwen3-Next's
+    weights, where Hyrax routed to 1 expert without renormalising, with the same weights."""
+    hf = save(build(), tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    for key in absent:
+        del d[key]
+    p.write_text(json.dumps(d))
+    reread = type(hf).from_pretrained(tmp_path).eval()
+    assert reread.config.num_experts_per_tok == hf.config.num_experts_per_tok > 1
+    assert_matches_transformers(tmp_path, reread)

@@ -196,7 +196,7 @@ def _granite(k: Keys) -> ModelConfig:
     pos = k.choice("position_embedding_type", (None, "nope", "rope"), None)
     common = _common(k, n)
     experts = int(k.get("num_local_experts", 0))
-    top_k = int(k.get("num_experts_per_tok", 1))  # unused without routed experts
+    top_k = int(k.get("num_experts_per_tok", 2))  # transformers' default; unused without routed experts
     moe = MoeConfig(
         num_experts=experts, top_k=top_k if experts else 0,
         intermediate_size=int(k.req("intermediate_size")),
@@ -294,10 +294,10 @@ def _qwen3_next(k: Keys) -> ModelConfig:
     step = int(k.get("decoder_sparse_step", 1))
     ffn = tuple("moe" if experts and i not in dense and (i + 1) % step == 0 else "gated" for i in range(n))
     routing = dict(  # read even when no layer routes (num_experts 0): Qwen3NextConfig writes them all
-        num_experts=experts, top_k=int(k.get("num_experts_per_tok", 1)),
+        num_experts=experts, top_k=int(k.get("num_experts_per_tok", 10)),  # absent: transformers' defaults
         intermediate_size=int(k.get("moe_intermediate_size", 1)),
         shared_intermediate_size=int(k.get("shared_expert_intermediate_size", 0)),
-        norm_topk_prob=bool(k.get("norm_topk_prob", False)),
+        norm_topk_prob=bool(k.get("norm_topk_prob", True)),
     )
     moe = MoeConfig(**routing, router="softmax_topk", shared_expert_gate=True) if "moe" in ffn else None
     gdn = GdnConfig(
