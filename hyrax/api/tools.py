@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass
 
 from hyrax.actors.engine.grammar import GrammarSpec
-from hyrax.actors.engine.schema_keywords import ALONE
+from hyrax.actors.engine.schema_keywords import ALONE, moved_under
 from hyrax.api.errors import APIError
 from hyrax.api.schemas import ChatRequest
 from hyrax.api.structured import check
@@ -159,9 +159,11 @@ def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolP
                                 "parameters must be the schema of one (\"type\": \"object\" at the root)",
                            param=f"tools.{i}.function.parameters", code="invalid_value")
     if choice == "required":
+        # each tool's arguments schema sits under $defs, its references within itself moved with it
         spec = GrammarSpec.json_schema({"anyOf": [
-            {"type": "object", "properties": {"name": {"const": n}, "arguments": f.parameters or ANY_OBJECT},
-             "required": ["name", "arguments"], "additionalProperties": False} for n, f in by_name.items()]})
+            {"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/{n}"}},
+             "required": ["name", "arguments"], "additionalProperties": False} for n in by_name],
+            "$defs": {n: moved_under(f.parameters or ANY_OBJECT, f"#/$defs/{n}") for n, f in by_name.items()}})
         check(spec, "tools")
         return ToolPlan(rendered, spec, required=True)
     name = choice.function.name

@@ -46,3 +46,43 @@ def test_forced_call_parameters_of_an_object_are_planned(params, choice):
 def test_a_tool_the_forced_call_cannot_choose_is_not_checked():
     """A named function constrains only its own arguments: another tool's schema is the template's."""
     assert plan_tools(_body([{"type": "string"}, OBJ], NAMED_1), None).forced
+
+
+# A tool's parameters with references inside themselves, as pydantic writes nested models: under
+# `required` they sit inside the anyOf of calls, where "#" is that anyOf's root. Before, "#/$defs/.."
+# was a 400 (nothing at that path) and "#" silently meant a whole call body instead of the tool's
+# arguments.
+NESTED = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"], "$id": "urn:args",
+          "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                            "required": ["city"], "additionalProperties": False}},
+          "additionalProperties": False}
+LINKED = {"type": "object", "properties": {"n": {"type": "integer"},
+                                           "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                                           "also": {"$ref": "#/properties/n"},
+                                           "note": {"const": {"$ref": "#"}}},
+          "required": ["n", "next", "also", "note"], "additionalProperties": False}
+
+
+def _accepts(spec, text: str) -> bool:
+    xgr = pytest.importorskip("xgrammar")
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(spec._grammar())
+    m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return m.accept_string(text) and m.is_terminated()
+
+
+def test_required_keeps_each_tools_references_inside_its_own_arguments():
+    plan = plan_tools(_body([NESTED, LINKED], "required"), None)
+    g = plan.grammar
+    assert _accepts(g, '{"name": "f0", "arguments": {"loc": {"city": "Oslo"}}}')
+    assert not _accepts(g, '{"name": "f0", "arguments": {"loc": {"town": "Oslo"}}}')
+    note = '"note": {"$ref":"#"}'  # xgrammar writes a const object compactly
+    link = '{"n": 2, "next": null, "also": 3, ' + note + '}'
+    assert _accepts(g, '{"name": "f1", "arguments": {"n": 1, "next": ' + link + ', "also": 5, ' + note + '}}')
+    assert not _accepts(g, '{"name": "f1", "arguments": {"n": 1, "next": {"name": "f1", "arguments": ' + link +
+                        '}, "also": 5, ' + note + '}}')
+    assert not _accepts(g, '{"name": "f1", "arguments": {"n": 1, "next": null, "also": "x", ' + note + '}}')
+    assert '"note": {"const": {"$ref": "#"}}' in g.source  # data, not a reference: kept as it is
+
+
+def test_a_named_function_with_references_is_planned_as_it_was():
+    assert _accepts(plan_tools(_body([OBJ, NESTED], NAMED_1), None).grammar, '{"loc": {"city": "Oslo"}}')

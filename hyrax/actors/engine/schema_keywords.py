@@ -252,3 +252,31 @@ def _overlap(values_a: list | None, types_a: set[str], values_b: list | None, ty
 def _same(x, y) -> bool:
     """JSON equality: true is not 1, 1 is 1.0."""
     return (isinstance(x, bool) == isinstance(y, bool)) and x == y
+
+
+def moved_under(schema, pointer: str):
+    """A copy of `schema` to be placed at the JSON pointer `pointer` ("#/$defs/x") of another
+    schema: its references within itself ("#", "#/...") follow it there, and its root `$id` (an
+    annotation only at a root) is dropped. Values that are data (const, enum, default, ...) are
+    kept as they are. Iterative, as `check_schema`."""
+    top = [schema]
+    todo = [(top, 0, True)]  # (container, key, at the root)
+    while todo:
+        parent, key, root = todo.pop()
+        node = parent[key]
+        if not isinstance(node, dict):
+            continue
+        node = parent[key] = {k: v for k, v in node.items() if not (root and k == "$id")}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = pointer + ref[1:]
+        todo.extend((node, k, False) for k in _SUBSCHEMA if k in node)
+        for k in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(k), dict):
+                node[k] = dict(node[k])
+                todo.extend((node[k], name, False) for name in node[k])
+        for k in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(k), list):
+                node[k] = list(node[k])
+                todo.extend((node[k], i, False) for i in range(len(node[k])))
+    return top[0]
