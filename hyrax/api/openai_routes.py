@@ -171,14 +171,15 @@ def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream)
     stop strings fed the choice's tokens before `start` (fed these here), whose emitted length
     is where the next token starts in the completion's text: a token that ends inside a
     character adds nothing until the character is whole (alone, each such token decodes to
-    U+FFFD, and counting those put every later offset past its token). Tokens that decode to
-    the same text share one key of top_logprobs, which keeps the most likely one's logprob."""
+    U+FFFD, and counting those put every later offset past its token). top_logprobs holds the
+    top N and the sampled token where it is not among them (as OpenAI and vLLM: up to N + 1, one
+    with N = 0); tokens that decode to the same text share one key, with the most likely one's logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
         out["tokens"].append(tok.decode([t]))
         out["token_logprobs"].append(lp["logprob"])
         top: dict[str, float] = {}
-        for a, v in lp["top"]:  # most likely first
+        for a, v in [*lp["top"], [t, lp["logprob"]]]:  # most likely first (the sampled token: in the top or below it)
             top.setdefault(tok.decode([a]), v)
         out["top_logprobs"].append(top)
         out["text_offset"].append(text.sent)

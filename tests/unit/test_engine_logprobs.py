@@ -36,3 +36,14 @@ def test_engine_reports_one_logprob_entry_per_token_only_when_asked():
     assert len(got[a]) == len(toks[a]) == 5 and got[b] == []
     for t, lp in zip(toks[a], got[a]):
         assert lp["top"][0][0] == t and len(lp["top"]) == 2 and lp["logprob"] <= 0
+
+
+def test_logprobs_of_reports_a_token_sampled_outside_the_top_and_with_no_alternatives():
+    """What the completions route needs to always list the sampled token: its own logprob,
+    exact, when hot sampling drew a token outside the top N, and for logprobs 0 (no top)."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 0.0, -1.0]] * 2, dtype=torch.float64)
+    specs = [SamplingSpec(1.0, 1.0, 0, 1, 0, 2), SamplingSpec(1.0, 1.0, 0, 1, 0, 0)]
+    out = logprobs_of(logits, [4, 3], specs)  # as if sampled: neither is in the top 2
+    ref = torch.log_softmax(logits[0], -1)
+    assert abs(out[0]["logprob"] - float(ref[4])) < 1e-12 and [t for t, _ in out[0]["top"]] == [0, 1]
+    assert abs(out[1]["logprob"] - float(ref[3])) < 1e-12 and out[1]["top"] == []

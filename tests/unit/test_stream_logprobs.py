@@ -148,3 +148,40 @@ def test_a_tokenizer_json_tokens_bytes_join_into_the_text():
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([t]) for t in ids)  # some token is part of a character
     assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+
+
+def _hot_items() -> list[dict]:
+    """'ab' sampled hot: 'a' is less likely than both top alternatives the engine reports, 'b'
+    is the second (its own logprob comes separately, as the engine reports it)."""
+    tops = [[[ord("x"), -0.2], [ord("y"), -1.5]], [[ord("x"), -0.3], [ord("b"), -4.0]]]
+    return [{"token_ids": [t], "finished": i == 1, "finish_reason": "length" if i == 1 else None,
+             "logprobs": [{"logprob": lp, "top": top}]}
+            for i, (t, lp, top) in enumerate(zip(b"ab", (-3.0, -4.0), tops))]
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_completions_top_logprobs_always_hold_the_sampled_token(n):
+    """OpenAI's legacy completions (and vLLM): "the API will always return the logprob of the
+    sampled token, so there may be up to logprobs+1 elements". A token sampled outside the top
+    N was missing from its own top_logprobs, and logprobs: 0 gave {} at every position."""
+    items = _hot_items()
+    for it in items:  # the engine reports the top n
+        it["logprobs"][0]["top"] = it["logprobs"][0]["top"][:n]
+    whole, joined = _both(_scripted(items), {"model": "m", "prompt": "hi", "logprobs": n})
+    assert whole["tokens"] == ["a", "b"] and whole["token_logprobs"] == [-3.0, -4.0]
+    if n == 0:
+        assert whole["top_logprobs"] == [{"a": -3.0}, {"b": -4.0}]
+    else:  # the top 2, then the sampled token where it is not among them
+        assert whole["top_logprobs"] == [{"x": -0.2, "y": -1.5, "a": -3.0}, {"x": -0.3, "b": -4.0}]
+        assert list(whole["top_logprobs"][0]) == ["x", "y", "a"]
+    assert joined == whole
+
+
+def test_chat_top_logprobs_are_exactly_the_top_alternatives():
+    """Chat is OpenAI's other format: top_logprobs holds exactly top_logprobs alternatives, and
+    the sampled token is the entry's own token and logprob (not added to its alternatives)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    answer = _scripted(_hot_items()).post("/v1/chat/completions", json=body).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["logprob"]) for e in content] == [("a", -3.0), ("b", -4.0)]
+    assert [[a["token"] for a in e["top_logprobs"]] for e in content] == [["x", "y"], ["x", "b"]]
