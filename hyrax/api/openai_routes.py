@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import uuid
@@ -16,10 +17,10 @@ from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
 from hyrax.api.headers import single
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
-from hyrax.api.structured import grammar_of
+from hyrax.api.structured import checked_grammar
 from hyrax.api.text import TextStream, encode, fewest_tokens, render_chat, template_error
 from hyrax.api.tool_parser import ToolCallParser
-from hyrax.api.tools import plan_tools
+from hyrax.api.tools import checked_tools
 
 router = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONRoute)
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -166,15 +167,28 @@ def _usage(choices: list[Choice], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _unsettled(text: TextStream) -> str:
+    """The text of the ids fed to `text` after its settled part (`text.text`): empty, or ending
+    inside a character (U+FFFD, which the next token completes, continues, or shows to be an
+    invalid byte's, that stays in the text)."""
+    if text.read == len(text.ids):
+        return ""
+    return text.decode(text.ids[text.prefix:])[len(text.decode(text.ids[text.prefix:text.read])):]
+
+
 def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream) -> dict:
     """OpenAI completions format for tokens [start, end) of a choice. `text`: a stream without
-    stop strings fed the choice's tokens before `start` (fed these here), whose emitted length
-    is where the next token starts in the completion's text: a token that ends inside a
-    character adds nothing until the character is whole (alone, each such token decodes to
-    U+FFFD, and counting those put every later offset past its token). top_logprobs holds the
-    top N and the sampled token where it is not among them (as OpenAI and vLLM: up to N + 1, one
-    with N = 0); tokens that decode to the same text share one key, with the most likely one's logprob."""
+    stop strings fed the choice's tokens before `start` (fed these here). A token's text_offset
+    is where its text starts in the completion's, read once it is fed: the text before it and
+    after it agree up to there, except that a token continuing a character it does not finish
+    starts where that character does (a token inside a character decodes alone to U+FFFD, and
+    counting those put every later offset past its token; an invalid byte's U+FFFD is known to
+    be one only when the next token does not continue it, and leaving it out put that token
+    one character early). top_logprobs holds the top N and the sampled token where it is not
+    among them (as OpenAI and vLLM: up to N + 1, one with N = 0); tokens that decode to the same
+    text share one key, with the most likely one's logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    settled, before = len(text.text), _unsettled(text)
     for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
         out["tokens"].append(tok.decode([t]))
         out["token_logprobs"].append(lp["logprob"])
@@ -182,8 +196,13 @@ def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream)
         for a, v in [*lp["top"], [t, lp["logprob"]]]:  # most likely first (the sampled token: in the top or below it)
             top.setdefault(tok.decode([a]), v)
         out["top_logprobs"].append(top)
-        out["text_offset"].append(text.sent)
         text.feed([t])
+        after = text.text[settled:] + _unsettled(text)
+        n = len(os.path.commonprefix([before, after]))
+        if after == before and before.endswith("\ufffd") and tok.token_bytes(t):
+            n -= 1  # t continues the character `before` ends inside, and does not finish it
+        out["text_offset"].append(settled + n)
+        settled, before = len(text.text), _unsettled(text)
     return out
 
 
@@ -308,8 +327,9 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     _check_choices(request, _prompt_count(body) * body.n)
     info = request.app.state.client.model
     prompts = await _prompts(body, info.tokenizer, info.vocab_size, info.max_model_len)
+    grammar = await checked_grammar(body)
     choices = _choices(request, body, call_id, prompts, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs,
-                       grammar_of(body))
+                       grammar)
     reservation = _admit(request, choices)
     rid, created = f"cmpl-{call_id}", int(time.time())
     headers = {REQUEST_ID_HEADER: call_id}
@@ -377,8 +397,8 @@ async def chat(body: ChatRequest, request: Request, response: Response):
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     want_lp = bool(body.logprobs)
     info = request.app.state.client.model
-    tools = plan_tools(body, info.chat_template, info.tokenizer)
-    grammar = grammar_of(body)
+    tools = await checked_tools(body, info.chat_template, info.tokenizer)
+    grammar = await checked_grammar(body)
     if tools.parses and grammar is not None:
         raise APIError(400, "a forced tool call already constrains the answer: drop response_format or "
                             "structured_outputs" if tools.forced else

@@ -185,3 +185,22 @@ def test_chat_top_logprobs_are_exactly_the_top_alternatives():
     content = answer["choices"][0]["logprobs"]["content"]
     assert [(e["token"], e["logprob"]) for e in content] == [("a", -3.0), ("b", -4.0)]
     assert [[a["token"] for a in e["top_logprobs"]] for e in content] == [["x", "y"], ["x", "b"]]
+
+
+# 0xFF is no UTF-8 byte (the text reads U+FFFD for it); 0xE6 0x97 begin '日' and 0xFF breaks it off
+INVALID = [([0xFF, *b"ab"], "\ufffdab", [0, 1, 2]),
+           ([*b"a", 0xFF, 0xE6, *b"b"], "a\ufffd\ufffdb", [0, 1, 2, 3]),
+           ([0xFF, 0xE6, 0x97, 0xA5, *b"b"], "\ufffd日b", [0, 1, 1, 1, 2]),
+           ([0xE6, 0x97, 0xFF, *b"b"], "\ufffd\ufffdb", [0, 0, 1, 2])]
+
+
+@pytest.mark.parametrize("tokens,text,offsets", INVALID)
+def test_completions_text_offsets_count_an_invalid_bytes_replacement_character(tokens, text, offsets):
+    """A byte that begins no character reads U+FFFD in the text, which the token after it
+    follows: its offset was one character early for each such byte ('\\ufffdab': [0, 0, 1]),
+    as the U+FFFD was counted only once the next token showed it was no character's start."""
+    http = _scripted(_items(tokens, "length"))
+    assert http.post("/v1/completions", json={"model": "m", "prompt": "hi"}).json()["choices"][0]["text"] == text
+    whole, joined = _both(http, {"model": "m", "prompt": "hi", "logprobs": 1})
+    assert whole["text_offset"] == offsets
+    assert joined == whole
