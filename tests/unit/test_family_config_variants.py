@@ -265,3 +265,18 @@ def test_routing_keys_left_out_of_config_json_take_transformers_defaults(tmp_pat
     reread = type(hf).from_pretrained(tmp_path).eval()
     assert reread.config.num_experts_per_tok == hf.config.num_experts_per_tok > 1
     assert_matches_transformers(tmp_path, reread)
+
+
+def test_qwen3_next_layers_from_full_attention_interval(tmp_path):
+    """Qwen3-Next configs may give `full_attention_interval` instead of `layer_types` (every
+    interval-th layer full attention, the others Gated DeltaNet), as transformers reads them."""
+    save(qwen3_next(num_hidden_layers=4, layer_types=None, full_attention_interval=2, mlp_only_layers=[0, 1, 2, 3]),
+         tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    del d["layer_types"]
+    d["full_attention_interval"] = 2
+    p.write_text(json.dumps(d))
+    reread = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path).eval()
+    assert reread.config.layer_types == ["linear_attention", "full_attention"] * 2
+    assert_matches_transformers(tmp_path, reread)

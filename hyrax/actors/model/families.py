@@ -279,7 +279,13 @@ def _nemotron_h(k: Keys) -> ModelConfig:
 
 
 def _qwen3_next(k: Keys) -> ModelConfig:
-    raw = k.req("layer_types")
+    raw = k.get("layer_types")
+    interval = int(k.get("full_attention_interval", 4))  # transformers reads it only without layer_types
+    if raw is None:
+        if interval < 1:
+            raise HyraxInputError(f"config.json key 'full_attention_interval' = {interval} must be >= 1")
+        raw = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+               for i in range(int(k.req("num_hidden_layers")))]
     mixers = {"linear_attention": "gated_deltanet", "full_attention": "full_attention"}
     for t in raw:
         if t not in mixers:
