@@ -280,3 +280,15 @@ def test_qwen3_next_layers_from_full_attention_interval(tmp_path):
     reread = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path).eval()
     assert reread.config.layer_types == ["linear_attention", "full_attention"] * 2
     assert_matches_transformers(tmp_path, reread)
+
+
+def test_granite_normalization_function_rmsnorm_loads_and_another_is_refused(tmp_path):
+    """Granite configs written by IBM's training code carry `normalization_function`; transformers
+    ignores it and always computes RMSNorm, so only "rmsnorm" can load."""
+    hf = save(granite(), tmp_path)
+    p = tmp_path / "config.json"
+    d = json.loads(p.read_text())
+    p.write_text(json.dumps({**d, "normalization_function": "rmsnorm"}))
+    assert_matches_transformers(tmp_path, hf)
+    p.write_text(json.dumps({**d, "normalization_function": "layernorm"}))
+    raises_input_error(lambda: hff.load_model(tmp_path), "'normalization_function'", "'layernorm'")

@@ -194,6 +194,7 @@ def _granite(k: Keys) -> ModelConfig:
     n = _layer_count(k, types)
     act = k.choice("hidden_act", ACTIVATIONS, "silu")
     pos = k.choice("position_embedding_type", (None, "nope", "rope"), None)
+    k.choice("normalization_function", ("rmsnorm",), "rmsnorm")  # IBM's spelling of what Granite computes
     common = _common(k, n)
     experts = int(k.get("num_local_experts", 0))
     top_k = int(k.get("num_experts_per_tok", 2))  # transformers' default; unused without routed experts
