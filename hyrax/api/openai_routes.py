@@ -190,11 +190,11 @@ def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream)
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     settled, before = len(text.text), _unsettled(text)
     for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        out["tokens"].append(tok.decode([t]))
+        out["tokens"].append(tok.token_text(t))
         out["token_logprobs"].append(lp["logprob"])
         top: dict[str, float] = {}
         for a, v in [*lp["top"], [t, lp["logprob"]]]:  # most likely first (the sampled token: in the top or below it)
-            top.setdefault(tok.decode([a]), v)
+            top.setdefault(tok.token_text(a), v)
         out["top_logprobs"].append(top)
         text.feed([t])
         after = text.text[settled:] + _unsettled(text)
@@ -210,7 +210,7 @@ def _chat_logprobs(c: Choice, tok, start: int, end: int) -> dict:
     """OpenAI chat format for tokens [start, end) of a choice: `bytes` are the token's own
     (a token inside a character reads U+FFFD alone, and its bytes put the character back)."""
     def entry(t: int, v: float) -> dict:
-        return {"token": tok.decode([t]), "logprob": v, "bytes": list(tok.token_bytes(t))}
+        return {"token": tok.token_text(t), "logprob": v, "bytes": list(tok.token_bytes(t))}
 
     return {"content": [dict(entry(t, lp["logprob"]), top_logprobs=[entry(a, v) for a, v in lp["top"]])
                         for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end])]}

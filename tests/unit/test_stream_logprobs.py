@@ -204,3 +204,58 @@ def test_completions_text_offsets_count_an_invalid_bytes_replacement_character(t
     whole, joined = _both(http, {"model": "m", "prompt": "hi", "logprobs": 1})
     assert whole["text_offset"] == offsets
     assert joined == whole
+
+
+def _sentencepiece_style(tmp_path, decoder: str):
+    """A tiny tokenizer.json as SentencePiece-converted checkpoints ship (Llama 2, Mistral, ...):
+    '▁' marks a space, '<0xXX>' pieces are bytes; decoding drops the first token's leading
+    space. `decoder`: "llama" (Replace, ByteFallback, Fuse, Strip) or "metaspace"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from hyrax.actors.model.tokenizer import load_tokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ("▁Hello", "▁world", "world", "▁", "!"):
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first") if decoder == "metaspace" else \
+        decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                           decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return load_tokenizer(tmp_path, len(vocab) + 1), vocab
+
+
+@pytest.mark.parametrize("decoder", ["llama", "metaspace"])
+def test_sentencepiece_tokens_keep_their_leading_space_in_logprobs(tmp_path, decoder):
+    """A SentencePiece token decoded alone loses its leading space ('▁world' reads 'world', as
+    the first token of a text does), so logprob tokens read 'world' where the text has ' world',
+    and '▁world' and 'world' shared one top_logprobs key. Each now reads its own piece with the
+    space (as vLLM reports logprob tokens): the completions tokens and keys, chat's token and bytes."""
+    tok, vocab = _sentencepiece_style(tmp_path, decoder)
+    ids = [vocab["▁Hello"], vocab["▁world"], vocab["!"]]
+    tops = [[[ids[0], -0.1]], [[ids[1], -0.2], [vocab["world"], -0.3]], [[ids[2], -0.4], [vocab["▁"], -0.5]]]
+    items = [{"token_ids": [t], "finished": i == 2, "finish_reason": "length" if i == 2 else None,
+              "logprobs": [{"logprob": top[0][1], "top": top}]} for i, (t, top) in enumerate(zip(ids, tops))]
+    client = EngineClient(ModelInfo("m", 2048, tok, None, tok.vocab_size, (1,)), [ScriptedReplica(items)])
+    app = create_app(client, GatewaySettings(admin_token="t"))
+    app.state.ready = True
+    http = TestClient(app)
+
+    whole, joined = _both(http, {"model": "m", "prompt": "hi", "logprobs": 2})
+    assert http.post("/v1/completions", json={"model": "m", "prompt": "hi"}).json()["choices"][0]["text"] \
+        == "Hello world!"
+    assert whole["tokens"] == [" Hello", " world", "!"]
+    assert whole["top_logprobs"] == [{" Hello": -0.1}, {" world": -0.2, "world": -0.3}, {"!": -0.4, " ": -0.5}]
+    assert whole["text_offset"] == [0, 5, 11]
+    assert joined == whole
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    content = http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [" Hello", " world", "!"]
+    assert [bytes(e["bytes"]) for e in content] == [b" Hello", b" world", b"!"]
+    assert [[a["token"] for a in e["top_logprobs"]] for e in content][1:] == [[" world", "world"], ["!", " "]]
+    if decoder == "llama":  # a byte piece (a Metaspace decoder alone writes none)
+        assert tok.token_text(vocab["<0xE6>"]) == "\ufffd" and tok.token_bytes(vocab["<0xE6>"]) == b"\xe6"
+    assert tok.token_text(1) == "" and tok.token_bytes(1) == b""  # a special token

@@ -38,6 +38,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        """The text one token writes (a byte that is part of a character: U+FFFD)."""
+        return self.decode([token_id])
+
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for in decoded text (a special token: none)."""
         return bytes([token_id]) if 0 <= token_id < 256 else b""
@@ -121,15 +125,40 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """The text one token writes where it does not start the text: its decoding alone, with
+        what the decoder strips from a text's first token put back (SentencePiece's space:
+        '▁world' alone reads 'world', after another token ' world'), as vLLM reports logprob
+        tokens. Read as the decoder writes the piece after another one; a special token: ''."""
+        alone = self.decode([token_id])
+        piece, decoder = self._tok.id_to_token(token_id), self._decoder
+        if piece is None or decoder is None or token_id in self._special_ids:
+            return alone
+        after = decoder.decode([_ANCHOR, piece])[self._anchor_chars:]
+        return after if after.endswith(alone) else alone  # only ever a stripped prefix put back
+
     def token_bytes(self, token_id: int) -> bytes:
-        """The UTF-8 bytes one token stands for in decoded text: its decoding alone, unless that
+        """The UTF-8 bytes one token stands for in decoded text: its `token_text`, unless that
         holds U+FFFD (the token is part of a character), then its vocabulary piece read as the
         decoder writes bytes (a byte-level character each, or a `<0xXX>` byte-fallback token)."""
-        text = self.decode([token_id])
+        text = self.token_text(token_id)
         if "\ufffd" not in text:
             return text.encode("utf-8")
         raw = _piece_bytes(self._tok.id_to_token(token_id) or "", self._byte_pieces)
         return text.encode("utf-8") if raw is None else raw
+
+    @functools.cached_property
+    def _decoder(self):
+        return self._tok.decoder
+
+    @functools.cached_property
+    def _anchor_chars(self) -> int:
+        return len(self._decoder.decode([_ANCHOR]))
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """Ids of special tokens, which decoding skips."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @functools.cached_property
     def _byte_pieces(self) -> str | None:
@@ -153,6 +182,7 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 BYTE_LEVEL = _byte_level_alphabet()
+_ANCHOR = "x"  # a plain piece put before a token, so the decoder does not read it as the text's first
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
