@@ -2,11 +2,22 @@
 `structured_outputs` extras (json, regex, choice), as the engine's `GrammarSpec`."""
 from __future__ import annotations
 
+import asyncio
+
 from hyrax.actors.engine.grammar import GrammarKind, GrammarSpec
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.api.errors import APIError
 from hyrax.api.json_body import parse
 from hyrax.api.schemas import _Sampling, lone_surrogate
+
+
+async def checked_grammar(body: _Sampling) -> GrammarSpec | None:
+    """`grammar_of`, run off the event loop when there is a grammar: its check compiles it, which
+    takes seconds for a schema of thousands of properties, and other clients must not wait."""
+    rf = body.response_format
+    if (rf is None or rf.type == "text") and body.structured_outputs is None:
+        return grammar_of(body)
+    return await asyncio.to_thread(grammar_of, body)
 
 
 def grammar_of(body: _Sampling) -> GrammarSpec | None:
@@ -29,8 +40,8 @@ def grammar_of(body: _Sampling) -> GrammarSpec | None:
             if isinstance(schema, str):
                 schema = _schema_text(schema)
             if not isinstance(schema, dict):
-                raise APIError(400, "structured_outputs.json must be a JSON schema object",
-                               param="structured_outputs.json", code="invalid_value")
+                raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param,
+                               code="invalid_value")
             where = lone_surrogate(schema)  # \ud800 escapes in the JSON text
             if where is not None:
                 raise APIError(400, f"structured_outputs.json: invalid text: lone surrogate {where}",
@@ -52,7 +63,7 @@ def _schema_text(text: str):
         return parse(text.encode("utf-8"))
     except APIError as e:
         why = e.message.partition(": ")[2] or e.message  # "request body is not valid JSON: <why>"
-        raise APIError(400, f"structured_outputs.json is not valid JSON: {why}", param="structured_outputs.json",
+        raise APIError(400, f"structured_outputs.json is not valid JSON: {why}", param="structured_outputs",
                        code="invalid_value") from None
 
 

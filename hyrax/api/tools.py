@@ -17,6 +17,7 @@ answer becomes OpenAI's `tool_calls` in `tool_parser.py`.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 from dataclasses import dataclass
 
@@ -131,6 +132,14 @@ def _plan_auto(body: ChatRequest, template, tokenizer, rendered: list[dict]) -> 
                                     "token), so its calls cannot be read back; use 'required' or a named function",
                                param="tool_choice", code="unsupported_parameter")
     return ToolPlan(rendered, format=fmt, parallel=body.parallel_tool_calls is not False)
+
+
+async def checked_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolPlan:
+    """`plan_tools`, run off the event loop when a call is forced: the check of its grammar
+    compiles it (see `structured.checked_grammar`)."""
+    if not body.tools or body.tool_choice in (None, "none", "auto"):
+        return plan_tools(body, template, tokenizer)
+    return await asyncio.to_thread(plan_tools, body, template, tokenizer)
 
 
 def plan_tools(body: ChatRequest, template: str | None, tokenizer=None) -> ToolPlan:

@@ -23,7 +23,7 @@ def _grammar(text: str):
 def test_a_key_twice_in_the_schema_text_is_a_400_naming_it(text, key):
     with pytest.raises(APIError) as e:
         _grammar(text)
-    assert e.value.status == 400 and e.value.param == "structured_outputs.json", e.value.param
+    assert e.value.status == 400 and e.value.param == "structured_outputs", e.value.param
     assert f"{key!r} appears twice" in e.value.message, e.value.message
 
 
@@ -31,14 +31,14 @@ def test_a_key_twice_in_the_schema_text_is_a_400_naming_it(text, key):
 def test_schema_text_nested_too_deeply_is_a_400(text):
     with pytest.raises(APIError) as e:
         _grammar(text)
-    assert e.value.status == 400 and e.value.param == "structured_outputs.json" and "deeply" in e.value.message
+    assert e.value.status == 400 and e.value.param == "structured_outputs" and "deeply" in e.value.message
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"type": "string"} trailing', "", '{"maxLength": 1' + "0" * 5000 + "}"])
 def test_schema_text_that_is_not_json_is_a_400(text):
     with pytest.raises(APIError) as e:
         _grammar(text)
-    assert e.value.status == 400 and e.value.param == "structured_outputs.json", e.value.param
+    assert e.value.status == 400 and e.value.param == "structured_outputs", e.value.param
 
 
 def test_schema_text_that_is_a_schema_is_read():
