@@ -37,8 +37,11 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def weight_bytes(model_dir: Path) -> int:
-    """Bytes of the checkpoint's weight files (one replica's share, summed over its ranks)."""
-    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    """Bytes of the checkpoint's weight files (one replica's share, summed over its ranks): the
+    files the loader reads (`loader.weight_files`), not a stale copy beside them."""
+    from hyrax.actors.model.loader import weight_files
+
+    return sum(f.stat().st_size for f in weight_files(Path(model_dir)))
 
 
 def rank_pool_bytes(cfg, config, tp: int) -> int:

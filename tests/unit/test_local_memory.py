@@ -7,7 +7,7 @@ import pytest
 
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.cluster.local_memory import (COORDINATOR_BYTES, GIB, RANK_PROCESS_BYTES, available_bytes, check_fits,
-                                        needed_bytes)
+                                        needed_bytes, weight_bytes)
 from hyrax.cluster.placement import RoleSpec
 
 
@@ -84,3 +84,11 @@ def test_cli_refuses_pools_bigger_than_the_machine_before_starting_ray():
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "GiB of state pools" in lines[0], r.stderr
     assert "starting Ray" not in r.stderr
+
+
+def test_weight_bytes_count_only_the_files_the_loader_reads(tmp_path):
+    """A stale copy beside model.safetensors is never loaded (loader.weight_files), so it must not
+    count either: a lower bound that counts it refuses deployments that fit."""
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 1000)
+    (tmp_path / "old-model.safetensors").write_bytes(b"s" * 5000)
+    assert weight_bytes(tmp_path) == 1000
