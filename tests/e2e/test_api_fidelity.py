@@ -372,3 +372,18 @@ def test_openapi_documents_every_error_status_with_the_error_shape(local):
     assert "404" in ops["/admin/retract"]["post"]["responses"] and "404" in ops["/admin/resume"]["post"]["responses"]
     assert "503" in ops["/health"]["get"]["responses"]
     assert "CompletionResponse" in schema["components"]["schemas"]
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_completions_top_logprobs_hold_the_sampled_token_and_chat_exactly_the_top(oai, n):
+    """With the official client, hot seeded sampling through the demo model: every completions
+    position's top_logprobs holds its sampled token with its logprob (OpenAI: up to logprobs + 1
+    entries), some positions one past the top n; chat's top_logprobs are exactly top_logprobs."""
+    kw = dict(model=MODEL, max_tokens=24, temperature=5.0, seed=11)
+    lp = oai.completions.create(**kw, prompt="The quick brown", logprobs=n).choices[0].logprobs
+    for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[t] >= v - 1e-9 and len(top) <= n + 1, (t, v, top)  # a key tokens share: the most likely
+    assert any(len(top) == n + 1 for top in lp.top_logprobs)
+    content = oai.chat.completions.create(**kw, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                          top_logprobs=n).choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == n for e in content)
