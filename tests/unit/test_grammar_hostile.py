@@ -79,3 +79,11 @@ def test_choice_options_outside_the_bmp_are_written_as_given(options):
     for o in options:
         assert _matches(spec, o), o
     assert not _matches(spec, options[0] + "x")
+
+
+@pytest.mark.parametrize("required", [[["a"]], [{"a": 1}], ["a", None], [1]])
+def test_required_listing_what_is_no_property_name_is_refused(required):
+    """Before, a list or an object in `required` raised TypeError in the check (a 500)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": required}
+    with pytest.raises(HyraxInputError, match="'required'"):
+        GrammarSpec.json_schema(schema).check()

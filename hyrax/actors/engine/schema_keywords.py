@@ -159,6 +159,9 @@ def _check_object(path: str, node: dict, strict: bool) -> None:
     names = set(props) if isinstance(props, dict) else set()
     required = node.get("required")
     if isinstance(required, list):
+        odd = [r for r in required if not isinstance(r, str)]
+        if odd:
+            raise _refuse(path, "required", f"lists {odd[0]!r}; it lists property names (strings)")
         missing = [r for r in required if r not in names]
         if missing:
             raise _refuse(path, "required", f"names {missing[0]!r}, which \"properties\" does not define; the grammar "
