@@ -156,7 +156,7 @@ def _choices(request: Request, body: _Sampling, call_id: str, prompts: list[list
             if grammar is not None:
                 params["grammar"] = grammar
             index = pi * body.n + k
-            out.append(Choice(index, ids, params, TextStream(info.tokenizer.decode, body.stop_list()),
+            out.append(Choice(index, ids, params, TextStream.after_prompt(info.tokenizer.decode, ids, body.stop_list()),
                               request_id=f"{call_id}-{index}-{nonce}"))
     return out
 
@@ -348,7 +348,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
             # per choice: logprob entries sent, and the text of their tokens (where the next one
             # starts, from the start of the completion, as in the whole answer)
             sent_echo = set()
-            sent_lp = {c.index: (0, TextStream(info.tokenizer.decode)) for c in choices}
+            sent_lp = {c.index: (0, TextStream.after_prompt(info.tokenizer.decode, c.prompt_ids)) for c in choices}
             async for c, delta, finished in under_way:
                 if c.index not in sent_echo:
                     delta, _ = echo[c.index] + delta, sent_echo.add(c.index)
@@ -373,8 +373,9 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     texts = {c.index: echo[c.index] + c.text.emitted for c in choices}
     return {"id": rid, "object": "text_completion", "created": created, "model": info.name,
             "choices": [{"index": c.index, "text": texts[c.index],
-                         "logprobs": _completion_logprobs(c, info.tokenizer, 0, len(c.logprobs),
-                                                          TextStream(info.tokenizer.decode)) if want_lp else None,
+                         "logprobs": _completion_logprobs(
+                             c, info.tokenizer, 0, len(c.logprobs),
+                             TextStream.after_prompt(info.tokenizer.decode, c.prompt_ids)) if want_lp else None,
                          "finish_reason": c.finish_reason} for c in sorted(choices, key=lambda c: c.index)],
             "usage": _usage(choices, body.n)}
 

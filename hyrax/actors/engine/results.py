@@ -56,7 +56,7 @@ class StopRule:
         if p.stop and self.decode is not None:
             scan = req.stop_scan  # decodes only the new token (an imported request: its outputs, once)
             if scan is None or len(scan.ids) != len(req.output_ids) - 1:
-                scan = req.stop_scan = TextStream(self.decode, tuple(p.stop))
+                scan = req.stop_scan = TextStream.after_prompt(self.decode, req.prompt_ids, tuple(p.stop))
                 scan.feed(req.output_ids[:-1])
             scan.feed([tok])
             if scan.stopped:
