@@ -125,6 +125,11 @@ class RayBackend:
                     item = {"token_ids": [], "finished": False, "finish_reason": None,
                             "handoff": {"request": request, "manifest": None, "payload": [], "lease_s": 0.0,
                                         "source": None}}
+                elif isinstance(item, FeedEnd):
+                    # the feed ended, not the request: it may still run there (submitted on a feed the
+                    # replica had closed, after this gateway's lease lapsed), its items dropped
+                    self._abort_there(rid)
+                    item = dict(item.item)
                 elif item.get("error") is None:
                     request["output_ids"].extend(item.get("token_ids") or [])
                 finished = is_last(item)
@@ -158,6 +163,14 @@ class RayBackend:
 # objects it had yielded died with it. An error raised by the replica's own code is not one.
 REPLICA_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 LOST = object()  # what each open stream of a feed gets when its replica is lost
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedEnd:
+    """What each open stream of a feed gets when the feed ends while its replica lives on (the
+    replica closed it, as it does when this gateway's lease lapsed; or it failed): `item`, the
+    stream's last item. The request is not known to have ended there, so the stream aborts it."""
+    item: dict
 GONE = "the replica is gone"  # a refusal by a replica whose actor died (the controller replaces it)
 
 
@@ -165,7 +178,7 @@ class ReplicaFeed:
     """The one stream of step batches (hyrax/actors/engine/step_feed.py) a replica sends this
     gateway, fanned out to the queues of the requests it streams: one Ray message per engine
     step, not one per token per request. When the replica is lost, every open stream gets
-    `LOST`; when the feed fails otherwise, an error item ends each of them."""
+    `LOST`; when the feed ends or fails otherwise, `FeedEnd` (an error item) ends each of them."""
 
     def __init__(self, handle, gateway: str | None):
         self.id = f"feed-{uuid.uuid4().hex[:12]}"
@@ -182,7 +195,7 @@ class ReplicaFeed:
                 batch = await ref
                 self.messages += 1
                 self.fanout.dispatch(batch)
-            end: object = error_item("the replica's feed ended", 503)  # the server's side: retry elsewhere
+            end: object = FeedEnd(error_item("the replica's feed ended", 503))  # the server's side: retry elsewhere
         except asyncio.CancelledError:  # this side is done (its event loop is closing): so is the
             self.ended = True            # feed on the replica, which would otherwise wait on it forever
             try:
@@ -194,7 +207,7 @@ class ReplicaFeed:
             end = LOST
         except Exception:  # noqa: BLE001 - every stream of this feed must end, whatever happened
             logging.getLogger("hyrax.gateway").exception("a replica's feed failed")
-            end = error_item("the replica's feed failed", 503)  # what failed is in the log, not for clients
+            end = FeedEnd(error_item("the replica's feed failed", 503))  # what failed is in the log, not for clients
         self.ended = True
         self.fanout.broadcast(end)
 
