@@ -171,6 +171,8 @@ class FeedEnd:
     replica closed it, as it does when this gateway's lease lapsed; or it failed): `item`, the
     stream's last item. The request is not known to have ended there, so the stream aborts it."""
     item: dict
+
+
 GONE = "the replica is gone"  # a refusal by a replica whose actor died (the controller replaces it)
 
 
@@ -250,6 +252,11 @@ class Membership:
             if key not in keep:
                 c.draining.discard(id(b))
         c.backends = [b for key, b in have.items() if key in keep]
+        for r in info.replicas:  # retired here before, serving again (a restarted controller forgot it)
+            key = (r.role, r.index)
+            if key in self._draining:
+                self._draining.discard(key)
+                c.draining.discard(id(have[key]))
         for r in info.retiring:
             key = (r.role, r.index)
             if key not in self._draining:

@@ -33,3 +33,30 @@ def test_a_replica_added_to_the_deployment_gets_this_gateways_lease_at_once():
     asyncio.run(refresh())
     assert new.renewals == [(lease.id, 60.0)]
     assert [b.handle for b in client.backends] == [old, new] and lease.handles == [old, new]
+
+
+def test_a_retired_replica_that_serves_again_after_a_controller_restart_is_routed_to_and_drained_anew():
+    """A restarted controller forgets retirements in progress: a replica it was retiring is listed
+    as serving again (docs/deployment-ownership.md). The gateway kept it draining (no new request
+    ever routed there again, while the controller counted it as serving), and when the autoscaler
+    retired it anew the gateway did not drain it again (it remembered the first drain)."""
+    coords = [_Coordinator(), _Coordinator()]
+    reps = [SimpleNamespace(role="decode", index=i, coordinator=c) for i, c in enumerate(coords)]
+    drained: list = []
+
+    async def drain(backend):
+        client.draining.add(id(backend))  # what EngineClient.drain does first
+        drained.append(backend.index)
+    client = SimpleNamespace(backends=[], draining=set(), drain=drain)
+
+    async def refresh():
+        m = Membership(None, client, None, generation=1)
+        m.apply(SimpleNamespace(generation=2, replicas=reps[:1], retiring=reps[1:]))  # decode/1 retiring
+        await asyncio.sleep(0)
+        assert drained == [1] and len(client.draining) == 1
+        m.apply(SimpleNamespace(generation=3, replicas=reps, retiring=[]))  # the controller restarted
+        assert client.draining == set()  # routed to again
+        m.apply(SimpleNamespace(generation=4, replicas=reps[:1], retiring=reps[1:]))  # retired anew
+        await asyncio.sleep(0)
+        assert drained == [1, 1]
+    asyncio.run(refresh())
