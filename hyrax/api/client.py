@@ -431,17 +431,28 @@ class EngineClient:
         return out
 
     async def _by_owner(self, cmd: Retract | Resume) -> dict[str, Outcome]:
+        """Ids this gateway streams go to the replica it streams them from; any other id (another
+        gateway's request on the same deployment, or none at all) is asked of every replica, and
+        the one holding it answers (the others: unknown). The replica owns the request either way
+        and keeps streaming it to its own gateway."""
         out: dict[str, Outcome] = {}
         groups: dict[int, list[str]] = {}
+        elsewhere: list[str] = []
         for rid in cmd.selection.ids:
             b = self.owner.get(rid)
             if b is None:
-                out[rid] = Outcome.UNKNOWN
+                elsewhere.append(rid)
             else:
                 groups.setdefault(id(b), []).append(rid)
         for b in self.backends:
             if id(b) in groups:
                 out.update(await b.run(dataclasses.replace(cmd, selection=Selection(ids=tuple(groups[id(b)])))))
+        if elsewhere:
+            out.update({rid: Outcome.UNKNOWN for rid in elsewhere})
+            asked = await self._ask_all(dataclasses.replace(cmd, selection=Selection(ids=tuple(elsewhere))))
+            for _, got in asked:
+                if got is not UNREACHED:
+                    out.update({rid: v for rid, v in got.items() if Outcome(v) != Outcome.UNKNOWN})
         return out
 
     async def set_forced_retraction(self, interval: int) -> list[dict]:

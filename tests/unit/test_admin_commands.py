@@ -86,3 +86,19 @@ def test_the_client_sends_commands_through_the_in_process_backend(loop_with_two)
         asyncio.run(client.set_forced_retraction(7))
         assert loop.engine.forced_interval == 7
         asyncio.run(client.set_forced_retraction(0))
+
+
+def test_a_gateway_retracts_and_resumes_by_id_a_request_another_gateway_streams(loop_with_two):
+    """Several gateways serve one deployment and each lists every replica's requests
+    (/admin/requests), but retract and resume by id went only to the replica this gateway
+    streams the request from: for a request another gateway streams it answered 'unknown request'
+    (a 404), while `all` retracted it. The replica owns the request and keeps streaming it to its
+    own gateway whoever asked, so every replica is asked for an id this gateway does not stream."""
+    loop, (a, b) = loop_with_two  # streamed by nobody here: this client is the other gateway
+    info = ModelInfo("tiny", 512, tokenizer=None, chat_template=None, vocab_size=96)
+    other = EngineClient(info, [LocalBackend(loop)])
+    with loop.lock:
+        got = asyncio.run(other.retract(Retract(Selection(ids=(a, "nope")), mode="cpu_tensor", hold=True)))
+        assert got == {a: Outcome.CPU_TENSOR, "nope": Outcome.UNKNOWN}
+        assert {r["id"]: (r["state"], r["hold"]) for r in loop.run(ListRequests())}[a] == ("retracted", True)
+        assert asyncio.run(other.resume(Resume(Selection(ids=(a,))))) == {a: Outcome.VERIFIED}
