@@ -63,3 +63,13 @@ def bearer_token(text: str) -> str:
         raise argparse.ArgumentTypeError("must be non-empty printable ASCII, no space at either end (clients send "
                                          "it as `Authorization: Bearer <key>`)")
     return text
+
+
+class FlagsWinAppend(argparse._AppendAction):
+    """A repeatable option (`--api-key`) whose values on the command line replace its default,
+    a `hyrax serve --config` file's list, instead of adding to it: flags win over the file."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:  # the first one given: the default goes
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)

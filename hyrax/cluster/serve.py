@@ -5,6 +5,7 @@ import argparse
 import errno
 import fcntl
 import os
+import reprlib
 import secrets
 import signal
 import socket
@@ -19,8 +20,8 @@ from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
-from hyrax.cluster.arg_types import (OneLineParser, bearer_token, is_bearer_token, non_empty, non_negative_float,
-                                      positive_float, positive_int)
+from hyrax.cluster.arg_types import (FlagsWinAppend, OneLineParser, bearer_token, is_bearer_token, non_empty,
+                                      non_negative_float, positive_float, positive_int)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
@@ -84,8 +85,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          f"running hyrax serve holds that default file, {DEFAULT_TOKEN_FILE.name}.<port> beside it, "
                          f"<port> being --port; a given file that a running server holds is an error; nothing is "
                          f"written when HYRAX_ADMIN_TOKEN is set)")
-    gw.add_argument("--api-key", type=bearer_token, action="append", default=[],
-                    help="require this API key on /v1 (repeatable)")
+    gw.add_argument("--api-key", type=bearer_token, action=FlagsWinAppend, default=[],
+                    help="require this API key on /v1 (repeatable; keys given here replace those of --config)")
     gw.add_argument("--max-inflight", type=positive_int, default=1024, help="queued + running requests before 503")
     gw.add_argument("--cache-route-margin", type=int, default=4, metavar="N",
                     help="route a new request to the prefill (or colocated) replica with the longest cached "
@@ -105,6 +106,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+CONFIG_MAX_BYTES = 1 << 20  # a config file is a page of options; more is the wrong file (weights, /dev/zero)
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
 def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Load --config (if any) as parser defaults, so explicit flags still override it."""
     pre = OneLineParser(prog=parser.prog, add_help=False)
@@ -115,24 +120,70 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     if not known.config:
         raise HyraxInputError("--config needs a file name, got ''")
     try:
-        data = yaml.safe_load(Path(known.config).read_text(encoding="utf-8")) or {}
+        with open(known.config, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)
     except OSError as e:
         raise HyraxInputError(f"cannot read --config: {e.strerror}") from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise HyraxInputError(f"--config {known.config} is larger than {CONFIG_MAX_BYTES >> 20} MiB: not a config file")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        bad = e.object[e.start]
-        raise HyraxInputError(f"--config is not UTF-8 text: byte 0x{bad:02x} at offset {e.start}") from None
-    except yaml.YAMLError as e:
-        raise HyraxInputError(f"--config is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise HyraxInputError("--config must be a YAML mapping of option names to values")
+        raise HyraxInputError(f"--config is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start}") from None
     actions = {a.dest: a for a in parser._actions}
-    defaults = {}
-    for k, v in data.items():
-        dest = str(k).replace("-", "_")
-        if dest not in actions or dest in ("config", "help"):
-            raise HyraxInputError(f"--config: unknown option {k!r}{_negated_switch(actions, dest, v)}")
-        defaults[dest] = _yaml_default(actions[dest], str(k), v)
+    defaults, lines = {}, {}
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and not isinstance(node, yaml.MappingNode):
+            raise HyraxInputError("--config must be a YAML mapping of option names to values")
+        for key_node, value_node in (node.value if node is not None else []):
+            line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise HyraxInputError(f"--config: line {line}: a key must be an option name, not a list or mapping")
+            k = key_node.value
+            dest = k.replace("-", "_")
+            if dest not in actions or dest in ("config", "help"):
+                raise HyraxInputError(f"--config: unknown option {k!r}"
+                                      f"{_negated_switch(actions, dest, loader.construct_object(value_node, True))}")
+            if dest in lines:  # a YAML loader keeps the last one, silently
+                raise HyraxInputError(f"--config: {k} is given twice (lines {lines[dest]} and {line})")
+            lines[dest] = line
+            defaults[dest] = _yaml_default(actions[dest], k, _as_written(loader, value_node))
+    except yaml.YAMLError as e:
+        raise HyraxInputError(f"--config is not valid YAML: {_yaml_problem(e)}") from None
+    finally:
+        loader.dispose()
     parser.set_defaults(**defaults)
+
+
+def _as_written(loader: yaml.SafeLoader, node: yaml.Node):
+    """The value of `node`, except that a bare number is its text as written: the option's own
+    type reads it as it reads the flag's text. YAML 1.1 reads `010` as 8, `1.10` as 1.1, `0x1F`
+    as 31 and `1:30` as 90, which made `deployment: 010` the deployment '8' and `api-key: 0123`
+    the key '83'."""
+    if isinstance(node, yaml.ScalarNode) and node.style is None and node.tag in _NUMBER_TAGS:
+        return node.value
+    if isinstance(node, yaml.SequenceNode) and node.tag == "tag:yaml.org,2002:seq":  # a tagged one: constructed
+        return [_as_written(loader, n) for n in node.value]
+    return loader.construct_object(node, deep=True)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line, by line and column, without the excerpt of the file that its
+    message quotes (the line may hold an API key)."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def at(mark) -> str:
+        return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+    parts = []
+    if e.context:
+        parts.append(f"{e.context}{at(e.context_mark)}")
+    if e.problem:
+        parts.append(f"{e.problem}{at(e.problem_mark)}")
+    return ": ".join(parts) or type(e).__name__
 
 
 def _negated_switch(actions: dict, dest: str, value) -> str:
@@ -151,16 +202,29 @@ def _yaml_default(action: argparse.Action, key: str, value):
     3.7` would reach the engine as a float."""
     if action.nargs == 0:  # an on/off switch
         if not isinstance(value, bool):
-            raise HyraxInputError(f"--config: {key} must be true or false, got {value!r}")
+            raise HyraxInputError(f"--config: {key} must be true or false, got {_shown(action, value)}")
         return value
     if isinstance(action, argparse._AppendAction):  # a repeatable flag: one value or a list
+        if value == []:  # an empty template: without a word, `api-key: []` served /v1 with no key
+            raise HyraxInputError(f"--config: {key} is an empty list; leave the key out to give none")
         return [_yaml_scalar(action, key, v) for v in (value if isinstance(value, list) else [value])]
     return _yaml_scalar(action, key, value)
 
 
+# how an error shows a value of the file: bounded, for a value built of nested aliases (billion
+# laughs: shared references when loaded, gigabytes of text when printed in full)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 60, 60
+
+
+def _shown(action: argparse.Action, value) -> str:
+    """`value` for an error message: never a secret's (--api-key), and never long."""
+    return "(not shown: a secret)" if action.type is bearer_token else _SHORT.repr(value)
+
+
 def _yaml_scalar(action: argparse.Action, key: str, value):
     if value is None or isinstance(value, (bool, list, dict)):
-        raise HyraxInputError(f"--config: {key} needs one value (a string or a number), got {value!r}")
+        raise HyraxInputError(f"--config: {key} needs one value (a string or a number), got {_shown(action, value)}")
     try:
         out = (action.type or str)(str(value))
     except argparse.ArgumentTypeError as e:  # a ranged type: its message names what it needs
@@ -168,9 +232,10 @@ def _yaml_scalar(action: argparse.Action, key: str, value):
     except (ValueError, TypeError):
         kind = getattr(action.type, "__name__", "value")
         raise HyraxInputError(f"--config: {key} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
-                              f"got {value!r}") from None
+                              f"got {_shown(action, value)}") from None
     if action.choices is not None and out not in action.choices:
-        raise HyraxInputError(f"--config: {key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+        raise HyraxInputError(f"--config: {key} must be one of {', '.join(map(str, action.choices))}, "
+                              f"got {_shown(action, value)}")
     return out
 
 
