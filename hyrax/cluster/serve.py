@@ -9,6 +9,7 @@ import reprlib
 import secrets
 import signal
 import socket
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,16 +295,24 @@ class AdminToken:
             self.lock_fd = None
 
 
-def _claim(path: Path) -> int | None:
+def _claim(path: Path, given: bool) -> int | None:
     """Open `path` (created 600 if missing) holding an exclusive lock, or None when a running
     server holds it. Nothing is truncated before the lock is ours; the kernel drops the lock
-    when this process exits, however it exits."""
+    when this process exits, however it exits. `given`: the path is --admin-token-file's."""
     try:
         if not path.parent.exists():  # a parent that is a file is os.open's 'Not a directory'
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        st = os.fstat(fd)
     except OSError as e:
         raise HyraxInputError(f"cannot write the admin token to {path}: {e.strerror}") from None
+    where = f"--admin-token-file {path}" if given else f"the admin token file {path}"
+    if not stat.S_ISREG(st.st_mode):  # /dev/null, /proc/...: no place for a token (nor a lock)
+        os.close(fd)
+        raise HyraxInputError(f"{where} is not a regular file")
+    if st.st_uid != os.geteuid():  # its owner can make it readable again at any time
+        os.close(fd)
+        raise HyraxInputError(f"{where} belongs to another user (uid {st.st_uid}); choose a file of your own")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -322,19 +331,23 @@ def resolve_admin_token(a) -> AdminToken:
     if tok:
         return AdminToken(tok, "from HYRAX_ADMIN_TOKEN")
     path = Path(a.admin_token_file) if a.admin_token_file else DEFAULT_TOKEN_FILE
-    fd = _claim(path)
+    fd = _claim(path, bool(a.admin_token_file))
     if fd is None and a.admin_token_file:
         raise StartupFailure(f"--admin-token-file {path} holds the token of a running hyrax serve; "
                              f"choose another file or set HYRAX_ADMIN_TOKEN")
     if fd is None:
         path = path.with_name(f"{path.name}.{a.port}")
-        fd = _claim(path)
+        fd = _claim(path, False)
         if fd is None:  # unreachable while the port is ours, unless it is shared with another host's server
             raise StartupFailure(f"{path} holds the token of a running hyrax serve; set HYRAX_ADMIN_TOKEN")
     tok = secrets.token_urlsafe(32)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (tok + "\n").encode(), 0)
-    os.fchmod(fd, 0o600)
+    try:  # private before the token goes in: an existing file may have been readable by everyone
+        os.ftruncate(fd, 0)
+        os.fchmod(fd, 0o600)
+        os.pwrite(fd, (tok + "\n").encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise HyraxInputError(f"cannot write the admin token to {path}: {e.strerror}") from None
     return AdminToken(tok, f"written to {path} (mode 600)", fd)
 
 
