@@ -4,18 +4,25 @@ from __future__ import annotations
 import os
 
 
-def _int(name: str, default: int) -> int:
+def _int(name: str, default: int, least: int) -> int:
+    """A HyraxInputError (the CLI's one-line error) for a value that is no int >= `least`."""
+    from hyrax.actors.model.errors import HyraxInputError
+
     v = os.environ.get(name)
     try:
-        return int(v) if v else default
+        n = int(v) if v else default
     except ValueError:
-        raise SystemExit(f"hyrax: error: {name} must be an integer, got {v!r}") from None
+        raise HyraxInputError(f"{name} must be an integer, got {v!r}") from None
+    if n < least:
+        raise HyraxInputError(f"{name} must be >= {least}, got {n}")
+    return n
 
 
 def torch_threads() -> int:
-    """HYRAX_TORCH_THREADS: intra-op threads per process/rank. Default 1: small CPU models run
-    fastest single-threaded, and several ranks share the machine's cores."""
-    return _int("HYRAX_TORCH_THREADS", 1)
+    """HYRAX_TORCH_THREADS: intra-op threads per process/rank, >= 1. Default 1: small CPU models
+    run fastest single-threaded, and several ranks share the machine's cores. `hyrax serve`
+    checks it before anything starts (its ranks read it)."""
+    return _int("HYRAX_TORCH_THREADS", 1, least=1)
 
 
 def admin_token() -> str | None:

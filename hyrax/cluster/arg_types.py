@@ -35,6 +35,8 @@ positive_int = _ranged(int, lambda v: v >= 1, "an int >= 1")
 non_negative_int = _ranged(int, lambda v: v >= 0, "an int >= 0")
 positive_float = _ranged(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 non_negative_float = _ranged(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+# seconds that reach Ray as a timeout: it takes them as int64 milliseconds (1e16 s overflows)
+timeout_seconds = _ranged(float, lambda v: math.isfinite(v) and 0 < v <= 1e9, "a finite number in (0, 1e+09]")
 fraction = _ranged(float, lambda v: 0 < v <= 1, "a number in (0, 1]")  # NaN fails the comparison
 
 

@@ -22,12 +22,13 @@ from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.arg_types import (FlagsWinAppend, OneLineParser, bearer_token, is_bearer_token, non_empty,
-                                      non_negative_float, positive_float, positive_int)
+                                      non_negative_float, positive_float, positive_int, timeout_seconds)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
 from hyrax.cluster.ray_cluster import gcs_alive, local_num_cpus
 from hyrax.env import admin_token as env_admin_token
+from hyrax.env import torch_threads
 
 DEFAULT_TOKEN_FILE = Path.home() / ".hyrax" / "admin_token"
 # the autoscaling flags: (lower, upper) bound flags, and the role they scale (None: the last
@@ -39,7 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API on a Ray cluster",
                        description="Deploy a hybrid model on Ray and serve the OpenAI and admin APIs.")
     p.add_argument("--config", help="YAML file whose keys are these options' long names (CLI flags win)")
-    p.add_argument("--model", default="demo", help="checkpoint directory, a Hugging Face repo id in the local cache "
+    p.add_argument("--model", default="demo", type=non_empty, help="checkpoint directory, a Hugging Face repo id in the local cache "
                    "(org/name[@revision], never downloaded), or 'demo' (default)")
     p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
@@ -97,7 +98,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     gw.add_argument("--grace-period", type=non_negative_float, default=10.0,
                     help="on shutdown, seconds open streams get to finish; then each still open ends "
                          "with finish_reason \"abort\" and [DONE]")
-    gw.add_argument("--rank-timeout", type=positive_float, default=60.0,
+    gw.add_argument("--rank-timeout", type=timeout_seconds, default=60.0,
                     help="seconds before a silent rank counts as failed")
     gw.add_argument("--gateway-lease", type=positive_float, default=10.0,
                     help="seconds a replica keeps this gateway's streams after its last sign of life; a gateway "
@@ -393,6 +394,7 @@ def validate(a) -> tuple:
     roles = roles_from_args(a, cfg)
     policies = scale_policies(a, roles)
     supervision_from_args(a)
+    torch_threads()  # read by every rank: a bad value is an error here, not a replica that dies
     if not 0 < a.port < 65536:
         raise HyraxInputError("--port must be in 1..65535")
     if a.cache_route_margin < -1:
@@ -474,7 +476,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
                                                  max_body_bytes=int(a.max_body_mb * 2**20)),
                          deployment_events=_events_of(ctl))
         app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)
-        base = f"http://{a.host}:{a.port}"
+        base = gateway_url(a.host, a.port)
         print(f"hyrax: serving {name!r}\n"
               f"  OpenAI API      {base}/v1\n"
               f"  live dashboard  {base}/dashboard\n"
@@ -505,6 +507,12 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         if started_ray:
             ray.shutdown()
     return 0
+
+
+def gateway_url(host: str, port: int) -> str:
+    """The gateway's base URL for the banner: an IPv6 literal in brackets (RFC 3986), its zone
+    id's '%' escaped (RFC 6874)."""
+    return f"http://[{host.replace('%', '%25')}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _events_of(ctl):

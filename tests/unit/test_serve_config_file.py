@@ -47,7 +47,7 @@ def test_a_value_the_flag_would_refuse_is_an_error_naming_it(tmp_path, text, nam
 
 
 @pytest.mark.parametrize("text, says", [
-    ("rank-timeout: 0\n", "--config: rank-timeout must be a finite number > 0, got '0'"),
+    ("rank-timeout: 0\n", "--config: rank-timeout must be a finite number in (0, 1e+09], got '0'"),
     ("max-body-mb: .nan\n", "--config: max-body-mb must be a finite number > 0, got '.nan'"),  # as written
     ("grace-period: -5\n", "--config: grace-period must be a finite number >= 0, got '-5'"),
     ("decode-replicas: 0\n", "--config: decode-replicas must be an int >= 1, got '0'"),

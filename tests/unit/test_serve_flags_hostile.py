@@ -1,0 +1,65 @@
+"""`hyrax serve` flags and environment as a careless operator gives them: each mistake is a
+one-line error before anything starts. No Ray: these parse and validate only."""
+from __future__ import annotations
+
+import pytest
+
+from hyrax.actors.model.errors import HyraxInputError
+from hyrax.cluster import cli, serve
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("value", ["1e16", "1e300"])
+def test_a_rank_timeout_ray_cannot_take_is_refused(value, capsys):
+    """Ray turns a timeout into int64 milliseconds: `ray.get(ref, timeout=1e16)` raises
+    OverflowError (measured, ray 2.x), so every rank call of every replica failed."""
+    with pytest.raises(SystemExit) as e:
+        parse("--rank-timeout", value)
+    assert e.value.code == 2
+    assert f"argument --rank-timeout: must be a finite number in (0, 1e+09], got '{value}'" in capsys.readouterr().err
+
+
+def test_a_rank_timeout_of_years_is_still_accepted():
+    assert parse("--rank-timeout", "1e9").rank_timeout == 1e9
+
+
+def test_an_empty_model_is_refused_not_the_current_directory(capsys):
+    """`--model ''` (an unset variable) served whatever checkpoint the current directory held."""
+    with pytest.raises(SystemExit) as e:
+        parse("--model", "")
+    assert e.value.code == 2
+    assert "argument --model: must be non-empty, got ''" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host, url", [
+    ("127.0.0.1", "http://127.0.0.1:8000"),
+    ("::1", "http://[::1]:8000"),
+    ("fe80::1%eth0", "http://[fe80::1%25eth0]:8000"),
+    ("localhost", "http://localhost:8000"),
+])
+def test_the_banner_urls_of_an_ipv6_host_are_bracketed(host, url):
+    """The banner printed http://::1:8000/v1 for --host ::1, a URL no client parses."""
+    assert serve.gateway_url(host, 8000) == url
+
+
+@pytest.mark.parametrize("value, says", [
+    ("abc", "HYRAX_TORCH_THREADS must be an integer, got 'abc'"),
+    ("0", "HYRAX_TORCH_THREADS must be >= 1, got 0"),
+    ("-2", "HYRAX_TORCH_THREADS must be >= 1, got -2"),
+])
+def test_a_malformed_torch_threads_variable_is_refused_before_anything_starts(monkeypatch, value, says):
+    """It was read only inside each rank actor, after Ray and the replicas had started: the
+    ranks died (SystemExit, or torch's RuntimeError for 0) and the deployment failed."""
+    monkeypatch.setenv("HYRAX_TORCH_THREADS", value)
+    with pytest.raises(HyraxInputError, match=f"^{says}$"):
+        serve.validate(parse("--colocated"))
+
+
+def test_hyrax_generate_answers_a_zero_torch_threads_variable_in_one_line(monkeypatch, capsys):
+    """0 reached torch.set_num_threads, whose RuntimeError was a traceback."""
+    monkeypatch.setenv("HYRAX_TORCH_THREADS", "0")
+    assert cli.main(["generate", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["hyrax: error: HYRAX_TORCH_THREADS must be >= 1, got 0"]
