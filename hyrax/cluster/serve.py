@@ -45,7 +45,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
     p.add_argument("--address", default=None, type=non_empty,
-                   help="join this Ray cluster (default: start a local one on 127.0.0.1)")
+                   help="join this Ray cluster (default: start a local one on 127.0.0.1; RAY_ADDRESS set without "
+                        "--address is an error, not a local cluster)")
     p.add_argument("--deployment", default="hyrax",
                    help="name of the deployment on the Ray cluster; without --attach, one of that name must not exist yet")
     p.add_argument("--attach", action="store_true",
@@ -55,7 +56,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="logical CPUs of a local Ray cluster (default: one per TP rank of the deployment)")
     p.add_argument("--placement-wait", type=non_negative_float, default=0.0,
                    help="seconds to wait for room on a joined cluster (nodes still joining) before failing; "
-                        "default 0: a deployment that does not fit fails at once, naming what is missing")
+                        "default 0: a deployment that does not fit fails at once, naming what is missing; "
+                        "more than 0 needs --address")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     shape = p.add_argument_group("deployment shape")
@@ -115,10 +117,13 @@ _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Load --config (if any) as parser defaults, so explicit flags still override it."""
     pre = OneLineParser(prog=parser.prog, add_help=False)
-    pre.add_argument("--config")
+    pre.add_argument("--config", action="append")
     known, _ = pre.parse_known_args(argv)
     if known.config is None:
         return
+    if len(known.config) > 1:  # argparse would keep the last, dropping the others silently
+        raise HyraxInputError("--config is given twice; one file holds the options (flags override it)")
+    known.config = known.config[0]
     if not known.config:
         raise HyraxInputError("--config needs a file name, got ''")
     try:
@@ -406,6 +411,11 @@ def validate(a) -> tuple:
     namespace(a.deployment)  # a usable name
     if a.address and a.num_cpus is not None:
         raise HyraxInputError("--num-cpus sizes a local cluster; it cannot be combined with --address")
+    if not a.address and a.placement_wait > 0:  # no node joins the local cluster: the wait would do nothing
+        raise HyraxInputError("--placement-wait waits for nodes to join a cluster: it needs --address")
+    if not a.address and os.environ.get("RAY_ADDRESS"):  # Ray's CLI would join it; a local cluster would not
+        raise HyraxInputError(f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']!r}) but hyrax serve joins a cluster "
+                              f"only with --address: pass --address to join it, or unset RAY_ADDRESS for a local one")
     if not a.address:
         check_fits(roles, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles))  # more than it holds
         local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment

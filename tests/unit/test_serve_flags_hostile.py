@@ -63,3 +63,31 @@ def test_hyrax_generate_answers_a_zero_torch_threads_variable_in_one_line(monkey
     monkeypatch.setenv("HYRAX_TORCH_THREADS", "0")
     assert cli.main(["generate", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["hyrax: error: HYRAX_TORCH_THREADS must be >= 1, got 0"]
+
+
+def test_two_config_files_are_an_error_not_the_last_one_alone(tmp_path, capsys):
+    """`--config base.yaml --config site.yaml` read site.yaml only: base.yaml was silently dropped."""
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text("max-running: 4\n")
+    # a model that does not exist: were the files accepted, serve would stop there, before anything starts
+    assert cli.main(["serve", "--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "b.yaml"),
+                     "--model", str(tmp_path / "no-model")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hyrax: error: --config is given twice; one file holds the options (flags override it)"]
+
+
+def test_a_placement_wait_on_a_local_cluster_is_an_error_not_ignored():
+    """Nodes join only a cluster given by --address; on the local one the wait did nothing."""
+    with pytest.raises(HyraxInputError, match=r"^--placement-wait waits for nodes to join a cluster: it needs --address"):
+        serve.validate(parse("--colocated", "--placement-wait", "30"))
+    serve.validate(parse("--colocated", "--placement-wait", "0"))  # the default, given: fine
+
+
+def test_ray_address_in_the_environment_is_an_error_not_a_local_cluster(monkeypatch):
+    """RAY_ADDRESS (set for Ray's own CLI) was ignored: hyrax serve started a local cluster of its
+    own while the operator meant to join theirs."""
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    with pytest.raises(HyraxInputError, match=r"^RAY_ADDRESS is set \('10.0.0.5:6379'\) but hyrax serve joins a "
+                                              r"cluster only with --address"):
+        serve.validate(parse("--colocated"))
+    serve.validate(parse("--colocated", "--address", "10.0.0.5:6379", "--attach"))
