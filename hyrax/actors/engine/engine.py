@@ -11,6 +11,7 @@ which defers it past the step in flight. Ray-free: the same engine drives an in-
 from __future__ import annotations
 
 import dataclasses
+import logging
 import itertools
 import random
 import time
@@ -22,6 +23,7 @@ from hyrax.actors.engine.batch_cap import BatchCap
 from hyrax.actors.engine.caching import PrefixCaching
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.executor import Executor, StepError, StepOutOfMemory, StepResult
+from hyrax.actors.engine.grammar_gate import GrammarGate
 from hyrax.actors.engine.indices import IndexTable
 from hyrax.actors.engine.inflight import InFlight
 from hyrax.actors.engine.inspection import all_free, check_invariants, describe_requests, pool_usage
@@ -42,6 +44,8 @@ from hyrax.actors.engine.transfer import Transfers
 from hyrax.actors.engine.view import build_view
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.state import ComponentSpec
+
+log = logging.getLogger("hyrax.engine")
 
 __all__ = ["Engine", "StepOutput"]
 
@@ -92,6 +96,7 @@ class Engine:
         self.finished_requests: dict[str, Request] = {}
         self._forget: list[str] = []  # requests whose last token the ranks may forget
         self._pressure = False
+        self.grammars = GrammarGate()  # which grammars rank 0 has compiled: the others' requests wait
         self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
                                  finish=self._finish, reset=self._reset_pipeline, free_device=self.moves.free_device,
                                  cap=self.cap, revoke_hits=self.caching.revoke,
@@ -127,6 +132,7 @@ class Engine:
             raise HyraxInputError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.table.admit(Request(rid, list(prompt_ids), params, seed))
+        self.grammars.want(params.grammar)
         self.stats.prompt_tokens += len(prompt_ids)
         return rid
 
@@ -187,7 +193,7 @@ class Engine:
             for v in pick_victims(self.running, 1):
                 self.retractions.retract(v, "forced", None, False, self.step_count)
         plan = self._plan()
-        handle = self.executor.submit(plan) if plan.num_rows else None
+        handle = self.executor.submit(plan) if self._submits(plan) else None
         prev = self.inflight.swap((plan, handle) if handle is not None else None)
         if prev is not None:
             self._commit_step(*prev)  # step N-1, while the ranks run step N
@@ -206,11 +212,13 @@ class Engine:
         else:  # a retracted request goes first: prefixes waiting requests matched must not keep its restore from room
             self._unlock_queued_hits()
         lane, lane_reqs = self.lane.take(self.inflight.plan, self._committed_step)
+        # requests whose grammar rank 0 is still compiling sit this step out (grammar_gate.py)
+        held = self._grammar_held if self.grammars.waiting else None
         listed = self.config.max_batch_tokens  # free units the view lists per pool: a step's tokens' pages
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
-                listed, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered)))
+                listed, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered), held))
             if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
                 lane, lane_reqs = None, ()
                 continue
@@ -239,7 +247,23 @@ class Engine:
         if self._forget and plan.num_rows:
             plan = dataclasses.replace(plan, forget=tuple(self._forget))
             self._forget = []
+        if asks := self.grammars.asks():
+            plan = dataclasses.replace(plan, grammars=asks)
         return plan
+
+    def _grammar_held(self, req: Request) -> bool:
+        return self.grammars.holds(req.params.grammar)
+
+    def _submits(self, plan: StepPlan) -> bool:
+        """Whether `plan` goes to the ranks: it runs requests or asks for grammars, or it is an
+        empty step that only hears which grammar compiles ended, sent while requests wait for
+        one and no step is in flight (whose result would say as much)."""
+        if plan.num_rows or plan.grammars:
+            return True
+        if self.grammars.pending and self.inflight.step is None:
+            self.grammars.pause_before_poll()
+            return True
+        return False
 
     def _make_room(self, need: NeedRoom) -> None:
         if (need.victims or need.hopeless) and self._unlock_queued_hits():
@@ -294,6 +318,8 @@ class Engine:
     def commit(self, plan: StepPlan, result: StepResult) -> None:
         """Apply a step's results using the step's own plan snapshot (results.py); a prefill
         replica offers each request that got its first token to a decode replica."""
+        if result.grammars_ready or result.grammars_failed:
+            self._grammars_settled(result)
         done = self.results.apply(plan, result)
         self.caching.commit(plan, result, self.table)
         self.results.release_windows(plan)
@@ -309,6 +335,19 @@ class Engine:
                                map(lps.get, tokens) if lps else none))
         for req, reason in done.stopped:
             self._finish(req, reason)
+
+    def _grammars_settled(self, result: StepResult) -> None:
+        """Rank 0 finished compiling grammars: their requests run from the next step. One whose
+        compile failed there (the gateway's check, without the vocabulary, let it through) ends
+        its requests with an error instead of failing a step of every request."""
+        self.grammars.done(result.grammars_ready)
+        if not result.grammars_failed:
+            return
+        failed = dict(result.grammars_failed)
+        self.grammars.done(failed)
+        for req in [r for r in self.table.requests.values() if r.params.grammar in failed]:
+            log.warning("request %s: its grammar did not compile on rank 0: %s", req.id, failed[req.params.grammar])
+            self._finish(req, "error")
 
     def _leave(self, req: Request, reason: str) -> None:
         """A request leaves the replica: release what its state held (device indices through
@@ -356,7 +395,9 @@ class Engine:
             self._check(list(r["prompt_ids"]) + list(r["output_ids"]), r["params"])
         except HyraxInputError as e:
             raise HyraxInputError(f"request {r['id']!r} cannot continue on this replica: {e}") from None
-        return self.transfers.import_(handoff)
+        result = self.transfers.import_(handoff)
+        self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
+        return result
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
         return self.transfers.reclaim_expired(time.monotonic() if now is None else now)
@@ -376,6 +417,7 @@ class Engine:
         self._forget, self._pressure = [], False
         self.lane.clear()
         self.caching.reset(self.table.requests.values())
+        self.grammars.reset(self.table.requests.values())  # new ranks have compiled nothing
 
     # ---- inspection (inspection.py) ------------------------------------------------------
     def describe_requests(self) -> list[dict]:

@@ -16,8 +16,13 @@ import enum
 import functools
 import json
 import logging
+import os
+import queue
 import re
+import threading
 from array import array
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -179,8 +184,53 @@ class _Matcher:
         self.consumed.append(tok)
 
 
+COMPILE_NICE = 5  # the compile thread's niceness: where it shares a CPU with the rank's steps, the steps go first
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order: a compile still running when the
+    process ends does not hold up its exit (a ThreadPoolExecutor's threads are joined at exit).
+    Measured on one CPU shared with a ~15 ms step loop (800-property schema): at the steps' own
+    priority the steps took 28 ms and the compile 1.5 s; at niceness 5, 16 ms and 2.9 s."""
+
+    def __init__(self, name: str, nice: int = COMPILE_NICE):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._nice = nice
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        self._queue.put((f, fn, args))
+        return f
+
+    def _run(self) -> None:
+        try:  # Linux: a thread is a task of its own, with its own niceness
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        except (AttributeError, OSError) as e:
+            log.info("grammar compiles run at the steps' priority: %s", e)
+        while True:
+            f, fn, args = self._queue.get()
+            if f.set_running_or_notify_cancel():
+                try:
+                    f.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+                    f.set_exception(e)
+
+
+def compile_threads(cpus: int | None = None) -> int:
+    """Threads one grammar compile may use on rank 0: it runs beside the rank's steps, which keep
+    a CPU (xgrammar's default, 8, took both cores of a 2-core machine from the steps)."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(8, cpus // 2 - 1))
+
+
+COMPILED_KEPT = 1024  # compiled grammars rank 0 keeps (least recently used go; grammar_gate.KEEP)
+COMPILER_CACHE_BYTES = 512 * 2**20  # xgrammar's own cache of compiled grammars, bounded
+
+
 class GrammarMasks:
-    """Rank 0's grammar matchers, one per request id, each with the outputs it has consumed."""
+    """Rank 0's grammar matchers, one per request id, each with the outputs it has consumed, and
+    the grammars it compiles for them in a thread of its own (`prepare`; grammar_gate.py)."""
 
     def __init__(self, tokenizer_dir: str | Path | None, vocab_size: int, eos: Sequence[int]):
         self.tokenizer_dir = tokenizer_dir
@@ -188,12 +238,70 @@ class GrammarMasks:
         self.eos = tuple(eos)
         self.matchers: dict[str, _Matcher] = {}
         self.rebuilt = 0  # matchers built after the first step of a request (restores, imports, restarts)
+        self._compiled: OrderedDict[GrammarSpec, Future] = OrderedDict()  # spec -> its compile (LRU)
+        self._unreported: list[GrammarSpec] = []  # compiles asked for whose end no result has reported
+        self.compiled_in_step = 0  # grammars compiled inside a step (never asked for, or let go of)
 
     @cached_property
     def _compiler(self):
         import xgrammar as xgr
 
-        return xgr.GrammarCompiler(tokenizer_info(self.tokenizer_dir, self.vocab_size, self.eos))
+        return xgr.GrammarCompiler(tokenizer_info(self.tokenizer_dir, self.vocab_size, self.eos),
+                                   max_threads=compile_threads(), cache_limit_bytes=COMPILER_CACHE_BYTES)
+
+    @cached_property
+    def _thread(self) -> _Worker:
+        return _Worker("hyrax-grammar")
+
+    def prepare(self, specs: Sequence[GrammarSpec]) -> None:
+        """Start compiling `specs` in the background (each once while kept)."""
+        compiler = self._compiler  # made here, on the step's thread, before the pool's thread reads it
+        for spec in specs:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+            else:
+                self._compiled[spec] = self._thread.submit(spec.compile, compiler)
+            self._unreported.append(spec)
+        self._trim()
+
+    def settled(self) -> tuple[tuple[GrammarSpec, ...], tuple[tuple[GrammarSpec, str], ...]]:
+        """Compiles asked for that ended since the last call: (compiled, (failed, why))."""
+        if not self._unreported:
+            return (), ()
+        ready, failed, rest = [], [], []
+        for spec in self._unreported:
+            f = self._compiled.get(spec)
+            if f is None:  # let go of before it was reported: compiled again inside its step
+                ready.append(spec)
+            elif not f.done():
+                rest.append(spec)
+            elif f.exception() is not None:
+                failed.append((spec, _first_line(f.exception())))
+            else:
+                ready.append(spec)
+        self._unreported = rest
+        return tuple(ready), tuple(failed)
+
+    def _compiled_grammar(self, spec: GrammarSpec):
+        """`spec` compiled: waits for its background compile, or compiles it here if never asked."""
+        f = self._compiled.get(spec)
+        if f is None:
+            self.compiled_in_step += 1
+            f = self._compiled[spec] = Future()
+            try:
+                f.set_result(spec.compile(self._compiler))
+            except Exception as e:  # noqa: BLE001 - kept as the compile's answer, and raised as before
+                f.set_exception(e)
+            self._trim()
+        self._compiled.move_to_end(spec)
+        return f.result()
+
+    def _trim(self) -> None:
+        while len(self._compiled) > COMPILED_KEPT:
+            oldest = next(iter(self._compiled))
+            if not self._compiled[oldest].done():
+                break
+            del self._compiled[oldest]
 
     @cached_property
     def _batch(self):
@@ -210,7 +318,7 @@ class GrammarMasks:
         if not ok:
             import xgrammar as xgr
 
-            m = _Matcher(step.spec, xgr.GrammarMatcher(step.spec.compile(self._compiler)))
+            m = _Matcher(step.spec, xgr.GrammarMatcher(self._compiled_grammar(step.spec)))
             self.matchers[rid] = m
             self.rebuilt += n > 0
         for tok in outputs[len(m.consumed):]:

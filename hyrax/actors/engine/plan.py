@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from hyrax.actors.engine.grammar import GrammarStep
+from hyrax.actors.engine.grammar import GrammarSpec, GrammarStep
 
 PLACEHOLDER = -1  # "the token this request samples in the step still in flight" (ranks fill it in)
 TOP_K_OFF_FROM = 2**31  # a top_k this large exceeds every vocabulary: no top-k
@@ -248,6 +248,9 @@ class StepPlan:
     checkpoints: tuple[CheckpointWrite, ...] = ()  # after the forward
     # steady decodes as columns; the step's rows are these first, then `entries`
     decode: DecodeBlock | None = None
+    # grammars rank 0 starts compiling in the background (grammar_gate.py); a plan may carry
+    # only these, or nothing at all (an empty step that hears which compiles ended)
+    grammars: tuple[GrammarSpec, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -286,6 +289,9 @@ class StepResult:
     # the plan's checkpoint writes: (req id, position) -> component -> rank -> state hash of the
     # written slot (each rank reports its own; the executor merges them)
     checkpoints: dict[tuple[str, int], dict[str, dict[int, int]]] = field(default_factory=dict)
+    # rank 0's background grammar compiles that ended since its last result (grammar_gate.py)
+    grammars_ready: tuple[GrammarSpec, ...] = ()
+    grammars_failed: tuple[tuple[GrammarSpec, str], ...] = ()  # (spec, why)
 
     @staticmethod
     def gathered(per_rank: list[StepResult]) -> StepResult:

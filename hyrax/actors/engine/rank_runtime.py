@@ -107,6 +107,10 @@ class RankRuntime:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; returns the sampled tokens of the entries that sample (rank 0; other
         ranks: an empty result), with logprobs where an entry asked."""
+        if self.grammars is not None and plan.grammars:
+            self.grammars.prepare(plan.grammars)  # compiled in the background (grammar_gate.py)
+        if not plan.num_rows:  # only grammars to start, or a coordinator asking which compiles ended
+            return self._result([])
         if plan.copies:  # before anything is written: the hits' checkpoints are what was cached
             self._verify_hits(plan.copies)
         # before the step: a request that left and came back (migrated away and home again)
@@ -157,9 +161,12 @@ class RankRuntime:
         sums = self._write_checkpoints(plan.checkpoints, inside) if plan.checkpoints else {}
         if self.rank != 0:
             return StepResult([], checkpoints=sums)
-        if specs.asks_logprobs:
-            return StepResult(tokens, logprobs_of(picked, tokens, specs), sums)
-        return StepResult(tokens, checkpoints=sums)
+        return self._result(tokens, logprobs_of(picked, tokens, specs) if specs.asks_logprobs else {}, sums)
+
+    def _result(self, tokens: list[int], logprobs: dict | None = None, sums: dict | None = None) -> StepResult:
+        """A step's result, with (rank 0) the background grammar compiles that ended since the last."""
+        ready, failed = self.grammars.settled() if self.grammars is not None else ((), ())
+        return StepResult(tokens, logprobs or {}, sums or {}, ready, failed)
 
     # ---- prefix cache: a hit's copies in, checkpoints out -------------------------------------
     def _unit_rows(self, pool: str, units: tuple[int, ...]) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.indices import IndexSnapshot, IndexTable
@@ -147,12 +147,14 @@ def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
                in_flight: StepPlan | None, max_running: int, max_units: int, admit_new: bool,
                reserve_ratio: float, lane: LaneRows | None = None, lane_reqs: Sequence[Request] = (),
-               offers_held: bool = False) -> SchedulerView:
+               offers_held: bool = False, held: Callable[[Request], bool] | None = None) -> SchedulerView:
     """A snapshot of the request table and the allocators. `max_units`: how many of each pool's
     free units to list, in the order allocation hands them out (a step's tokens need at most
     one page each; a prefix-cache hit's window pages come on top: a step that takes more than
     is listed asks again, `NeedRoom.listed`). `lane`: rows of
-    running requests planned without a view; `lane_reqs`, those requests (running, each once)."""
+    running requests planned without a view; `lane_reqs`, those requests (running, each once).
+    `held`: requests that sit this step out (their grammar is not compiled yet), running or
+    waiting; they still count toward `max_running`."""
     rest = running  # the lane's requests have no view; when the lane holds every running request, none has
     if lane_reqs:
         lane_ids = set(map(id, lane_reqs)) if len(lane_reqs) < len(running) else None
@@ -164,6 +166,9 @@ def build_view(step: int, running: list[Request], waiting: list[Request], alloc:
         if block is not None:
             ahead.update(zip(block.req_ids, zip((block.starts + 1).tolist(), repeat(True))))
     room = max(max_running - len(running), 0) if admit_new else 0
+    if held is not None:
+        rest = [r for r in rest if not held(r)]
+        waiting = [r for r in waiting if not held(r)]
     return SchedulerView(
         step=step,
         running=tuple([view_of(r, ahead.get(r.id)) for r in rest]),
