@@ -455,6 +455,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
     from hyrax.cluster.ray_cluster import cluster_address, dashboard_url, init_ray, prepare_env
 
     prepare_env(a.address)  # before the imports below import ray
+    hide_secrets_in_cmdline(sys.argv)  # before Ray records the command line as this driver's entrypoint
     from hyrax.api.app import GatewaySettings, create_app
     from hyrax.cluster import controller
     from hyrax.cluster.gateway_server import GatewayServer
@@ -517,6 +518,37 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         if started_ray:
             ray.shutdown()
     return 0
+
+
+SECRET_FLAGS = ("--api-key",)
+
+
+def without_secrets(argv: list[str]) -> list[str]:
+    """`argv` with the value of every secret option (an abbreviation argparse takes, `--ap`, and
+    `--api-key=KEY` included) written as ***."""
+    def secret(opt: str) -> bool:
+        return len(opt) >= 4 and any(flag.startswith(opt) for flag in SECRET_FLAGS)
+
+    out, hide = [], False
+    for arg in argv:
+        opt, eq, _ = arg.partition("=")
+        out.append("***" if hide else f"{opt}=***" if eq and secret(opt) else arg)
+        hide = not hide and not eq and secret(opt)
+    return out
+
+
+def hide_secrets_in_cmdline(argv: list[str]) -> None:
+    """Rewrite this process's command line (/proc/self/cmdline, what `ps` shows) without the
+    secret options' values: Ray records a driver's command line as its job's entrypoint, shown
+    on the Ray dashboard and by `ray list jobs` to whoever reaches the cluster."""
+    shown = without_secrets(argv)
+    if shown == argv:
+        return
+    import shlex
+
+    from ray._raylet import setproctitle
+
+    setproctitle(shlex.join([sys.executable, *shown]))
 
 
 def gateway_url(host: str, port: int) -> str:
