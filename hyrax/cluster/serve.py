@@ -331,6 +331,8 @@ def resolve_admin_token(a) -> AdminToken:
     """HYRAX_ADMIN_TOKEN, else a fresh token written to the token file. A running server keeps
     its token file locked: an explicit --admin-token-file that is locked is an error, and the
     default file, when locked, leaves it alone and uses <default>.<port> instead."""
+    if os.environ.get("HYRAX_ADMIN_TOKEN") == "":  # an empty Secret or exported unset variable, not a choice
+        raise HyraxInputError("HYRAX_ADMIN_TOKEN is set but empty: give a token, or unset it to have one generated")
     tok = env_admin_token()
     if tok and not is_bearer_token(tok):  # no client could send it
         raise HyraxInputError("HYRAX_ADMIN_TOKEN must be printable ASCII, no space at either end")

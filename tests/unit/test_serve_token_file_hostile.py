@@ -71,3 +71,12 @@ def test_a_file_another_user_owns_is_refused(tmp_path):
     with pytest.raises(HyraxInputError, match=rf"^--admin-token-file {path} belongs to another user \(uid 65534\)"):
         resolve(path)
     assert path.read_text() == ""
+
+
+def test_an_empty_admin_token_variable_is_an_error_not_a_generated_token(tmp_path, monkeypatch):
+    """HYRAX_ADMIN_TOKEN='' (an empty Secret, an unset shell variable exported) silently counted as
+    unset: a token was generated into a file the operator never looked at, and nothing said so."""
+    monkeypatch.setenv("HYRAX_ADMIN_TOKEN", "")
+    with pytest.raises(HyraxInputError, match=r"^HYRAX_ADMIN_TOKEN is set but empty"):
+        resolve(tmp_path / "token")
+    assert not (tmp_path / "token").exists()
