@@ -15,6 +15,7 @@ from hyrax.actors.engine.grammar import GrammarSpec
 from hyrax.actors.engine.grammar_gate import GrammarGate
 from hyrax.actors.engine.local import load_engine, run_to_completion
 from hyrax.actors.engine.request import SamplingParams
+from hyrax.actors.model.errors import HyraxInputError
 from test_grammar import DEMO, _params, _prompt, _tok, _valid
 
 SLOW = GrammarSpec.json_schema({"type": "object", "properties": {"slow": {"enum": ["cat", "dog", "eel"]}},
@@ -79,6 +80,9 @@ def test_a_grammar_rank_0_cannot_compile_ends_its_requests_not_the_batch(monkeyp
     assert e.finished_requests[plain].finish_reason == "length"
     _valid(e.finished_requests[fine].output_ids)
     assert e.stats.step_errors == 0 and e.is_idle_clean()
+    # the next request with that grammar is refused at once, naming why, instead of failing a step
+    with pytest.raises(HyraxInputError, match="does not compile .* this vocabulary cannot express it"):
+        e.add_request(_prompt(5), _params(5, SLOW))
 
 
 def test_the_gate_asks_once_holds_until_compiled_and_asks_again_after_new_ranks():
@@ -96,12 +100,15 @@ def test_the_gate_asks_once_holds_until_compiled_and_asks_again_after_new_ranks(
     gate.want(c)
     gate.done(gate.asks())  # keeps two: a, the least recently used, goes
     assert gate.holds(a) and not gate.holds(b) and not gate.holds(c)
+    assert gate.asks() == (a,)  # a request still holding it has it asked for again: it never waits for good
+    gate.done([a])
 
     class Req:
         def __init__(self, spec):
             self.params = SamplingParams(grammar=spec)
-    gate.reset([Req(b), Req(None)])  # new ranks have compiled nothing
-    assert gate.holds(b) and gate.holds(c) and gate.asks() == (b,)
+    gate.reset([Req(b), Req(None)])  # new ranks have compiled nothing: the live requests' grammars are asked again
+    assert gate.asks() == (b,) and gate.holds(b)
+    assert gate.holds(c) and gate.asks() == (c,)  # and any other a request turns out to need
 
 
 def test_a_compile_leaves_the_steps_a_cpu():

@@ -140,6 +140,8 @@ class Engine:
         """Raises HyraxInputError unless this replica can run a request with these tokens."""
         check_request(token_ids, params, self.vocab_size, self.max_model_len, self.components, self.sizes,
                       self.config.page_size, self.config.prefill_chunk)
+        if why := self.grammars.why_not(params.grammar):
+            raise HyraxInputError(f"the grammar does not compile for this model's vocabulary: {why}")
 
     def abort(self, req_id: str) -> bool:
         """End a request wherever it is here (waiting, running, retracted, offered)."""
@@ -344,7 +346,7 @@ class Engine:
         if not result.grammars_failed:
             return
         failed = dict(result.grammars_failed)
-        self.grammars.done(failed)
+        self.grammars.fail(result.grammars_failed)
         for req in [r for r in self.table.requests.values() if r.params.grammar in failed]:
             log.warning("request %s: its grammar did not compile on rank 0: %s", req.id, failed[req.params.grammar])
             self._finish(req, "error")

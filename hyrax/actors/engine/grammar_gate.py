@@ -31,6 +31,7 @@ class GrammarGate:
         self.keep, self.clock = keep, clock
         self.ready: OrderedDict[GrammarSpec, None] = OrderedDict()  # compiled on rank 0 (LRU)
         self.pending: set[GrammarSpec] = set()  # asked, not reported yet
+        self.failed: OrderedDict[GrammarSpec, str] = OrderedDict()  # rank 0 could not compile: why (LRU)
         self._to_ask: dict[GrammarSpec, None] = {}  # wanted, not asked yet (in order)
         self._last_poll = float("-inf")
 
@@ -53,8 +54,13 @@ class GrammarGate:
         return out
 
     def holds(self, spec: GrammarSpec | None) -> bool:
-        """Whether a request with `spec` must wait: its grammar is not compiled yet."""
-        return spec is not None and spec not in self.ready
+        """Whether a request with `spec` must wait: its grammar is not compiled yet (asked for
+        again if it is not on its way: one compiled before may have been let go of since)."""
+        if spec is None or spec in self.ready:
+            return False
+        if spec not in self.pending:
+            self._to_ask[spec] = None
+        return True
 
     @property
     def waiting(self) -> bool:
@@ -69,6 +75,18 @@ class GrammarGate:
         while len(self.ready) > self.keep:
             self.ready.popitem(last=False)
 
+    def fail(self, failed: Iterable[tuple[GrammarSpec, str]]) -> None:
+        """Compiles that failed on rank 0: their requests end, and later ones are refused (`why`)."""
+        for spec, why in failed:
+            self.pending.discard(spec)
+            self.failed[spec] = why
+        while len(self.failed) > self.keep:
+            self.failed.popitem(last=False)
+
+    def why_not(self, spec: GrammarSpec | None) -> str | None:
+        """Why rank 0 could not compile `spec`, if it could not."""
+        return self.failed.get(spec) if spec is not None else None
+
     def pause_before_poll(self) -> None:
         """Before an empty step sent only to hear rank 0: waits out the rest of `POLL_S` since the
         last one (the loop has nothing else to do meanwhile; rank 0's compile has the CPU)."""
@@ -81,6 +99,6 @@ class GrammarGate:
         """New ranks (after a loss) have compiled nothing: ask again for every live request's grammar."""
         self.ready.clear()
         self.pending.clear()
-        self._to_ask.clear()
+        self._to_ask.clear()  # (what failed to compile fails on new ranks too: kept)
         for req in requests:
             self.want(req.params.grammar)
