@@ -52,6 +52,13 @@ def non_empty(text: str) -> str:
     return text
 
 
+def printable_name(text: str) -> str:
+    """A name shown on one line (the served model's): non-empty, no control character."""
+    if not text or any(ch < " " or "\x7f" <= ch <= "\x9f" for ch in text):
+        raise argparse.ArgumentTypeError(f"must be non-empty and without control characters, got {text!r}")
+    return text
+
+
 def is_bearer_token(text: str) -> bool:
     """Whether `text` can travel as `Authorization: Bearer <text>` and match as it is: printable
     ASCII (what a header holds) that neither starts nor ends with a space (the gateway strips the

@@ -22,7 +22,8 @@ from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
 from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.arg_types import (FlagsWinAppend, OneLineParser, bearer_token, is_bearer_token, non_empty,
-                                      non_negative_float, positive_float, positive_int, timeout_seconds)
+                                      non_negative_float, positive_float, positive_int, printable_name,
+                                      timeout_seconds)
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
@@ -42,8 +43,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file whose keys are these options' long names (CLI flags win)")
     p.add_argument("--model", default="demo", type=non_empty, help="checkpoint directory, a Hugging Face repo id in the local cache "
                    "(org/name[@revision], never downloaded), or 'demo' (default)")
-    p.add_argument("--served-model-name", type=non_empty, default=None,
-                   help="name clients use (default: 'hyrax-demo', the dir name or the repo id)")
+    p.add_argument("--served-model-name", type=printable_name, default=None,
+                   help="name clients use, without control characters (default: 'hyrax-demo', the dir name or the repo id)")
     p.add_argument("--address", default=None, type=non_empty,
                    help="join this Ray cluster (default: start a local one on 127.0.0.1; RAY_ADDRESS set without "
                         "--address is an error, not a local cluster)")

@@ -141,3 +141,19 @@ def test_api_keys_never_reach_rays_job_table_or_ps(tmp_path):
 ])
 def test_without_secrets(argv, shown):
     assert serve.without_secrets(argv) == shown
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "tab\there", "bell\x07", "del\x7f"])
+def test_a_served_name_with_a_control_character_is_refused(name, capsys):
+    """It was accepted: the banner's line and every log line and error naming the model split
+    (or carried a terminal control), and no client types such a `model`."""
+    with pytest.raises(SystemExit) as e:
+        parse("--served-model-name", name)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --served-model-name: must be non-empty and without control characters, got" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_served_name_with_spaces_inside_or_unicode_is_fine():
+    assert parse("--served-model-name", "my model ü").served_model_name == "my model ü"
