@@ -219,20 +219,43 @@ class RoleCoordinator:
         finally:
             self.gateways.close(gateway, rid)
 
-    def renew_gateway(self, gateway: str, lease_s: float) -> None:
-        """A gateway is alive: keep its streams for another `lease_s` seconds."""
-        self.gateways.renew(gateway, lease_s)
+    def renew_gateway(self, gateway: str, lease_s: float, job: str | None = None) -> None:
+        """A gateway is alive: keep its streams for another `lease_s` seconds. `job`: the Ray job
+        id of its process (what tells, once its lease ran out, whether that process is gone)."""
+        self.gateways.renew(gateway, lease_s, job)
 
     def _expire_gateways(self) -> None:
-        """Abort the streams of gateways that stopped renewing (their process is gone)."""
+        """Abort the streams of gateways that stopped renewing (their process is gone or frozen),
+        and end their feeds once their process is gone.
+
+        A feed is not ended while its gateway may be frozen (SIGSTOP, a node that stopped
+        answering): Ray ends a streaming generator by waiting, on this actor's event loop, until
+        its caller acknowledged every item sent, which a frozen caller never does; the replica
+        would answer nothing (health included) until the gateway went on, and be killed as hung.
+        So a lapsed gateway's feeds end when Ray reports its job dead (its unacknowledged items
+        then fail at once); one that renews again reads them again. Without a job, at once."""
+        waiting: dict[str, str] = {}  # lapsed gateway -> its job, until that is dead or it renews
+        checked = 0.0
         while not self.loop.stopping:
             for rid in self.gateways.expired():
                 try:
                     self.loop.abort(rid, reason=LEASE_EXPIRED)
                 except Exception:  # noqa: BLE001 - a rank gone mid-abort is the loop's to recover; leases go on
                     log.exception("aborting %s, whose gateway's lease ran out, failed", rid)
-            for gateway in self.gateways.take_lapsed():  # its process is gone: so are its feeds' readers
-                self.feeds.close_gateway_soon(gateway)
+            for gateway, job in self.gateways.take_lapsed():
+                if job is None:
+                    self.feeds.close_gateway_soon(gateway)
+                else:
+                    waiting[gateway] = job
+            if waiting and time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                dead = _dead_jobs()
+                for gateway, job in list(waiting.items()):
+                    if self.gateways.knows(gateway):  # back (it was frozen): it reads its feeds again
+                        del waiting[gateway]
+                    elif job in dead:  # its process is gone: so are its feeds' readers
+                        del waiting[gateway]
+                        self.feeds.close_gateway_soon(gateway)
             time.sleep(0.25)
 
     def release(self, request_id: str) -> None:
@@ -316,6 +339,17 @@ def _ack_remote(source, request_id: str) -> None:
     """Tell the offering coordinator its hand-off was taken (fire and forget: if this is lost,
     the offer's lease frees it there)."""
     source.release.remote(request_id)
+
+
+def _dead_jobs() -> set[str]:
+    """The ids (hex) of the Ray jobs whose driver is gone; none when Ray does not answer."""
+    from ray._private import state  # the GCS job table (what `ray list jobs` reads)
+
+    try:
+        return {j["JobID"] for j in state.jobs() if j["IsDead"]}
+    except Exception:  # noqa: BLE001 - the GCS is busy or restarting: ask again next time
+        log.warning("could not read the job table", exc_info=True)
+        return set()
 
 
 def _cuda_cluster() -> bool:

@@ -28,6 +28,9 @@ class GatewayLease:
     def __init__(self, handles: list, lease_s: float = 10.0):
         self.id = f"gw-{uuid.uuid4().hex[:12]}"
         self.handles, self.lease_s = list(handles), lease_s
+        # this process's Ray job: a replica ends this gateway's feeds once its lease ran out and
+        # Ray reports the job dead (not before: the process may only be frozen)
+        self.job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hyrax-gateway-lease", daemon=True)
 
@@ -38,13 +41,13 @@ class GatewayLease:
 
     def renew(self) -> None:
         for h in self.handles:  # fire and forget: a replica that is down is the health check's business
-            h.renew_gateway.remote(self.id, self.lease_s)
+            h.renew_gateway.remote(self.id, self.lease_s, self.job)
 
     def add(self, handle) -> None:
         """A replica joined: renew on it now, not at the next round (a third of the lease away): a
         stream opened there before the first renewal holds only the replica's default lease."""
         self.handles.append(handle)
-        handle.renew_gateway.remote(self.id, self.lease_s)
+        handle.renew_gateway.remote(self.id, self.lease_s, self.job)
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 3):

@@ -74,10 +74,11 @@ def test_leases_report_each_lapsed_gateway_once():
     g = GatewayLeases()
     g.renew("gw1", 1.0, now=0.0)
     g.open("gw1", "r1", now=0.0)
-    g.renew("gw2", 5.0, now=0.0)
+    g.renew("gw2", 5.0, job="02000000", now=0.0)
     assert g.expired(now=2.0) == ["r1"]
-    assert g.take_lapsed() == ["gw1"] and g.take_lapsed() == []
-    assert g.expired(now=6.0) == [] and g.take_lapsed() == ["gw2"]
+    assert g.take_lapsed() == [("gw1", None)] and g.take_lapsed() == []
+    assert g.expired(now=6.0) == [] and g.take_lapsed() == [("gw2", "02000000")]  # with its process's job
+    assert not g.knows("gw2")
 
 
 def test_a_submit_after_the_close_leaves_no_entry():

@@ -13,7 +13,8 @@ class _Coordinator:
 
     def __init__(self):
         self.renewals: list[tuple[str, float]] = []
-        self.renew_gateway = SimpleNamespace(remote=lambda gateway, lease_s: self.renewals.append((gateway, lease_s)))
+        self.renew_gateway = SimpleNamespace(remote=lambda gateway, lease_s, job=None:
+                                             self.renewals.append((gateway, lease_s)))
 
 
 def test_a_replica_added_to_the_deployment_gets_this_gateways_lease_at_once():

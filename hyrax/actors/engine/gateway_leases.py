@@ -25,15 +25,25 @@ class GatewayLeases:
         self.default_lease_s = default_lease_s
         self._lock = threading.Lock()
         self._until: dict[str, float] = {}  # gateway id -> lease deadline (monotonic)
+        self._jobs: dict[str, str] = {}  # gateway id -> its process's Ray job id, where it said
         self._streams: dict[str, set[str]] = {}  # gateway id -> request ids it is streaming
         self.expired_gateways = 0
         self.aborted_streams = 0
-        self._lapsed: list[str] = []  # gateways forgotten by `expired` and not yet taken (take_lapsed)
+        self._lapsed: list[tuple[str, str | None]] = []  # (gateway, job) forgotten by `expired`, not yet taken
 
-    def renew(self, gateway: str, lease_s: float, now: float | None = None) -> None:
+    def renew(self, gateway: str, lease_s: float, job: str | None = None, now: float | None = None) -> None:
+        """`job`: the Ray job id of the gateway's process, by which the replica tells, once the
+        lease ran out, whether that process is gone (`take_lapsed`)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             self._until[gateway] = now + lease_s
+            if job is not None:
+                self._jobs[gateway] = job
+
+    def knows(self, gateway: str) -> bool:
+        """Whether `gateway` holds a lease now (it renewed again after its lease ran out)."""
+        with self._lock:
+            return gateway in self._until
 
     def open(self, gateway: str | None, request_id: str, now: float | None = None) -> None:
         """A stream for `gateway` starts (no gateway: an in-process caller, never expired)."""
@@ -62,13 +72,15 @@ class GatewayLeases:
                 del self._until[gw]
                 ids = self._streams.pop(gw, set())
                 out.extend(ids)
-                self._lapsed.append(gw)
+                self._lapsed.append((gw, self._jobs.pop(gw, None)))
                 self.expired_gateways += 1
                 self.aborted_streams += len(ids)
         return out
 
-    def take_lapsed(self) -> list[str]:
-        """The gateways `expired` has forgotten since the last call (their feeds end too)."""
+    def take_lapsed(self) -> list[tuple[str, str | None]]:
+        """The gateways `expired` has forgotten since the last call, each with its job (None:
+        it never said). Their feeds end once their process is gone (the coordinator asks Ray
+        about the job; without one, at once)."""
         with self._lock:
             out, self._lapsed = self._lapsed, []
         return out
