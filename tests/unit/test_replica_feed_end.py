@@ -9,7 +9,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest
 
-from hyrax.cluster.ray_client import ReplicaFeed
+from hyrax.cluster.ray_client import FeedEnd, ReplicaFeed
 
 
 class _Remote:
@@ -39,7 +39,9 @@ def test_a_feed_that_ends_under_open_streams_ends_them_with_a_503(fails):
         q = feed.fanout.open("r1")
         return await asyncio.wait_for(q.get(), timeout=5)
 
-    item = asyncio.run(run())
+    end = asyncio.run(run())
+    assert isinstance(end, FeedEnd), end  # the feed's end, not the request's: the stream aborts it there (028a38d)
+    item = end.item
     assert item["finished"] and item["finish_reason"] == "error"
     assert item["status"] == 503, item
     assert "broke" not in item["error"], item  # the exception's text is logged, not sent to clients
