@@ -12,6 +12,7 @@ unanswered items then fail at once) or it renews again (it reads the feed again)
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_a_frozen_gateway_past_its_lease_leaves_the_replica_answering_and_anothe
                              _namespace(coord), str(LEASE_S), rid],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        assert proc.stdout.readline().strip() == "streaming"
+        assert _line(proc) == "streaming"
         alive = uid("gw-alive")
         ray.get(coord.renew_gateway.remote(alive, 30.0))
         other = Stream(coord, uid("other"), prompt(12, 2), 4000, gateway=alive)
@@ -79,13 +80,13 @@ def test_a_frozen_gateway_past_its_lease_leaves_the_replica_answering_and_anothe
         while time.monotonic() < t_end:
             slowest = max(slowest, _answer_time(coord))
             time.sleep(0.2)
-        assert ray.get(coord.health.remote())["gateway_leases"]["aborted_streams"] >= 1
+        assert ray.get(coord.health.remote(), timeout=30)["gateway_leases"]["aborted_streams"] >= 1
         assert slowest < 2.0, f"the replica answered health only after {slowest:.1f} s while a gateway was frozen"
         progressed = len(other.tokens) - got
         assert progressed > 0 and not other.done, (progressed, other.finish_reason)
         os.kill(proc.pid, signal.SIGCONT)
         # its stream ends with the lease's abort, an error its client sees; nothing after it
-        assert proc.stdout.readline().split() == ["ended", "abort", "True"]
+        assert _line(proc).split() == ["ended", "abort", "True"]
         ray.get(coord.run.remote(Abort(other.id)))
         other.wait_done(30)
         # the gateway's process goes: its feed goes with it
@@ -98,6 +99,14 @@ def test_a_frozen_gateway_past_its_lease_leaves_the_replica_answering_and_anothe
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def _line(proc, timeout: float = 60.0) -> str:
+    """The gateway process's next line, or a failure after `timeout` (a frozen replica never lets
+    its stream end: the test fails instead of hanging until pytest's own timeout)."""
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise AssertionError(f"the gateway process wrote no line in {timeout:g} s")
+    return proc.stdout.readline().strip()
 
 
 def _namespace(coord) -> str:
