@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +26,6 @@ def serve_defaults():
     return engine_config_from_args(p.parse_args([]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GatewayStack:
     """`roles` (RoleSpecs) deployed on Ray with `config`, the gateway on 127.0.0.1."""
 
@@ -44,6 +37,7 @@ class GatewayStack:
         from hyrax.api.app import GatewaySettings, create_app
         from hyrax.cluster.deployment import Deployment
         from hyrax.cluster.ray_client import client_for
+        from hyrax.cluster.serve import bind_gateway
 
         ensure_ray()
         self.model_name, self.config = model_name, config
@@ -53,11 +47,12 @@ class GatewayStack:
         self.dep = Deployment(str(model_dir), list(roles), config)
         self.dep.start(timeout_s=300)
         app = create_app(client_for(self.dep, model_name), GatewaySettings(admin_token=self.admin_token))
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, name="bench-gateway", daemon=True)
+        # the socket `hyrax serve` listens on (its options: TCP_NODELAY), not one uvicorn makes
+        sock = bind_gateway("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="bench-gateway",
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 120
         while True:
