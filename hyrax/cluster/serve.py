@@ -165,15 +165,23 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     parser.set_defaults(**defaults)
 
 
-def _as_written(loader: yaml.SafeLoader, node: yaml.Node):
+def _as_written(loader: yaml.SafeLoader, node: yaml.Node, seen: dict | None = None):
     """The value of `node`, except that a bare number is its text as written: the option's own
     type reads it as it reads the flag's text. YAML 1.1 reads `010` as 8, `1.10` as 1.1, `0x1F`
     as 31 and `1:30` as 90, which made `deployment: 010` the deployment '8' and `api-key: 0123`
-    the key '83'."""
+    the key '83'. A node reached again through an alias is the same value again (`seen`), as YAML
+    builds it: walked once per reference, nested aliases (billion laughs: 9 levels of 9) took
+    9**8 steps, half a minute, before the value was refused."""
+    seen = {} if seen is None else seen
+    if id(node) in seen:
+        return seen[id(node)]
     if isinstance(node, yaml.ScalarNode) and node.style is None and node.tag in _NUMBER_TAGS:
         return node.value
     if isinstance(node, yaml.SequenceNode) and node.tag == "tag:yaml.org,2002:seq":  # a tagged one: constructed
-        return [_as_written(loader, n) for n in node.value]
+        out: list = []
+        seen[id(node)] = out  # before its items: an alias of itself inside is this list
+        out.extend(_as_written(loader, n, seen) for n in node.value)
+        return out
     return loader.construct_object(node, deep=True)
 
 

@@ -100,6 +100,23 @@ def test_an_alias_bomb_is_refused_with_a_short_error(tmp_path, capsys):
     assert len(err[0]) < 400
 
 
+def test_an_alias_is_read_once_not_once_per_reference():
+    """Reading the file's values as written walked an alias once per reference: the bomb above
+    took 9**8 steps (32 s of the test suite) before it was refused. A node met again is the same
+    value again, as YAML itself builds it."""
+    import yaml
+
+    from hyrax.cluster.serve import _as_written
+
+    loader = yaml.SafeLoader("v: [&a [010, x], *a, [*a, *a]]")
+    try:
+        value = _as_written(loader, loader.get_single_node().value[0][1])
+    finally:
+        loader.dispose()
+    assert value == [["010", "x"], ["010", "x"], [["010", "x"], ["010", "x"]]]
+    assert value[0] is value[1] is value[2][0] is value[2][1]  # one list, four references
+
+
 def test_a_file_far_larger_than_a_config_is_refused_without_reading_it_all(tmp_path, capsys):
     """`--config` pointed at the wrong file (weights, a log, /dev/zero) was read whole into memory
     (forever, for /dev/zero) before YAML looked at it."""
