@@ -239,6 +239,11 @@ def _stream_error(c: Choice) -> str:
     return _sse(error_body(e.status, e.message, e.code))
 
 
+def _client_left() -> APIError:
+    """The answer to a call whose client disconnected before it was ready (nobody reads it)."""
+    return APIError(499, "the client disconnected", code="client_disconnected")
+
+
 async def _collect(request: Request, choices: list[Choice], reservation: Reservation) -> None:
     """Run every choice to its end; a client that disconnects meanwhile aborts them all."""
     async def run():
@@ -250,7 +255,7 @@ async def _collect(request: Request, choices: list[Choice], reservation: Reserva
     try:
         await until_disconnected(request, run())
     except ClientGone:  # nobody reads this answer; its choices are aborted already
-        raise APIError(499, "the client disconnected", code="client_disconnected") from None
+        raise _client_left() from None
     finally:
         reservation.release_all()
 
@@ -280,7 +285,7 @@ async def _under_way(request: Request, choices: list[Choice], reservation: Reser
     try:
         under_way = await until_disconnected(request, until_under_way())
     except ClientGone:  # nobody reads this answer; its choices are aborted already
-        raise APIError(499, "the client disconnected", code="client_disconnected") from None
+        raise _client_left() from None
     finally:
         if not under_way:
             await events.aclose()

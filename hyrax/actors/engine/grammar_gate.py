@@ -72,16 +72,14 @@ class GrammarGate:
             self.pending.discard(spec)
             self.ready[spec] = None
             self.ready.move_to_end(spec)
-        while len(self.ready) > self.keep:
-            self.ready.popitem(last=False)
+        _keep_newest(self.ready, self.keep)
 
     def fail(self, failed: Iterable[tuple[GrammarSpec, str]]) -> None:
         """Compiles that failed on rank 0: their requests end, and later ones are refused (`why`)."""
         for spec, why in failed:
             self.pending.discard(spec)
             self.failed[spec] = why
-        while len(self.failed) > self.keep:
-            self.failed.popitem(last=False)
+        _keep_newest(self.failed, self.keep)
 
     def why_not(self, spec: GrammarSpec | None) -> str | None:
         """Why rank 0 could not compile `spec`, if it could not."""
@@ -102,3 +100,10 @@ class GrammarGate:
         self._to_ask.clear()  # (what failed to compile fails on new ranks too: kept)
         for req in requests:
             self.want(req.params.grammar)
+
+
+def _keep_newest(entries: OrderedDict, keep: int) -> None:
+    """Drop the least recently used entries beyond `keep`."""
+    while len(entries) > keep:
+        entries.popitem(last=False)
+
