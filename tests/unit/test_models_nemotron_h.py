@@ -39,3 +39,24 @@ def test_legacy_hybrid_override_pattern_config_is_read(checkpoint):
     d["hybrid_override_pattern"] = PATTERN
     d["num_hidden_layers"] = len(PATTERN)
     assert ModelConfig.from_hf_dict(d) == ModelConfig.from_dir(path)
+
+
+def test_attention_bias_flag_without_the_biases_names_the_flag(checkpoint, tmp_path):
+    """transformers' NemotronH ignores `attention_bias` (its projections never have biases) while
+    NVIDIA's own modeling code reads it: a checkpoint that sets the flag but holds no attention
+    biases is refused with a message about the flag, not a bare missing-weights one."""
+    import shutil
+
+    from hyrax.actors.model.errors import HyraxInputError
+    from hyrax.actors.model.loader import load_model
+
+    path, _ = checkpoint
+    copy = tmp_path / "flagged"
+    shutil.copytree(path, copy)
+    d = json.loads((copy / "config.json").read_text())
+    d["attention_bias"] = True
+    (copy / "config.json").write_text(json.dumps(d))
+    with pytest.raises(HyraxInputError) as err:
+        load_model(str(copy), row_plans=False)
+    msg = str(err.value)
+    assert "attention_bias: true" in msg and "set attention_bias to false" in msg and "\n" not in msg, msg

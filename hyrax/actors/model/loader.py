@@ -95,13 +95,32 @@ def load_model(path: str | Path, tp: TP = TP(), dtype: torch.dtype = torch.float
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
-        raise HyraxInputError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[0]}")
+        raise HyraxInputError(_missing_message(cfg, sorted(missing)))
     model = model.to(device)
     if row_plans and torch.device(device).type == "cpu":  # products of few rows run the BLAS's fastest way
         plan_rows(model)
         plan_readouts(model)  # and the SSD decode readout the form this CPU runs faster
     capture_decode(model, captured_decode, device)
     return model
+
+
+_BIAS_FLAGS = {  # config flag -> the parameter names (their last two parts) it adds
+    "attention_bias": ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias"),
+    "mlp_bias": ("gate_proj.bias", "up_proj.bias", "down_proj.bias"),
+}
+
+
+def _missing_message(cfg: ModelConfig, missing: list[str]) -> str:
+    """What to say of weights the model has and the checkpoint lacks. When every one of them
+    is a bias that a config flag asked for, name the flag: some families' configs set a bias
+    flag that transformers ignores (NemotronH's `attention_bias`) for a checkpoint without
+    those biases."""
+    for flag, tails in _BIAS_FLAGS.items():
+        if getattr(cfg, flag, False) and all(name.endswith(tails) for name in missing):
+            return (f"config.json sets {flag}: true but the checkpoint has none of those biases "
+                    f"({len(missing)} missing, e.g. {missing[0]}); if the model was trained without them, "
+                    f"set {flag} to false")
+    return f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]}"
 
 
 def weight_files(p: Path) -> list[Path]:
