@@ -30,6 +30,13 @@ def admin_token() -> str | None:
     return os.environ.get("HYRAX_ADMIN_TOKEN") or None
 
 
+def api_key() -> str | None:
+    """HYRAX_API_KEY: the API key /v1/* requires (as vLLM's VLLM_API_KEY), read by `hyrax serve`
+    in place of --api-key, so the key is not on its command line; None when unset, '' when set
+    empty (an error there, not an open API)."""
+    return os.environ.get("HYRAX_API_KEY")
+
+
 def apply_torch_threads() -> None:
     import torch
 

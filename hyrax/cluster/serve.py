@@ -24,6 +24,7 @@ from hyrax.actors.model.sharding import check_tp
 from hyrax.cluster.arg_types import (FlagsWinAppend, OneLineParser, bearer_token, is_bearer_token, non_empty,
                                       non_negative_float, positive_float, positive_int, printable_name,
                                       timeout_seconds)
+from hyrax.cluster.api_keys import resolve_api_keys
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
 from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
@@ -91,7 +92,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          f"<port> being --port; a given file that a running server holds is an error; nothing is "
                          f"written when HYRAX_ADMIN_TOKEN is set)")
     gw.add_argument("--api-key", type=bearer_token, action=FlagsWinAppend, default=[],
-                    help="require this API key on /v1 (repeatable; keys given here replace those of --config)")
+                    help="require this API key on /v1 (repeatable; keys given here replace those of --config); "
+                         "`ps` shows it until Ray starts: HYRAX_API_KEY or --api-key-file keep it off the "
+                         "command line (one way at a time)")
+    gw.add_argument("--api-key-file", default=None, type=non_empty, metavar="PATH",
+                    help="require the API keys of this file on /v1: one key a line, a file of your own that "
+                         "no other user can read or write (mode 600 or 400)")
     gw.add_argument("--max-inflight", type=positive_int, default=1024, help="queued + running requests before 503")
     gw.add_argument("--cache-route-margin", type=int, default=4, metavar="N",
                     help="route a new request to the prefill (or colocated) replica with the longest cached "
@@ -455,18 +461,20 @@ def largest(roles: list[RoleSpec], policies: dict) -> list[RoleSpec]:
 
 def run(a: argparse.Namespace) -> int:
     config, path, cfg, roles, name = validate(a)
+    api_keys = resolve_api_keys(a)
     sock = bind_gateway(a.host, a.port)  # first: nothing starts (and no token is written) on a busy port
     try:
         token = resolve_admin_token(a)
         try:
-            return _deploy_and_serve(a, sock, token, config, path, roles, name)
+            return _deploy_and_serve(a, sock, token, api_keys, config, path, roles, name)
         finally:
             token.release()
     finally:
         sock.close()
 
 
-def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, roles, name) -> int:
+def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple[str, ...], config, path, roles,
+                      name) -> int:
     from hyrax.cluster.ray_cluster import cluster_address, dashboard_url, init_ray, prepare_env
 
     prepare_env(a.address)  # before the imports below import ray
@@ -498,7 +506,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, config, path, r
         lease = GatewayLease([r.coordinator for r in dep.replicas], a.gateway_lease).start()
         client = client_for(dep, name, a.max_inflight, lease=lease,
                             cache_route_margin=None if a.cache_route_margin < 0 else a.cache_route_margin)
-        app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=tuple(a.api_key),
+        app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=api_keys,
                                                  max_body_bytes=int(a.max_body_mb * 2**20)),
                          deployment_events=_events_of(ctl))
         app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)

@@ -93,41 +93,16 @@ def test_ray_address_in_the_environment_is_an_error_not_a_local_cluster(monkeypa
     serve.validate(parse("--colocated", "--address", "10.0.0.5:6379", "--attach"))
 
 
-# `hyrax serve ARGV` up to the point where it would start Ray: init_ray prints what Ray would
-# record as the driver's entrypoint (its command line, read by psutil) and stops the command
-UNTIL_RAY = """
-import sys
-from hyrax.cluster import cli, ray_cluster
-
-def init_ray(*args, **kwargs):
-    from ray._private.utils import get_entrypoint_name
-    print("ENTRYPOINT", get_entrypoint_name(), flush=True)
-    raise SystemExit(0)
-
-ray_cluster.init_ray = init_ray
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
 def test_api_keys_never_reach_rays_job_table_or_ps(tmp_path):
     """Ray records a driver's whole command line (psutil) as its job's entrypoint: `hyrax serve
     --api-key KEY` put the key in the GCS job table, on the Ray dashboard's Jobs page and in `ray
-    list jobs` (the gateway pod of k8s/ passes its key so). The command line is rewritten first."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    list jobs` (the gateway pod of k8s/ passed its key so). The command line is rewritten first.
+    (An abbreviation, `--api-k KEY`, is ambiguous since --api-key-file: argparse refuses it.)"""
+    from serve_until_ray import free_port, serve_until_ray
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("HYRAX_ADMIN_TOKEN", "RAY_ADDRESS")}
-    env.update(HOME=str(tmp_path), PYTHONPATH=os.getcwd(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    script = tmp_path / "until_ray.py"
-    script.write_text(UNTIL_RAY)
-    out = subprocess.run([sys.executable, str(script), "serve", "--colocated", "--port", str(port),
-                          "--api-key", "sk-first-secret", "--api-key=sk-second-secret", "--ap", "sk-third-secret"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    port = free_port()
+    out = serve_until_ray(tmp_path, "--colocated", "--port", str(port),
+                          "--api-key", "sk-first-secret", "--api-key=sk-second-secret")
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("ENTRYPOINT"))
     assert "secret" not in line, line
