@@ -11,7 +11,9 @@ wrote it. Three shapes of answer:
 - `auto`: free text in which each call is a body between the template's tags
   (`<tool_call>...</tool_call>` for Hermes-style templates), or each tagged block is a JSON
   array of bodies (`<TOOLCALL>[...]</TOOLCALL>` for Nemotron-style ones). Text outside the tags
-  is content; whitespace around a call is dropped. A tagged block with no call in it stays in
+  is content; whitespace around a call is dropped. A closing tag inside a JSON string of the
+  block's body (`{"code": "print('</tool_call>')"}`) is part of that string: a block ends at the
+  first closing tag outside the strings of its body. A tagged block with no call in it stays in
   the content as written; an unclosed block at the end is closed there.
 """
 from __future__ import annotations
@@ -42,6 +44,11 @@ class _ValueScan:
         self._pos = 0
         self._depth = 0
         self._in_str = self._esc = False
+
+    @property
+    def in_string(self) -> bool:
+        """Whether the text scanned so far ends inside a string of a value that is not complete."""
+        return self._in_str and self.end is None
 
     def scan(self, text: str) -> None:
         while self.end is None and self._pos < len(text):
@@ -225,6 +232,7 @@ class ToolCallParser:
         self.calls: list[_Call] = []
         self._buf = ""  # text not yet told apart (a possible tag start, whitespace)
         self._block: _Block | None = None  # auto: the open tagged block
+        self._body = _ValueScan()  # auto: the open block's body, to tell a closing tag in one of its strings
         self._done = False  # parallel=False and the first call is complete
         self._gap = ""  # whitespace between the text and the open block's tag
         self._after_call = False  # whitespace from here on is dropped
@@ -257,9 +265,9 @@ class ToolCallParser:
                 head = self._buf[:i].rstrip()
                 text, self._gap = text + head, self._buf[len(head):i]  # the gap goes if a call follows
                 self._buf = self._buf[i + len(start):]
-                self._block = _Block(self.calls, self.listed)
+                self._block, self._body = _Block(self.calls, self.listed), _ValueScan()
                 continue
-            j = self._buf.find(end)
+            j = self._closing(end)
             if j < 0:
                 keep = _partial_tag(self._buf, end)
                 parts += self._block_feed(self._buf[:len(self._buf) - keep])
@@ -295,6 +303,19 @@ class ToolCallParser:
     @property
     def made_calls(self) -> bool:
         return any(c.started for c in self.calls)
+
+    def _closing(self, end: str) -> int:
+        """Where in the text not yet fed to the open block its closing tag is; -1: not yet. A tag
+        inside a string of the block's body (a JSON object or array) is not one."""
+        j = self._buf.find(end)
+        while j >= 0 and self._in_body_string(self._block.text + self._buf[:j]):
+            j = self._buf.find(end, j + 1)
+        return j
+
+    def _in_body_string(self, text: str) -> bool:
+        """Whether `text`, the open block's text so far, ends inside a string of its body."""
+        self._body.scan(text)
+        return self._body.in_string and text[self._body.start] in "{["
 
     def _block_feed(self, piece: str) -> list[dict]:
         parts = self._block.feed(piece)

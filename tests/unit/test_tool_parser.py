@@ -44,6 +44,13 @@ ANSWERS = [
     ('<tool_call>{"name": "f", "arguments": 7}</tool_call> and then text', "and then text", [("f", "7")]),
     ('Sí — 東京 <tool_call>{"name": "get_weather", "arguments": {"city": "東京"}}</tool_call>',
      "Sí — 東京", [("get_weather", '{"city": "東京"}')]),
+    # a closing tag inside a string of the body is that string's text, not the block's end
+    ('<tool_call>{"name": "run", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call> ran',
+     "ran", [("run", '{"code": "print(\'</tool_call>\')"}')]),
+    ('<tool_call>{"name": "run", "arguments": {"a": "</tool_call>", "b": ["\\"</tool_call>"]}}</tool_call>'
+     '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+     None, [("run", '{"a": "</tool_call>", "b": ["\\"</tool_call>"]}'), ("f", "{}")]),
+    ('<tool_call>say "hi</tool_call> then', '<tool_call>say "hi</tool_call> then', []),  # prose: the first tag
 ]
 
 
@@ -270,6 +277,8 @@ LISTED_ANSWERS = [
     ('<TOOLCALL>[{"name": "f", "arguments": {}}, 42]</TOOLCALL>', None, [("f", "{}")]),  # a stray item dropped
     ("<TOOLCALL>[1, 2]</TOOLCALL> done", "<TOOLCALL>[1, 2]</TOOLCALL> done", []),  # no call: text
     ('<TOOLCALL>[{"name": "f", "arguments": {"x": 1', None, [("f", '{"x": 1')]),  # cut short
+    ('<TOOLCALL>[{"name": "f", "arguments": {"s": "]</TOOLCALL>"}}]</TOOLCALL> ok', "ok",
+     [("f", '{"s": "]</TOOLCALL>"}')]),  # a closing tag inside a string
 ]
 
 
