@@ -115,3 +115,43 @@ def test_a_compile_leaves_the_steps_a_cpu():
     from hyrax.actors.engine.grammar import compile_threads
 
     assert [compile_threads(n) for n in (1, 2, 4, 16, 64)] == [1, 1, 1, 7, 8]
+
+
+def test_a_long_compile_does_not_hold_up_another_requests_grammar(held_compile):
+    """One client's huge schema (a compile of minutes) must not stall every other structured
+    request on the replica behind it: compiles run side by side, not one at a time."""
+    e = _engine(overlap=True)
+    slow = e.add_request(_prompt(3), _params(3, SLOW))  # asked first
+    other = e.add_request(_prompt(4), _params(4))
+    for _ in range(400):
+        if other in e.finished_requests:
+            break
+        e.step()
+    assert other in e.finished_requests, "the second grammar waited for the first one's compile"
+    _valid(e.finished_requests[other].output_ids)
+    assert e.requests[slow].output_ids == [] and SLOW in e.grammars.pending
+    held_compile.set()
+    run_to_completion(e)
+    assert json.loads(_tok().decode(e.finished_requests[slow].output_ids))["slow"] in ("cat", "dog", "eel")
+    assert e.is_idle_clean()
+
+
+def test_compiles_run_side_by_side_up_to_the_bound():
+    from hyrax.actors.engine.grammar import _Workers
+
+    pool, gate = _Workers("test-compile", size=2), threading.Event()
+    running: list[int] = []
+
+    def hold(k):
+        running.append(k)
+        assert gate.wait(20)
+        return k
+    futures = [pool.submit(hold, k) for k in range(3)]
+    for _ in range(200):
+        if len(running) == 2:
+            break
+        threading.Event().wait(0.01)
+    assert sorted(running) == [0, 1] and not futures[2].running()  # two at once, the third waits its turn
+    gate.set()
+    assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
+    assert pool._threads == 2

@@ -187,19 +187,33 @@ class _Matcher:
 COMPILE_NICE = 5  # the compile thread's niceness: where it shares a CPU with the rank's steps, the steps go first
 
 
-class _Worker:
-    """One daemon thread running submitted calls in order: a compile still running when the
-    process ends does not hold up its exit (a ThreadPoolExecutor's threads are joined at exit).
-    Measured on one CPU shared with a ~15 ms step loop (800-property schema): at the steps' own
-    priority the steps took 28 ms and the compile 1.5 s; at niceness 5, 16 ms and 2.9 s."""
+COMPILES_AT_ONCE = 4  # compiles rank 0 runs side by side (more wait their turn)
 
-    def __init__(self, name: str, nice: int = COMPILE_NICE):
+
+class _Workers:
+    """Daemon threads running submitted calls, at most `size` at once, started as calls
+    arrive: a compile still running when the process ends does not hold up its exit (a
+    ThreadPoolExecutor's threads are joined at exit), and one long compile (a huge schema:
+    minutes) does not hold up the grammars asked for after it, as a single thread did.
+    Measured on one CPU shared with a ~15 ms step loop (800-property schema): at the steps'
+    own priority the steps took 28 ms and the compile 1.5 s; at niceness 5, 16 ms and 2.9 s."""
+
+    def __init__(self, name: str, size: int = COMPILES_AT_ONCE, nice: int = COMPILE_NICE):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._nice = nice
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._name, self._size, self._nice = name, size, nice
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads waiting for a call
+        self._queued = 0  # calls no thread has taken yet
 
     def submit(self, fn, *args) -> Future:
         f: Future = Future()
+        with self._lock:
+            self._queued += 1
+            if self._queued > self._idle and self._threads < self._size:
+                self._threads += 1
+                self._idle += 1  # waiting for a call from the moment it starts
+                threading.Thread(target=self._run, name=f"{self._name}-{self._threads}", daemon=True).start()
         self._queue.put((f, fn, args))
         return f
 
@@ -210,11 +224,18 @@ class _Worker:
             log.info("grammar compiles run at the steps' priority: %s", e)
         while True:
             f, fn, args = self._queue.get()
-            if f.set_running_or_notify_cancel():
-                try:
-                    f.set_result(fn(*args))
-                except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
-                    f.set_exception(e)
+            with self._lock:
+                self._idle -= 1
+                self._queued -= 1
+            try:
+                if f.set_running_or_notify_cancel():
+                    try:
+                        f.set_result(fn(*args))
+                    except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+                        f.set_exception(e)
+            finally:
+                with self._lock:
+                    self._idle += 1
 
 
 def compile_threads(cpus: int | None = None) -> int:
@@ -250,8 +271,8 @@ class GrammarMasks:
                                    max_threads=compile_threads(), cache_limit_bytes=COMPILER_CACHE_BYTES)
 
     @cached_property
-    def _thread(self) -> _Worker:
-        return _Worker("hyrax-grammar")
+    def _thread(self) -> _Workers:
+        return _Workers("hyrax-grammar")
 
     def prepare(self, specs: Sequence[GrammarSpec]) -> None:
         """Start compiling `specs` in the background (each once while kept)."""
