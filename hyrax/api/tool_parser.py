@@ -7,7 +7,9 @@ sent as soon as the name is known, then the arguments' text in pieces, exactly a
 wrote it. Three shapes of answer:
 
 - a named function (forced): the whole answer is that function's arguments;
-- `required` (forced): the whole answer is one call body;
+- `required` (forced): the whole answer is one call body; an answer cut short (max_tokens)
+  before the body's name and the start of its arguments is no call, and comes back as content
+  as written (cut short later, it is a call with the arguments written so far, as OpenAI's);
 - `auto`: free text in which each call is a body between the template's tags
   (`<tool_call>...</tool_call>` for Hermes-style templates), or each tagged block is a JSON
   array of bodies (`<TOOLCALL>[...]</TOOLCALL>` for Nemotron-style ones). Text outside the tags
@@ -282,7 +284,10 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict]]:
         """The rest, once the answer is complete (or cut short)."""
         if self.forced:
-            return "", self._call.close() or []
+            parts = self._call.close()
+            if parts is None:  # no call: cut short before its name and arguments began, the text as written
+                return self._said(self._call.text), []
+            return "", parts
         text, parts = "", []
         if not self._done and self._block is not None:  # an unclosed block: closed by the answer's end
             parts += self._block_feed(self._buf)

@@ -175,6 +175,20 @@ def test_streamed_tool_call_deltas_reassemble_into_valid_arguments(local, oai, c
         jsonschema.validate(json.loads(args), tool["function"]["parameters"])
 
 
+def test_a_required_call_cut_short_before_its_name_is_finish_length_with_its_text_as_content(local, oai):
+    """max_tokens ends the forced call inside its name: no call, and the text the engine wrote
+    comes back as content, whole and streamed alike (it used to be empty content)."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL, TIME_TOOL],
+           "tool_choice": "required", "max_tokens": 6, "temperature": 0}
+    r = oai.chat.completions.create(**ask)
+    m, finish = r.choices[0].message, r.choices[0].finish_reason
+    assert finish == "length" and m.tool_calls is None and r.usage.completion_tokens == 6, r
+    assert m.content and '{"name": "get_'.startswith(m.content), m.content  # the demo model: a byte a token
+    chunks = [ch.choices[0] for ch in oai.chat.completions.create(**ask, stream=True)]
+    assert not any(ch.delta.tool_calls for ch in chunks) and chunks[-1].finish_reason == "length"
+    assert "".join(ch.delta.content or "" for ch in chunks) == m.content
+
+
 def test_a_tool_conversation_renders_earlier_calls_and_answers(local, oai):
     msgs = [{"role": "user", "content": "weather?"},
             {"role": "assistant", "content": None, "tool_calls": [

@@ -1,7 +1,9 @@
 """Tool calls read back by the chat route, whole and streamed, from answers a replica sends one
 token (byte) at a time: a Hermes call whose argument text holds the closing tag
 `</tool_call>` is one call with those arguments (the first tag used to end it, cutting the
-arguments short and leaving the rest as content)."""
+arguments short and leaving the rest as content); a forced (`required`) call cut short by
+max_tokens before its name and arguments began is finish_reason "length" with the text the
+model wrote as content (it used to be empty content, the text dropped)."""
 from __future__ import annotations
 
 import asyncio
@@ -74,3 +76,19 @@ def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call(stream):
     assert call["function"] == {"name": "run", "arguments": CODE}, message
     assert json.loads(call["function"]["arguments"]) == {"code": "print('</tool_call>')"}
     assert message["content"] == "Running it." and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_short_before_its_name_is_finish_length_with_the_text_as_content(stream):
+    cut = '{"name": "ru'
+    message, finish = _ask(Answering(cut, "length"), stream, tool_choice="required", max_tokens=len(cut))
+    assert message == {"role": "assistant", "content": cut} and finish == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_short_in_its_arguments_is_finish_length_with_them(stream):
+    cut = '{"name": "run", "arguments": {"code": "pri'
+    message, finish = _ask(Answering(cut, "length"), stream, tool_choice="required", max_tokens=len(cut))
+    call, = message["tool_calls"]
+    assert call["function"] == {"name": "run", "arguments": '{"code": "pri'} and not message["content"]
+    assert finish == "length"

@@ -132,6 +132,23 @@ def test_forced_calls_read_the_whole_answer():
         assert _reassemble(parts) == [("get_weather", named)]
 
 
+@pytest.mark.parametrize("cut", ['{"na', '{"name": "get_wea', '{"name": "get_weather", "argu'])
+def test_a_required_call_cut_short_before_its_arguments_is_its_text_as_content(cut):
+    """max_tokens ended the answer before the call's name and arguments began: no call, and the
+    text the model wrote is not dropped."""
+    for pieces in ([cut], list(cut)):
+        streamed, parts, message, p = _run(pieces)
+        assert parts == [] and not p.made_calls
+        assert streamed == cut and message == {"role": "assistant", "content": cut}
+
+
+def test_a_forced_call_cut_short_in_its_arguments_keeps_the_arguments_written():
+    streamed, parts, message, _ = _run(['{"name": "get_weather", "arguments": {"ci'])
+    assert streamed == "" and _reassemble(parts) == [("get_weather", '{"ci')] and message["content"] is None
+    streamed, parts, message, _ = _run(['{"ci'], name="get_weather")
+    assert streamed == "" and _reassemble(parts) == [("get_weather", '{"ci')] and message["content"] is None
+
+
 # ---- real token streams -------------------------------------------------------------------
 QWEN_STYLE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
