@@ -464,6 +464,11 @@ def run(a: argparse.Namespace) -> int:
     api_keys = resolve_api_keys(a)
     sock = bind_gateway(a.host, a.port)  # first: nothing starts (and no token is written) on a busy port
     try:
+        if not api_keys and not is_loopback(sock):
+            print(f"hyrax: warning: --host {a.host} accepts connections from other machines and no API key is "
+                  f"given: the OpenAI routes (/v1, /tokenize, /detokenize) are open to whoever reaches it (/admin "
+                  f"still needs the admin token); give HYRAX_API_KEY, --api-key-file or --api-key",
+                  file=sys.stderr, flush=True)
         token = resolve_admin_token(a)
         try:
             return _deploy_and_serve(a, sock, token, api_keys, config, path, roles, name)
@@ -471,6 +476,17 @@ def run(a: argparse.Namespace) -> int:
             token.release()
     finally:
         sock.close()
+
+
+def is_loopback(sock: socket.socket) -> bool:
+    """Whether the bound `sock` takes connections from this machine only (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    host = sock.getsockname()[0].partition("%")[0]  # an IPv6 zone id is no part of the address
+    addr = ipaddress.ip_address(host)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:  # ::ffff:127.0.0.1
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
 
 
 def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple[str, ...], config, path, roles,
