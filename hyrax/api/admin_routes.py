@@ -14,6 +14,9 @@ from hyrax.api.json_body import JSONRoute
 from hyrax.api.schemas import Body, Text
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=JSONRoute)
+# a migration's answer when no replica had taken the request over within the client's wait
+NOT_ARRIVED = ("no other replica had taken it over when this answered (it ended, or is still on its way: "
+               "GET /admin/requests shows where it is)")
 
 
 class SelectBody(Body):
@@ -168,6 +171,8 @@ async def migrate(body: MigrateBody, request: Request):
                        param="to", code=outcome.value)
     if not outcome.ok:
         raise APIError(409, f"request {body.request_id}: {outcome.message}", param="request_id", code=outcome.value)
+    if to is None:  # exported, and no replica had taken it over by the time the answer came
+        return {"request_id": body.request_id, "result": f"{outcome.value}; {NOT_ARRIVED}"}
     return {"request_id": body.request_id, "result": f"{outcome.value} to {to.role}/{to.index}"}
 
 

@@ -22,6 +22,7 @@ from hyrax.actors.engine.selection import Selection
 from hyrax.actors.engine.step_feed import error_item, is_refusal
 from hyrax.api.cache_routing import RouteStats, pick_by_prefix
 from hyrax.api.health import HealthReport, ReplicaHealth, ReplicaState, judge
+from hyrax.api.request_owners import OFFERED, Owned, owners
 
 log = logging.getLogger("hyrax.api")
 
@@ -73,6 +74,13 @@ class ModelInfo:
 DECODING_ROLES = ("decode", "colocated")  # the roles that continue a request after its first token
 UNREACHED = object()  # what `EngineClient._ask_all` gives for a replica that is gone
 REFUSED = "refused a request at admission"  # why a replica is out of service after a refusal (public)
+ARRIVAL_WAIT_S = 30.0  # how long a migration's answer waits to name the replica that took the request over
+ARRIVAL_POLL_S = 0.02
+
+
+def _moved(outcome: Outcome, target) -> str:
+    """A migration's result as the admin API words it: `migrating to decode/1`."""
+    return f"{outcome.value} to {target.role}/{target.index}" if target is not None else outcome.value
 
 
 def least_loaded(backends: list, inflight: dict[int, int]) -> object:
@@ -254,7 +262,7 @@ class EngineClient:
         carried, tried = None, set()  # the hand-off the next replica is offered; who refused this hop
         try:
             while True:
-                handoff, refusal, fresh = None, None, True  # fresh: nothing of this stream read yet
+                handoff, asked, refusal, fresh = None, None, None, True  # fresh: nothing of this stream read yet
                 async for item in stream:
                     if fresh and is_refusal(item):
                         refusal = item
@@ -264,7 +272,7 @@ class EngineClient:
                         offered_by = None
                         continue
                     if "handoff" in item:
-                        handoff = item.pop("handoff")
+                        handoff, asked = item.pop("handoff"), item.pop("to", None)
                         if item.get("token_ids"):
                             yield item
                         break
@@ -299,7 +307,8 @@ class EngineClient:
                     yield {"token_ids": [], "finished": True, "finish_reason": "abort"}
                     return
                 offered_by, carried, tried = backend, handoff, set()
-                target = self.migrate_to.pop(request_id, None) or self._continuation(exclude=backend)
+                target = (self.migrate_to.pop(request_id, None) or self._asked(asked, backend)
+                          or self._continuation(exclude=backend))
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
                     yield error_item(_nowhere_to_go(handoff, backend), 503)
                     return
@@ -322,6 +331,12 @@ class EngineClient:
                 return b
         return None
 
+    def _asked(self, to: tuple[str, int] | None, source):
+        """The replica a migration asked for in a hand-off (`MigrateOut.to`, through whichever
+        gateway), if it may take it from `source` now; else None (the request goes by load)."""
+        b = self.find_backend(*to) if to is not None else None
+        return b if b is not None and b is not source and self.migration_refusal(b) is None else None
+
     def migration_refusal(self, target) -> tuple[int, str] | None:
         """Why a request cannot be moved to `target`, as (HTTP status, message), or None: only
         a replica that decodes and takes new work continues a request (a prefill replica
@@ -333,12 +348,20 @@ class EngineClient:
             return 409, f"{name} is draining or out of service"
         return None
 
-    async def migrate(self, request_id: str, target=None) -> tuple[Outcome, object]:
+    async def migrate(self, request_id: str, target=None, wait_s: float = ARRIVAL_WAIT_S) -> tuple[Outcome, object]:
         """Move a running request to `target` (a backend that `migration_refusal` accepts;
-        default: the least loaded other replica that decodes). Returns (outcome, the target)."""
+        default: the least loaded other replica that decodes), whichever gateway streams it: the
+        target travels with the hand-off to that gateway (`generate`, `_asked`). Returns (outcome,
+        the replica that took the request over): `target`, unless it refused the hand-off and
+        another replica took it; None when none had within `wait_s` (the request ended first, or
+        is slow to arrive). `wait_s` 0: answer with the target at once."""
         src = self.owner.get(request_id)
-        if src is None:
-            return Outcome.UNKNOWN, None
+        ours = src is not None
+        if not ours:  # another gateway's request (or none): the replica holding it says
+            held = (await self._owners()).get(request_id)
+            if held is None:
+                return Outcome.UNKNOWN, None
+            src = held.replica
         if target is not None and self.migration_refusal(target) is not None:
             return Outcome.NO_TARGET, None
         if target is src:
@@ -348,14 +371,32 @@ class EngineClient:
             return Outcome.NO_TARGET, None
         if request_id in self.migrate_to:  # already on its way: leave the target it goes to
             return Outcome.NOT_RUNNING, None
-        self.migrate_to[request_id] = target  # before the export: its hand-off may come before the answer
+        if ours:  # before the export: its hand-off may come before the answer
+            self.migrate_to[request_id] = target
         ok = False
         try:
-            ok = await src.run(MigrateOut(request_id))
+            ok = await src.run(MigrateOut(request_id, (target.role, target.index)))
         finally:  # not exported (or no answer: a timeout, a rank failure): nothing is on its way
             if not ok:
                 self.migrate_to.pop(request_id, None)
-        return (Outcome.MIGRATING, target) if ok else (Outcome.NOT_RUNNING, None)
+        if not ok:
+            return Outcome.NOT_RUNNING, None
+        return Outcome.MIGRATING, (await self._arrival(request_id, src, wait_s) if wait_s > 0 else target)
+
+    async def _arrival(self, request_id: str, src, wait_s: float):
+        """The replica that took `request_id` over from `src`: the first other one to own it
+        (request_owners.py). None when none did within `wait_s`, or when no replica holds it in
+        two looks in a row (it ended; one look could miss it, the replicas answering one by one)."""
+        aloop = asyncio.get_running_loop()
+        deadline, missing = aloop.time() + wait_s, 0
+        while True:
+            held = (await self._owners()).get(request_id)
+            if held is not None and held.replica is not src and held.row["state"] != OFFERED:
+                return held.replica
+            missing = missing + 1 if held is None else 0
+            if missing >= 2 or aloop.time() >= deadline:
+                return None
+            await asyncio.sleep(ARRIVAL_POLL_S)
 
     async def drain(self, backend, wait_s: float = 30.0) -> dict:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
@@ -368,14 +409,21 @@ class EngineClient:
         moved, moving = {}, set()
         for r in reqs:
             if r["state"] == "running" and r["id"] in self.owner:
-                outcome, target = await self.migrate(r["id"])
-                moved[r["id"]] = f"{outcome.value} to {target.role}/{target.index}" if target else outcome.value
+                outcome, target = await self.migrate(r["id"], wait_s=0)
+                moved[r["id"]] = _moved(outcome, target)
                 if outcome == Outcome.MIGRATING:
                     moving.add(r["id"])
         deadline = asyncio.get_running_loop().time() + wait_s
-        while moving and asyncio.get_running_loop().time() < deadline:  # until the targets took them
+        left = set(moving)
+        while left and asyncio.get_running_loop().time() < deadline:  # until the targets took them
             await asyncio.sleep(0.05)
-            moving &= {r["id"] for r in await backend.run(ListRequests())}
+            left &= {r["id"] for r in await backend.run(ListRequests())}
+        if moving:  # name where each went, which is not its target when that refused the hand-off
+            now = await self._owners()
+            for rid in moving:
+                held = now.get(rid)
+                if held is not None and held.replica is not backend:
+                    moved[rid] = _moved(Outcome.MIGRATING, held.replica)
         remaining = await backend.run(Load())
         return {"draining": f"{backend.role}/{backend.index}", "migrations": moved, "remaining": remaining}
 
@@ -468,8 +516,8 @@ class EngineClient:
                 else {"role": b.role, "replica": b.index, "reached": True, "freed": r}
                 for b, r in await self._ask_all(FlushCache())]
 
-    async def _ask_all(self, cmd: Command) -> list[tuple[object, object]]:
-        """Send `cmd` to every replica: (replica, answer) for each, in order, the answer
+    async def _ask_all(self, cmd: Command, among: list | None = None) -> list[tuple[object, object]]:
+        """Send `cmd` to every replica (of `among`): (replica, answer) for each, in order, the answer
         UNREACHED for one its backend declares unreachable (`unreachable`: over Ray, its actor
         died or no answer within the call timeout), which is logged; its health says why. Any
         other exception is a bug: raised."""
@@ -480,13 +528,22 @@ class EngineClient:
                 log.warning("%s/%s did not answer %s: %s", b.role, b.index, type(cmd).__name__, type(e).__name__)
                 return b, UNREACHED
 
-        return list(await asyncio.gather(*(ask(b) for b in self.backends)))
+        return list(await asyncio.gather(*(ask(b) for b in (self.backends if among is None else among))))
 
-    async def _views(self, cmd: Command) -> list[tuple[object, object]]:
+    async def _views(self, cmd: Command, among: list | None = None) -> list[tuple[object, object]]:
         """Ask every replica for a view (requests, pools, stats): (replica, answer) for each
         that answered. One that is gone is left out (`_ask_all`), so the other replicas' views
         are still served (/metrics, /admin/pools, /admin/requests, the dashboard)."""
-        return [(b, r) for b, r in await self._ask_all(cmd) if r is not UNREACHED]
+        return [(b, r) for b, r in await self._ask_all(cmd, among) if r is not UNREACHED]
+
+    async def _owners(self) -> dict[str, Owned]:
+        """Every replica's requests, each with its one owner (request_owners.py). The prefill
+        replicas are asked first: one of their requests handed to a decode replica meanwhile is
+        listed by one or the other (a prefill replica lets it go only once it was imported),
+        never by neither."""
+        prefill = [b for b in self.backends if b.role == "prefill"]
+        others = [b for b in self.backends if b.role != "prefill"]
+        return owners(await self._views(ListRequests(), prefill) + await self._views(ListRequests(), others))
 
     async def list_requests(self) -> list[dict]:
         out = []

@@ -179,6 +179,11 @@ def test_a_drain_waits_for_what_it_moved_not_for_a_held_request_that_stays():
             return len(listed)
         raise AssertionError(f"no other command expected, got {cmd}")
     src.run = run
+
+    async def dst_run(cmd):  # the drain's answer names where r1 went: decode/1 lists it once it took it
+        assert isinstance(cmd, ListRequests), cmd
+        return [] if "r1" in listed else [{"id": "r1", "state": "running", "hops": 1}]
+    dst.run = dst_run
     client.owner.update(r1=src, r2=src)
     t0 = time.monotonic()
     out = asyncio.run(client.drain(src, wait_s=5.0))
@@ -204,7 +209,7 @@ def test_a_second_migration_of_a_request_on_its_way_leaves_the_first_ones_target
         return len(exported) == 1  # the second export finds it offered, not running
     d1.run = run
     client.owner["r1"] = d1
-    assert asyncio.run(client.migrate("r1", d0)) == (Outcome.MIGRATING, d0)
+    assert asyncio.run(client.migrate("r1", d0, wait_s=0)) == (Outcome.MIGRATING, d0)  # (these fakes list nothing)
     assert asyncio.run(client.migrate("r1", d2))[0] == Outcome.NOT_RUNNING
     assert client.migrate_to["r1"] is d0
 

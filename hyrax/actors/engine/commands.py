@@ -43,10 +43,12 @@ class SetForcedRetraction:
 
 @dataclass(frozen=True)
 class MigrateOut:
-    """Offer a running request to another replica; its stream ends with the hand-off.
-    Answer: False when it is not running here."""
+    """Offer a running request to another replica; its stream ends with the hand-off, which names
+    `to` (role, replica index), the replica asked for: the gateway streaming the request offers
+    it there, whichever gateway asked. Answer: False when it is not running here."""
 
     request_id: str
+    to: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def describe_requests(requests: Iterable[Request]) -> list[dict]:
         d = {
             "id": req.id, "state": req.state.value, "hold": req.hold,
             "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
-            "computed_tokens": req.num_computed, "retractions": req.retractions,
+            "computed_tokens": req.num_computed, "retractions": req.retractions, "hops": req.hops,
             "transferred_bytes": dict(req.transferred_bytes),
             "indices": {k: list(v) for k, v in req.indices.items()},
         }

@@ -505,7 +505,7 @@ class EngineLoop:
             case Retract(): return self.retract(cmd)
             case Resume(): return self.resume(cmd)
             case SetForcedRetraction(interval): return self.set_forced_retraction(interval)
-            case MigrateOut(request_id): return self.migrate_out(request_id)
+            case MigrateOut(request_id, to): return self.migrate_out(request_id, to)
             case Abort(request_id): return self.abort(request_id)
             case ListRequests(): return self.list_requests()
             case Pools(): return self.pools()
@@ -515,9 +515,10 @@ class EngineLoop:
             case CachedPrefix(token_ids): return self.cached_prefix(token_ids)
         raise TypeError(f"not a replica command: {cmd!r}")
 
-    def migrate_out(self, request_id: str) -> bool:
-        """Export a running request; its stream ends with the hand-off for the new replica.
-        False when it is not running here (any more): unknown, finished, retracted, offered."""
+    def migrate_out(self, request_id: str, to: tuple[str, int] | None = None) -> bool:
+        """Export a running request; its stream ends with the hand-off for the new replica (`to`,
+        when one was asked for: its gateway offers it there). False when it is not running here
+        (any more): unknown, finished, retracted, offered."""
         with self._turn():
             req = self.engine.requests.get(request_id)
             if req is None or request_id not in self.streams or req.state != State.RUNNING:
@@ -529,6 +530,8 @@ class EngineLoop:
             # tokens the export's sync committed go out first: the stream ends with the hand-off
             handoff = {"token_ids": [], "finished": False, "finish_reason": None,
                        "handoff": dict(exported, source=self.source)}
+            if to is not None:
+                handoff["to"] = to
             self._deliver(self.engine.step_outputs_flush(), (request_id, handoff))
         return True
 

@@ -109,6 +109,7 @@ class Request:
     hold: bool = False  # retracted and held until resumed explicitly
     backup: object | None = None  # a Backup while retracted with state kept
     retractions: int = 0
+    hops: int = 0  # imports it came by (prefill -> decode, migrations): its newest holder has the most
     transferred_bytes: dict[str, int] = field(default_factory=dict)  # imported state, per component
     export_payload: list | None = None  # while offered: the exported shards (kept alive until acked)
     offer_deadline: float | None = None  # while offered: monotonic time the lease ends

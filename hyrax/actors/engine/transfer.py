@@ -55,7 +55,7 @@ class Transfers:
         self.stats.transfer_seconds.append(time.perf_counter() - t0)
         return {
             "request": {"id": req.id, "prompt_ids": list(req.prompt_ids), "output_ids": list(req.output_ids),
-                        "params": req.params, "seed": req.seed, "retractions": req.retractions,
+                        "params": req.params, "seed": req.seed, "retractions": req.retractions, "hops": req.hops,
                         "arrival_wall": time.time() - (time.monotonic() - req.arrival)},
             "manifest": saved.manifest,
             "payload": payload,
@@ -93,6 +93,7 @@ class Transfers:
             raise HyraxInputError(f"request id {r['id']!r} is already in use")
         req = Request(r["id"], list(r["prompt_ids"]), r["params"], r["seed"], output_ids=list(r["output_ids"]))
         req.retractions = r.get("retractions", 0)
+        req.hops = r.get("hops", 0) + 1
         # no manifest: the source is gone with the state (its node was lost); rebuild from the tokens
         req.backup = (None if handoff["manifest"] is None
                       else Backup(handoff["manifest"], Location(Place.OBJECT_STORE, payload=tuple(handoff["payload"]))))

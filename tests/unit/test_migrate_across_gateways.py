@@ -1,0 +1,116 @@
+"""`POST /admin/migrate` with several gateways on one deployment, and what its answer names.
+
+A request is streamed by one gateway; any gateway lists it (/admin/requests). Migrating it from
+another gateway answered 'unknown request' (404): the hand-off reaches the gateway that streams
+the request, which knew nothing of the target. Now the target travels with the hand-off.
+The answer named the target asked for even when that replica refused the hand-off and the
+request went on elsewhere; now it names the replica that took the request over.
+
+Real engine loops in process (LocalBackend), two or three replicas, one or two engine clients.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from engine_helpers import HYBRID, make_engine, tiny_model
+from hyrax.actors.engine.commands import Stats
+from hyrax.actors.engine.loop import EngineLoop
+from hyrax.actors.engine.lifecycle import Outcome
+from hyrax.api.app import GatewaySettings, create_app
+from hyrax.api.client import EngineClient, LocalBackend, ModelInfo
+
+MAX_TOKENS = 60
+INFO = ModelInfo("t", 4096, None, None, 96)
+
+
+def _loops(n: int) -> list[EngineLoop]:
+    model = tiny_model(HYBRID)
+    return [EngineLoop(make_engine(model, deterministic=False, prefix_cache=False), f"g{k}") for k in range(n)]
+
+
+def _gateway(loops: list[EngineLoop]) -> EngineClient:
+    """A gateway's engine client over `loops` (colocated/0, /1, ...): its own backends, as each
+    gateway process has its own handles on the same replicas."""
+    return EngineClient(INFO, [LocalBackend(loop, "colocated", k) for k, loop in enumerate(loops)],
+                        cache_route_margin=None)
+
+
+class Stream:
+    """One request streamed by `client` on an event loop of its own thread (another gateway's
+    process, as far as the other client can tell)."""
+
+    def __init__(self, client: EngineClient, rid: str):
+        self.client, self.rid, self.items = client, rid, []
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._consume()), daemon=True)
+        self.thread.start()
+
+    async def _consume(self):
+        async for item in self.client.generate(self.rid, [5, 6, 7, 8], {"max_tokens": MAX_TOKENS,
+                                                                         "ignore_eos": True}):
+            self.items.append(item)
+
+    def tokens(self) -> int:
+        return sum(len(i.get("token_ids") or []) for i in list(self.items))
+
+    def wait_tokens(self, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while self.tokens() < n:
+            assert time.monotonic() < deadline, f"{self.rid}: {self.tokens()} tokens"
+            time.sleep(0.005)
+
+    def finish(self) -> None:
+        self.thread.join(120)
+        assert not self.thread.is_alive(), f"{self.rid} never finished"
+        assert self.items[-1]["finish_reason"] == "length", self.items[-1]
+        assert self.tokens() == MAX_TOKENS
+
+
+def _transfers_in(loop: EngineLoop) -> dict:
+    return dict(loop.run(Stats())["transfers_in"])
+
+
+def test_a_gateway_migrates_a_request_another_gateway_streams():
+    loops = _loops(2)
+    streamer, other = _gateway(loops), _gateway(loops)
+    app = create_app(other, GatewaySettings(admin_token="t"))
+    app.state.ready = True
+    try:
+        s = Stream(streamer, "r1")  # routed to colocated/0 (least loaded, lowest index)
+        s.wait_tokens(3)
+        assert streamer.owner["r1"].index == 0
+        with TestClient(app) as http:
+            r = http.post("/admin/migrate", headers={"Authorization": "Bearer t"},
+                          json={"request_id": "r1", "to": {"role": "colocated", "replica": 1}})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"request_id": "r1", "result": "migrating to colocated/1"}
+        s.finish()
+        assert _transfers_in(loops[1]) == {"verified": 1}
+        assert "r1" not in streamer.owner and not streamer.migrate_to
+    finally:
+        for loop in loops:
+            loop.shutdown()
+
+
+def test_the_migrate_answer_names_the_replica_that_took_the_request_after_the_target_refused():
+    """colocated/1 refuses every request at admission (its loop shut down) before this gateway
+    has found out: the hand-off goes on to colocated/2, and that is where the request went."""
+    loops = _loops(3)
+    client = _gateway(loops)
+    try:
+        s = Stream(client, "r2")
+        s.wait_tokens(3)
+        assert client.owner["r2"].index == 0
+        loops[1].shutdown()
+        target = client.find_backend("colocated", 1)
+        outcome, went = asyncio.run(client.migrate("r2", target))
+        assert outcome == Outcome.MIGRATING
+        assert (went.role, went.index) == ("colocated", 2), f"answered {went.role}/{went.index}"
+        s.finish()
+        assert _transfers_in(loops[2]) == {"verified": 1}
+    finally:
+        for loop in (loops[0], loops[2]):
+            loop.shutdown()
