@@ -546,12 +546,13 @@ class EngineClient:
         return owners(await self._views(ListRequests(), prefill) + await self._views(ListRequests(), others))
 
     async def list_requests(self) -> list[dict]:
+        """Every request once, as the replica that owns it now lists it, replica by replica."""
+        place = {id(b): k for k, b in enumerate(self.backends)}
         out = []
-        for b, reqs in await self._views(ListRequests()):
-            for r in reqs:
-                r.setdefault("role", b.role)
-                r.setdefault("replica", b.index)
-                out.append(r)
+        for b, r in sorted((await self._owners()).values(), key=lambda held: place.get(id(held.replica), len(place))):
+            r.setdefault("role", b.role)
+            r.setdefault("replica", b.index)
+            out.append(r)
         return out
 
     async def pools(self) -> list[dict]:
