@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from hyrax.actors.engine.grammar import GrammarKind, GrammarSpec
+from hyrax.actors.engine.schema_keywords import _SUBSCHEMA, _SUBSCHEMA_LISTS, _SUBSCHEMA_MAPS
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.api.errors import APIError
 from hyrax.api.json_body import parse
@@ -68,7 +70,107 @@ def _schema_text(text: str):
 
 
 def check(spec: GrammarSpec, param: str) -> None:
+    """A 400 naming `param` for a grammar the engine would not enforce as written."""
+    for where, pattern in _patterns(spec):
+        at = anchor_inside(pattern)
+        if at is not None:
+            raise APIError(400, f"{where} {pattern!r} has {pattern[at]!r} at character {at}, inside the pattern, "
+                                "which the grammar engine ignores (it would accept strings the pattern refuses): "
+                                "'^' is allowed only where nothing comes before it and '$' only where nothing comes "
+                                "after it (write \\^ or \\$ for the characters)", param=param, code="invalid_value")
     try:
         spec.check()
     except HyraxInputError as e:
         raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+def _patterns(spec: GrammarSpec) -> list[tuple[str, str]]:
+    """(where, pattern) of each regular expression in `spec`: a regex, or a JSON schema's
+    `pattern`s and `patternProperties` keys (iterative: a schema may be nested deeply)."""
+    if spec.kind == GrammarKind.REGEX:
+        return [("the regex", spec.source)]
+    if spec.kind != GrammarKind.JSON_SCHEMA:
+        return []
+    found, todo = [], [("", json.loads(spec.source))]
+    while todo:
+        path, node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        at = f" at {path}" if path else ""
+        if isinstance(node.get("pattern"), str):
+            found.append((f"JSON-schema keyword 'pattern'{at}:", node["pattern"]))
+        todo.extend((_join(path, k), node[k]) for k in _SUBSCHEMA if k in node)
+        for k in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(k), dict):
+                found += [(f"JSON-schema keyword 'patternProperties'{at}: key", p) for p in node[k]
+                          if k == "patternProperties"]
+                todo.extend((_join(path, k, name), sub) for name, sub in node[k].items())
+        for k in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(k), list):
+                todo.extend((_join(path, k, str(i)), sub) for i, sub in enumerate(node[k]))
+    return found
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def anchor_inside(pattern: str) -> int | None:
+    """Where `pattern` has an anchor xgrammar ignores although it changes what matches: a '^'
+    that something may come before, or a '$' that something may come after. xgrammar matches
+    the whole text and drops every anchor, so the ones that only say "the start" or "the end"
+    (`^a$`, `^a$|^b$`, `(^a|b)c`) keep their meaning, and `a^b` (matching nothing) would match
+    "ab". Escaped anchors and those inside a character class are characters. None: no such
+    anchor."""
+    tokens = _regex_tokens(pattern)
+    for opening, closing, anchor, order in (("(", ")", "^", tokens), (")", "(", "$", tokens[::-1])):
+        edge, groups = True, []  # edge: nothing can come between here and the text's edge
+        for i, kind in order:
+            if kind == opening:
+                groups.append(edge)
+            elif kind == closing:
+                if groups:
+                    groups.pop()
+                edge = False
+            elif kind == "|":
+                edge = groups[-1] if groups else True
+            elif kind == anchor:
+                if not edge:
+                    return i
+            elif kind not in "^$":
+                edge = False  # a character, a class or a quantifier
+    return None
+
+
+def _regex_tokens(pattern: str) -> list[tuple[int, str]]:
+    """(position, kind) of each token of `pattern`: kind '(' (any group's opening, its `?:`,
+    `?P<name>`, lookaround marks included), ')', '|', '^', '$', or 'x' (a character, an escape, a
+    character class, a quantifier)."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch, start = pattern[i], i
+        if ch == "\\":
+            i += 2
+        elif ch == "[":
+            i += 1
+            if pattern.startswith("^", i):
+                i += 1
+            if pattern.startswith("]", i):  # a leading ] is a member
+                i += 1
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif ch == "(":
+            i += 1
+            if pattern.startswith(("?<=", "?<!"), i):
+                i += 3
+            elif pattern.startswith(("?P<", "?<"), i):  # a named group: up to the name's end
+                i = pattern.find(">", i) + 1 or len(pattern)
+            elif pattern.startswith("?", i):  # ?: ?= ?! (flags, which xgrammar refuses, too)
+                i += 2
+            out.append((start, "("))
+            continue
+        else:
+            i += 1
+        out.append((start, ch if ch in ")|^$" else "x"))
+    return out

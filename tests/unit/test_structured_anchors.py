@@ -1,0 +1,74 @@
+"""A regular expression with an anchor inside it (`a^b`, `a$b`) in a `structured_outputs.regex`,
+a JSON schema's `pattern` or `patternProperties` key, or a forced tool's parameters is a 400
+naming the pattern. xgrammar drops every anchor and matches the whole text, so `a^b` (which
+matches nothing) let the answer be "ab"; the request used to be accepted. Anchors that only
+mark the text's start or end (`^a$`, `^a$|^b$`, `(^a|b)c`), escaped ones and those inside a
+character class keep their meaning and are accepted."""
+from __future__ import annotations
+
+import pytest
+
+from gateway_fakes import Replica, gateway
+from hyrax.api.errors import APIError
+from hyrax.api.schemas import ChatRequest
+from hyrax.api.structured import anchor_inside, grammar_of
+
+INSIDE = [("a^b", 1), ("a$b", 1), ("a?^b", 2), ("(a)^b", 3), ("x(^a|b)", 2), ("(a$|b)c", 2), ("a$?", 1),
+          ("[a]^", 3), (r"\^a^", 3), ("(?:a|b)$c", 7)]
+AT_THE_EDGES = ["^ab$", "^a$|^b$", "(^a|b)c", "a(b|c$)", r"\^a\$b", "[$^]x", "[^a]b", "(?:^a)b", "^^a$$",
+                "[a\\]^]$"]
+XGRAMMAR_REFUSES = ["[]^]x", "(?P<n>^a)"]  # it has no leading ']' in a class, nor named groups: its own 400
+
+
+@pytest.mark.parametrize("pattern,at", INSIDE)
+def test_an_anchor_inside_the_pattern_is_found_where_it_is(pattern, at):
+    assert anchor_inside(pattern) == at
+
+
+@pytest.mark.parametrize("pattern", AT_THE_EDGES + XGRAMMAR_REFUSES)
+def test_anchors_at_the_edges_escaped_or_in_a_class_are_not_refused(pattern):
+    assert anchor_inside(pattern) is None
+    if pattern not in XGRAMMAR_REFUSES:
+        grammar_of(_chat(structured_outputs={"regex": pattern}))  # and xgrammar compiles it
+
+
+def test_xgrammar_still_drops_an_anchor_inside_a_pattern():
+    """Why the check exists: were xgrammar to enforce `a^b` one day, the check could go."""
+    xgr = pytest.importorskip("xgrammar")
+    assert str(xgr.Grammar.from_regex("a^b")) == str(xgr.Grammar.from_regex("ab"))
+    assert str(xgr.Grammar.from_regex("a$b")) == str(xgr.Grammar.from_regex("ab"))
+
+
+def _chat(**kw) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def _schema(pattern: str) -> dict:
+    return {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}
+
+
+REFUSED = [
+    ({"structured_outputs": {"regex": "a^b"}}, "structured_outputs", "regex 'a^b' has '^' at character 1"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _schema("[0-9]+$x")}}},
+     "response_format", "'pattern' at properties.code: '[0-9]+$x' has '$' at character 6"),
+    ({"structured_outputs": {"json": {"type": "object", "patternProperties": {"^k$|a^": {"type": "integer"}}}}},
+     "structured_outputs", "'patternProperties': key '^k$|a^' has '^' at character 5"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _schema("x$y")}}],
+      "tool_choice": "required"}, "tools", "'pattern' at $defs.f.properties.code: 'x$y' has '$' at character 1"),
+]
+
+
+@pytest.mark.parametrize("body,param,says", REFUSED, ids=["regex", "response_format", "patternProperties", "tools"])
+def test_a_request_with_an_anchor_inside_a_pattern_is_a_400_naming_it(body, param, says):
+    r = gateway(Replica()).post("/v1/chat/completions", json={"model": "m", "messages": [
+        {"role": "user", "content": "hi"}], **body})  # the replica fails the test if the request reaches it
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert says in error["message"] and error["param"] == param and error["code"] == "invalid_value", error
+
+
+def test_a_schema_pattern_with_anchors_at_its_edges_is_accepted():
+    spec = grammar_of(_chat(structured_outputs={"json": _schema("^[a-z]+$|^[0-9]+$")}))
+    assert spec is not None
+    with pytest.raises(APIError, match=r"'a\^b' has '\^' at character 1"):
+        grammar_of(_chat(structured_outputs={"json": {"anyOf": [_schema("^ok$"), _schema("a^b")]}}))
