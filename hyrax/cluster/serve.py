@@ -26,7 +26,8 @@ from hyrax.cluster.arg_types import (FlagsWinAppend, OneLineParser, bearer_token
                                       timeout_seconds)
 from hyrax.cluster.api_keys import resolve_api_keys
 from hyrax.cluster.engine_args import add_engine_args, engine_config_from_args
-from hyrax.cluster.local_memory import available_bytes, check_fits, rank_pool_bytes, weight_bytes
+from hyrax.cluster.local_memory import (available_bytes, check_fits, rank_backup_pool_bytes, rank_pool_bytes,
+                                        weight_bytes)
 from hyrax.cluster.placement import RoleSpec, cpus_needed, namespace
 from hyrax.cluster.ray_cluster import gcs_alive, local_num_cpus
 from hyrax.env import admin_token as env_admin_token
@@ -438,7 +439,8 @@ def validate(a) -> tuple:
         raise HyraxInputError(f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']!r}) but hyrax serve joins a cluster "
                               f"only with --address: pass --address to join it, or unset RAY_ADDRESS for a local one")
     if not a.address:
-        check_fits(roles, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles))  # more than it holds
+        check_fits(roles, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles),
+                   backup_pools(cfg, config, roles))  # more than it holds
         local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment
     name = default_served_name(a.model) if a.served_model_name is None else a.served_model_name
     return config, path, cfg, roles, name
@@ -452,6 +454,15 @@ def host_pools(cfg, config, roles: list[RoleSpec]) -> dict[str, int] | None:
     if torch.cuda.is_available():
         return None
     return {r.name: rank_pool_bytes(cfg, config, r.tp) for r in roles}
+
+
+def backup_pools(cfg, config, roles: list[RoleSpec]) -> dict[str, int]:
+    """One rank's host backup pool bytes (--host-pool-mb) by role: in host memory wherever the
+    ranks compute."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {r.name: rank_backup_pool_bytes(cfg, config, r.tp, device) for r in roles}
 
 
 def largest(roles: list[RoleSpec], policies: dict) -> list[RoleSpec]:
