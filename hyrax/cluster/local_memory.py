@@ -90,8 +90,9 @@ def needed_bytes(roles: list[RoleSpec], weights: int, pools: dict[str, int] | No
 
 
 def check_fits(roles: list[RoleSpec], weights: int, available: int | None, pools: dict[str, int] | None = None,
-               backups: dict[str, int] | None = None) -> None:
-    """Raise naming both numbers when the deployment cannot fit; `available` None: not known."""
+               backups: dict[str, int] | None = None, what: str = "the deployment") -> None:
+    """Raise naming both numbers when the deployment cannot fit; `available` None: not known.
+    `what`: the deployment's shape as the message names it (e.g. at its autoscaling bounds)."""
     if available is None:
         return
     need = needed_bytes(roles, weights, pools, backups)
@@ -105,7 +106,7 @@ def check_fits(roles: list[RoleSpec], weights: int, available: int | None, pools
         advice = "lower --kv-capacity-tokens / --mamba-slots / --mamba-checkpoint-slots, " if pool_total else ""
         advice += "lower --host-pool-mb, " if backup_total else ""
         raise HyraxInputError(
-            f"the deployment needs at least {need / GIB:.1f} GiB ({ranks} rank processes, {replicas} coordinators, "
+            f"{what} needs at least {need / GIB:.1f} GiB ({ranks} rank processes, {replicas} coordinators, "
             f"{replicas} copies of {weights / GIB:.2f} GiB of weights{held}) but this machine has "
             f"{available / GIB:.1f} GiB available; {advice}deploy fewer replicas or smaller TP, or join a larger "
             f"cluster with --address")

@@ -439,8 +439,10 @@ def validate(a) -> tuple:
         raise HyraxInputError(f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']!r}) but hyrax serve joins a cluster "
                               f"only with --address: pass --address to join it, or unset RAY_ADDRESS for a local one")
     if not a.address:
-        check_fits(roles, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles),
-                   backup_pools(cfg, config, roles))  # more than it holds
+        biggest = largest(roles, policies)  # what the autoscaler may grow it to must fit too
+        check_fits(biggest, weight_bytes(path), available_bytes(), host_pools(cfg, config, roles),
+                   backup_pools(cfg, config, roles),  # more than it holds
+                   "the deployment" if biggest == roles else f"the deployment at its largest ({_bounds_given(a)})")
         local_num_cpus(cpus_needed(largest(roles, policies)), a.num_cpus)  # --num-cpus too small for the deployment
     name = default_served_name(a.model) if a.served_model_name is None else a.served_model_name
     return config, path, cfg, roles, name
@@ -463,6 +465,12 @@ def backup_pools(cfg, config, roles: list[RoleSpec]) -> dict[str, int]:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {r.name: rank_backup_pool_bytes(cfg, config, r.tp, device) for r in roles}
+
+
+def _bounds_given(a) -> str:
+    """The upper autoscaling bounds given, as flags: "--max-replicas 8, --max-prefill-replicas 2"."""
+    hi = [(f, getattr(a, f.removeprefix("--").replace("-", "_"))) for _, f, _ in SCALING_FLAGS]
+    return ", ".join(f"{f} {n}" for f, n in hi if n is not None)
 
 
 def largest(roles: list[RoleSpec], policies: dict) -> list[RoleSpec]:

@@ -131,3 +131,14 @@ def test_cli_refuses_a_host_pool_bigger_than_the_machine_before_starting_ray():
     line = refusal("--host-pool-mb", str(mb))
     assert line.startswith("hyrax: error: the deployment needs at least"), line
     assert "GiB of host backup pools (--host-pool-mb" in line and "lower --host-pool-mb" in line, line
+
+
+@pytest.mark.skipif(available_bytes() is None, reason="no /proc/meminfo")
+def test_cli_refuses_an_autoscaling_bound_bigger_than_the_machine_before_starting_ray():
+    """The CPU check counts a scaling role at --max-replicas; the memory check counted only the
+    replicas it starts with, so a bound the machine cannot hold passed it (Ray's memory monitor
+    would kill the workers once the autoscaler reached it)."""
+    replicas = available_bytes() // RANK_PROCESS_BYTES + 1
+    line = refusal("--min-replicas", "1", "--max-replicas", str(replicas))
+    assert line.startswith(f"hyrax: error: the deployment at its largest (--max-replicas {replicas}) needs at "
+                           f"least"), line
