@@ -91,3 +91,72 @@ def test_a_submit_after_the_close_leaves_no_entry():
         await asyncio.sleep(0)
         assert len(reg) == 0
     asyncio.run(main())
+
+
+def test_a_feed_whose_reader_stalls_stays_bounded_and_then_gets_every_token_in_order():
+    """A gateway that reads its feed slowly left the replica one batch a step in an unbounded
+    queue. Its reader stalls here for 3,000 steps of 6 requests (one finishes, one is handed off
+    and comes back by import, one ends in an error, some with logprobs): the queue holds at most
+    FOLD_AFTER batches throughout, and afterwards the reader gets every token of every request,
+    in order, each stream's special items (imported, error, hand-off, end) as they were."""
+    from hyrax.actors.engine.feed_queue import FOLD_AFTER
+
+    def item(step, rid, **more):
+        out = {"token_ids": [step], "finished": False, "finish_reason": None, **more}
+        if rid in ("a", "c"):
+            out["logprobs"] = [{"token": step, "logprob": -step / 1000}]
+        return out
+
+    async def main():
+        reg = _registry()
+        sink = reg.sink("f", None)
+        want: dict[str, list] = {rid: [] for rid in "abcdef"}
+        peak = 0
+        for step in range(3000):
+            batch = []
+            for rid in "abcdef":
+                if rid == "b" and step == 500:
+                    it = {"token_ids": [step], "finished": True, "finish_reason": "length", "text": "x"}
+                elif rid == "b" and step > 500:
+                    continue
+                elif rid == "d" and step == 700:  # handed off here, back by import at 900
+                    it = {"token_ids": [step], "finished": False, "finish_reason": None, "handoff": {"h": 1}}
+                elif rid == "d" and 700 < step < 900:
+                    continue
+                elif rid == "d" and step == 900:
+                    it = {"token_ids": [], "finished": False, "finish_reason": None, "imported": "verified"}
+                elif rid == "e" and step == 1200:
+                    it = {"token_ids": [], "finished": True, "finish_reason": "error", "error": "e", "status": 503}
+                elif rid == "e" and step > 1200:
+                    continue
+                elif rid == "f" and step == 2999:
+                    it = {"token_ids": [step], "finished": True, "finish_reason": "length"}
+                else:
+                    it = item(step, rid)
+                batch.append((rid, it))
+                want[rid].append(it)
+            sink.post(batch)
+            await asyncio.sleep(0)  # the post runs on this loop: nobody takes it
+            peak = max(peak, reg.pending("f"))
+        assert peak <= FOLD_AFTER, f"{peak} batches held for a reader that stalled"
+        got: dict[str, list] = {rid: [] for rid in "abcdef"}
+        stream = reg.stream("f", None)  # the reader goes on: what was held, then the close
+        batches = [await stream.__anext__()]
+        reg.close("f")
+        batches += [b async for b in stream]
+        for rid, it in (entry for batch in batches for entry in batch):
+            got[rid].append(it)
+        assert sum(map(len, got.values())) < sum(map(len, want.values())) / 10  # folded, not one a step
+        for rid in "abcdef":
+            tokens = [t for it in got[rid] for t in it["token_ids"]]
+            assert tokens == [t for it in want[rid] for t in it["token_ids"]], rid
+            lps = [lp for it in got[rid] for lp in it.get("logprobs", [])]
+            assert lps == [lp for it in want[rid] for lp in it.get("logprobs", [])], rid
+            specials = [{k: v for k, v in it.items() if k not in ("token_ids", "logprobs")}
+                        for it in got[rid] if set(it) - {"token_ids", "logprobs", "finished", "finish_reason"}
+                        or it["finished"]]
+            assert specials == [{k: v for k, v in it.items() if k not in ("token_ids", "logprobs")}
+                                for it in want[rid] if set(it) - {"token_ids", "logprobs", "finished",
+                                                                  "finish_reason"} or it["finished"]], rid
+        assert got["d"][[i for i, it in enumerate(got["d"]) if "imported" in it][0] - 1].get("handoff")
+    asyncio.run(main())

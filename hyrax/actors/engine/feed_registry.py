@@ -15,9 +15,9 @@ import asyncio
 from collections import OrderedDict
 from typing import AsyncIterator, Callable
 
+from hyrax.actors.engine.feed_queue import FeedQueue
 from hyrax.actors.engine.step_feed import Batch, Sink
 
-_END = object()  # put on a feed's queue by `close`: its stream returns
 REMEMBER_CLOSED = 4096  # closed feed ids kept, so that a stream opened after its close ends at once
 
 
@@ -29,19 +29,24 @@ class FeedRegistry:
     def __init__(self, on_end: Callable[[str | None], Callable[[str], None]]):
         """on_end(gateway): what a feed's sink runs when one of its streams ended (the lease's close)."""
         self._on_end = on_end
-        self._feeds: dict[str, tuple[Sink, asyncio.Queue, str | None]] = {}
+        self._feeds: dict[str, tuple[Sink, FeedQueue, str | None]] = {}
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.aloop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._feeds)
 
-    def _entry(self, feed_id: str, gateway: str | None) -> tuple[Sink, asyncio.Queue, str | None]:
+    def _entry(self, feed_id: str, gateway: str | None) -> tuple[Sink, FeedQueue, str | None]:
         if feed_id not in self._feeds:  # made by whichever of `stream`/`sink` comes first
             self.aloop = asyncio.get_running_loop()
-            q: asyncio.Queue = asyncio.Queue()
-            self._feeds[feed_id] = (Sink(q.put_nowait, self.aloop, self._on_end(gateway)), q, gateway)
+            q = FeedQueue()
+            self._feeds[feed_id] = (Sink(q.put, self.aloop, self._on_end(gateway)), q, gateway)
         return self._feeds[feed_id]
+
+    def pending(self, feed_id: str) -> int:
+        """How many batches `feed_id` holds that its gateway has not taken (bounded: feed_queue.py)."""
+        entry = self._feeds.get(feed_id)
+        return 0 if entry is None else len(entry[1])
 
     def sink(self, feed_id: str, gateway: str | None) -> Sink:
         """Where the streams submitted on `feed_id` post their batches. A submit that arrives
@@ -52,22 +57,14 @@ class FeedRegistry:
         return self._entry(feed_id, gateway)[0]
 
     async def stream(self, feed_id: str, gateway: str | None) -> AsyncIterator[Batch]:
-        """The feed's batches, one per engine step (batches not taken yet go out joined), until
-        the feed is closed; then its entry is gone."""
+        """The feed's batches, one per engine step (batches not taken yet go out joined, folded
+        per request once there were many: feed_queue.py), until the feed is closed; then its
+        entry is gone."""
         if feed_id in self._closed:
             return
         _, q, _ = self._entry(feed_id, gateway)
         try:
-            while True:
-                batch = await q.get()
-                if batch is _END:
-                    return
-                while not q.empty():
-                    more = q.get_nowait()
-                    if more is _END:
-                        yield batch
-                        return
-                    batch += more
+            while (batch := await q.take()) is not None:
                 yield batch
         finally:  # closed, or the generator was cancelled or dropped
             if self._feeds.get(feed_id, (None, None))[1] is q:
@@ -75,7 +72,7 @@ class FeedRegistry:
 
     def close(self, feed_id: str) -> bool:
         """The consumer of `feed_id` is done: its stream ends and its entry goes. False if there
-        was none. A stream still submitted on it posts to a queue nobody reads until it ends
+        was none. What a stream still submitted on it posts later is not kept: nobody reads it
         (its client aborts what it was reading)."""
         self._closed[feed_id] = None
         while len(self._closed) > REMEMBER_CLOSED:
@@ -83,7 +80,7 @@ class FeedRegistry:
         entry = self._feeds.pop(feed_id, None)
         if entry is None:
             return False
-        entry[1].put_nowait(_END)
+        entry[1].end()
         return True
 
     def close_gateway(self, gateway: str) -> int:
