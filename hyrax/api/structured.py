@@ -78,6 +78,12 @@ def check(spec: GrammarSpec, param: str) -> None:
                                 "which the grammar engine ignores (it would accept strings the pattern refuses): "
                                 "'^' is allowed only where nothing comes before it and '$' only where nothing comes "
                                 "after it (write \\^ or \\$ for the characters)", param=param, code="invalid_value")
+        bad = misread_inside(pattern)
+        if bad is not None:
+            at, what = bad
+            raise APIError(400, f"{where} {pattern!r} has {what!r} at character {at}, which the grammar engine would "
+                                f"not read as it is meant ({_misread_why(what)})",
+                           param=param, code="invalid_value")
     try:
         spec.check()
     except HyraxInputError as e:
@@ -139,6 +145,52 @@ def anchor_inside(pattern: str) -> int | None:
                     return i
             elif kind not in "^$":
                 edge = False  # a character, a class or a quantifier
+    return None
+
+
+# escapes xgrammar reads as meant: classes, control characters, code points (\b \B \p \P \k and
+# back-references it refuses itself); any other escaped letter it reads as the letter
+_ESCAPES_MEANT = frozenset("dDwWsStnrfvxucaebBpPk")
+
+
+def _misread_why(what: str) -> str:
+    """How xgrammar reads `what` (an escape or a POSIX class `misread_inside` found)."""
+    if what == "\\0":
+        return "it reads \\0 as nothing at all"
+    if what.startswith("\\"):
+        anchor = ", not as an anchor: write ^ or $ at the edge" if what[1] in "AZzG" else ""
+        return f"it reads {what} as the letter {what[1]}{anchor}"
+    return "it reads a POSIX class as its characters '[', ':', ...: write the characters, e.g. [a-zA-Z] for [:alpha:]"
+
+
+def misread_inside(pattern: str) -> tuple[int, str] | None:
+    """(position, text) of the first escape or POSIX class in `pattern` that xgrammar reads
+    other than the pattern means: an escaped letter that is not one of its escapes (`\\A`,
+    `\\Z`: anchors elsewhere, the letters there), `\\0` (a NUL elsewhere, nothing there), or
+    `[:alpha:]` inside a bracket. None: there is none."""
+    i, depth = 0, 0  # depth: inside a character class
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            nxt = pattern[i + 1:i + 2]
+            if nxt == "0" or (nxt.isascii() and nxt.isalpha() and nxt not in _ESCAPES_MEANT):
+                return i, pattern[i:i + 2]
+            i += 2
+            continue
+        if depth and ch == "[" and pattern.startswith(":", i + 1):
+            end = pattern.find(":]", i + 2)
+            if end > i + 2 and pattern[i + 2:end].isalpha():
+                return i, pattern[i:end + 2]
+        if ch == "[" and not depth:
+            depth, i = 1, i + 1
+            if pattern.startswith("^", i):
+                i += 1
+            if pattern.startswith("]", i):  # a leading ] is a member
+                i += 1
+            continue
+        if ch == "]" and depth:
+            depth = 0
+        i += 1
     return None
 
 

@@ -11,7 +11,7 @@ import pytest
 from gateway_fakes import Replica, gateway
 from hyrax.api.errors import APIError
 from hyrax.api.schemas import ChatRequest
-from hyrax.api.structured import anchor_inside, grammar_of
+from hyrax.api.structured import anchor_inside, grammar_of, misread_inside
 
 INSIDE = [("a^b", 1), ("a$b", 1), ("a?^b", 2), ("(a)^b", 3), ("x(^a|b)", 2), ("(a$|b)c", 2), ("a$?", 1),
           ("[a]^", 3), (r"\^a^", 3), ("(?:a|b)$c", 7)]
@@ -72,3 +72,33 @@ def test_a_schema_pattern_with_anchors_at_its_edges_is_accepted():
     assert spec is not None
     with pytest.raises(APIError, match=r"'a\^b' has '\^' at character 1"):
         grammar_of(_chat(structured_outputs={"json": {"anyOf": [_schema("^ok$"), _schema("a^b")]}}))
+
+
+# escapes xgrammar reads as the plain character although they mean something else elsewhere
+# (Python/PCRE: \A \Z \z \G anchors, \Q..\E quoting, \K, \R, \h, \N, \X), \0 (xgrammar: nothing at
+# all), and POSIX classes inside brackets (xgrammar: a class of the characters '[', ':', 'a', ...)
+MISREAD = [(r"\Aab", 0, r"\A"), (r"ab\Z", 2, r"\Z"), (r"ab\z", 2, r"\z"), (r"\Gx", 0, r"\G"), (r"\Qa.b\E", 0, r"\Q"),
+           (r"a\Kb", 1, r"\K"), (r"[\h]", 1, r"\h"), (r"a\0", 1, r"\0"), ("[[:alpha:]]+", 1, "[:alpha:]"),
+           (r"x[^[:digit:]a]", 3, "[:digit:]")]
+READ_AS_MEANT = [r"\d\D\w\W\s\S", r"\t\n\r\f\v", r"\x41\u0042", r"\cA", r"\a\e", r"\.\*\+\?\(\)\[\]\{\}\|\\\/\-",
+                 r"[\d\s.-]", "[[]:]", "[:a]", r"\[:alpha:]"]
+
+
+@pytest.mark.parametrize("pattern,at,what", MISREAD)
+def test_an_escape_or_class_the_grammar_engine_misreads_is_found(pattern, at, what):
+    assert misread_inside(pattern) == (at, what)
+
+
+@pytest.mark.parametrize("pattern", READ_AS_MEANT)
+def test_escapes_and_classes_read_as_meant_are_not_refused(pattern):
+    assert misread_inside(pattern) is None
+    grammar_of(_chat(structured_outputs={"regex": pattern}))  # and xgrammar compiles it
+
+
+def test_a_request_with_a_misread_escape_is_a_400_naming_it():
+    r = gateway(Replica()).post("/v1/chat/completions", json={"model": "m", "messages": [
+        {"role": "user", "content": "hi"}], "structured_outputs": {"json": _schema(r"\A[a-z]+\Z")}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert r"'\\A[a-z]+\\Z' has '\\A' at character 0" in error["message"], error
+    assert error["param"] == "structured_outputs" and error["code"] == "invalid_value", error
