@@ -25,6 +25,7 @@ from hyrax import heap
 from hyrax.actors.engine.commands import Command, ListRequests, Pools
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
+from hyrax.actors.engine.feed_queue import IN_FLIGHT
 from hyrax.actors.engine.feed_registry import FeedRegistry
 from hyrax.actors.engine.gateway_leases import LEASE_EXPIRED, GatewayLeases
 from hyrax.actors.engine.memory_budget import agree, with_capacities
@@ -173,11 +174,14 @@ class RoleCoordinator:
             self.executor.rest()
 
     # ---- client API: delegated to the engine loop --------------------------------------
+    @ray.method(_generator_backpressure_num_objects=IN_FLIGHT)
     async def feed(self, feed_id: str, gateway: str | None = None):
         """Streaming generator: one message per engine step for all the streams opened with
         `submit(feed_id, ...)`, a list of (request id, item) in the order the engine made them
-        (batches the gateway has not taken yet go out joined). The gateway fans them out. It
-        ends when the consumer closes the feed (`close_feed`) or its gateway's lease lapses."""
+        (batches the gateway has not taken yet go out joined, folded once there are many). The
+        gateway fans them out. At most IN_FLIGHT messages are on their way to a gateway that has
+        not taken them; the rest wait here (feed_queue.py). It ends when the consumer closes the
+        feed (`close_feed`) or its gateway's lease lapses."""
         async for batch in self.feeds.stream(feed_id, gateway):
             yield batch
 
@@ -317,7 +321,7 @@ class RoleCoordinator:
                 "restarting": not self.healthy and not self.down and not self.loop.stopping,
                 "stuck": self.loop.stuck_reason(),
                 "restarts": self.restarts, "last_error": self.last_error, "tp_size": self.tp_size,
-                "gateway_leases": self.gateways.summary(),
+                "gateway_leases": self.gateways.summary(), "feeds": self.feeds.summary(),
                 "device": self.device, "attention_backend": self.attention_backend, "memory": self.memory,
                 "step_path": self.executor.step_path,
                 "heap": heap.summary(), "rank_heaps": self.rank_heaps}

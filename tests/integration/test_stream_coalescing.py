@@ -149,3 +149,55 @@ def test_a_replica_lost_mid_stream_hands_every_request_on_its_feed_to_another_re
     assert [g["finish_reason"] for g in got] == ["length"] * 3
     assert call(survivor.stats)["transfers_in"].get("recompute", 0) - recomputed_before == 3
     assert_clean(survivor)
+
+
+STALL_S = 4.0  # the gateway's event loop does nothing for this long: its feed is not read
+
+
+def test_a_gateway_that_stops_reading_gets_a_bounded_feed_and_then_every_token_in_order(demo_deployment):
+    """A gateway whose event loop is held up (a long call on it, a frozen process) reads nothing of
+    its feed. Ray sent the replica's batches on regardless, one message a step, for as long as the
+    gateway lagged: Ray held them all for it. Now at most IN_FLIGHT messages are on their way and
+    the replica holds the rest in the feed's queue, at most FOLD_AFTER batches, folded per request;
+    once the gateway reads again it gets every token and logprob in order, in far fewer messages
+    than the steps it missed."""
+    import time
+
+    from hyrax.actors.engine.feed_queue import FOLD_AFTER, IN_FLIGHT
+
+    coord = replica(demo_deployment, "tp1").coordinator
+    prompts = [prompt(12 + 5 * i, seed=90 + i) for i in range(3)]
+    max_tokens = 400
+    want = reference(DEMO_MODEL, DEMO_CONFIG, prompts, max_tokens)
+    handle = CountingHandle(coord)
+    client = _client(RayBackend(handle, "colocated", 0))
+    seen: dict = {}
+
+    async def run():
+        params = {"max_tokens": max_tokens, "logprobs": 1, **PARAMS}
+        outs = [{"tokens": []} for _ in prompts]
+
+        async def one(i):
+            outs[i] = await _collect(client, uid(f"stall{i}"), prompts[i], params)
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        while handle.messages < 3:
+            await asyncio.sleep(0.01)
+        seen["messages"], seen["steps"] = handle.messages, (await coord.stats.remote())["steps"]
+        time.sleep(STALL_S)  # this gateway's event loop is held up: its feed is not read
+        seen["stalled_steps"] = ray.get(coord.stats.remote())["steps"] - seen["steps"]
+        seen["feeds"] = ray.get(coord.health.remote())["feeds"]
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        seen["steps_after"] = (await coord.stats.remote())["steps"] - seen["steps"]
+        return outs
+
+    got = asyncio.run(run())
+    assert [g["tokens"] for g in got] == want
+    assert [g["finish_reason"] for g in got] == ["length"] * len(prompts)
+    assert all(len(g["logprobs"]) == max_tokens for g in got)
+    stalled, feeds = seen["stalled_steps"], seen["feeds"]
+    assert stalled > 2 * FOLD_AFTER, f"only {stalled} steps while the gateway stalled: nothing to bound"
+    assert feeds["batches_held"] <= FOLD_AFTER and feeds["folds"] >= 1, feeds
+    messages = handle.messages - seen["messages"]
+    # one message a step would be `steps_after`; the stall's steps came in at most about IN_FLIGHT + 2
+    assert messages <= seen["steps_after"] - stalled + IN_FLIGHT + 4, (messages, seen, feeds)
+    assert_clean(coord)

@@ -137,7 +137,8 @@ def test_a_coordinator_replacing_its_ranks_reports_itself_restarting():
     health = RoleCoordinator.__ray_metadata__.modified_class.health
     coord = SimpleNamespace(role="colocated", replica=0, healthy=False, down=False, restarts=1, last_error=SECRET,
                             tp_size=1, loop=SimpleNamespace(stuck_reason=lambda: None, stopping=False),
-                            gateways=SimpleNamespace(summary=lambda: {}), device="cpu", attention_backend="sdpa",
+                            gateways=SimpleNamespace(summary=lambda: {}), feeds=SimpleNamespace(summary=lambda: {}),
+                            device="cpu", attention_backend="sdpa",
                             memory=[], executor=SimpleNamespace(step_path="plain"), rank_heaps=[])
     assert health(coord)["restarting"] is True
     coord.healthy = True

@@ -22,6 +22,10 @@ from collections import deque
 from hyrax.actors.engine.step_feed import Batch, is_last
 
 FOLD_AFTER = 64  # batches held for a feed before they are folded (~ a second of decode steps)
+# batches Ray may have sent a feed's gateway that it has not taken yet: past that the replica's
+# `feed` generator waits (Ray's generator backpressure) and its batches wait here, folded. Without
+# it Ray sent one message a step to a gateway that did not read them, frozen or dead too.
+IN_FLIGHT = 16
 PLAIN = frozenset({"token_ids", "finished", "finish_reason", "logprobs"})  # what an item may hold to be folded into
 
 

@@ -43,6 +43,12 @@ class FeedRegistry:
             self._feeds[feed_id] = (Sink(q.put, self.aloop, self._on_end(gateway)), q, gateway)
         return self._feeds[feed_id]
 
+    def summary(self) -> dict:
+        """Open feeds, the batches they hold that their gateways have not taken, and how many
+        times a feed folded what it held (its gateway lagged FOLD_AFTER steps)."""
+        queues = [q for _, q, _ in self._feeds.values()]
+        return {"open": len(queues), "batches_held": sum(map(len, queues)), "folds": sum(q.folds for q in queues)}
+
     def pending(self, feed_id: str) -> int:
         """How many batches `feed_id` holds that its gateway has not taken (bounded: feed_queue.py)."""
         entry = self._feeds.get(feed_id)
