@@ -95,7 +95,7 @@ class World:
             checkpoints[pos] = Checkpoint(slots, {n: {0: hash(tuple(ids[:pos]))} for n in slots})
         window = {"swa_kv": own_w}
         if checkpoints:
-            ins = self.cache.insert(ids, {"full_kv": full}, window, checkpoints, m.length if m.node else None)
+            ins = self.cache.insert(ids, {"full_kv": full}, window, checkpoints)
             transfer(self.alloc, ins.adopted, rid, CACHE_OWNER)
             for pool, units in ins.adopted.items():
                 taken = set(units)
@@ -103,6 +103,11 @@ class World:
             if ins.length:
                 self.cache.lock(ins.node)
                 h.locked.append(ins.node)
+            for k, unit in ins.reuse.get("full_kv", {}).items():  # read the tree's copy, free its own
+                assert ins.length and self.content.get(("full_kv", unit)) == self.page_rows(ids, k)
+                self.free("full_kv", [full[k]], rid)
+                h.own["full_kv"].remove(full[k])
+                full[k] = unit
         return h
 
     def finish(self, rid: str) -> None:

@@ -109,14 +109,20 @@ def test_duplicate_checkpoints_are_rejected_and_stay_with_the_caller():
     swa = w.alloc["swa_kv"].allocate("b", 6)
     slots = {n: w.alloc[checkpoint_pool(n)].allocate("b", 1)[0] for n in w.slot_names}
     ins = w.cache.insert(PROMPT, {"full_kv": full}, {"swa_kv": swa}, {24: Checkpoint(slots)})
-    # nothing to lock: the cached path lies in a's pages, which b never reads
-    assert ins.rejected == (24,) and ins.adopted == {} and ins.length == 0
+    # the cached path lies in a's pages: b is told to read those (and give its copies back) under
+    # the lock of a's node, so that it never pins a copy it does not read
+    assert ins.rejected == (24,) and ins.adopted == {} and ins.length == 24 and ins.node is w.requests["a"].locked[-1]
+    assert ins.reuse == {"full_kv": dict(enumerate(w.cache.match(PROMPT).full["full_kv"]))}
+    w.cache.lock(ins.node)
     w.check()
     for pool, units in (("full_kv", full), ("swa_kv", swa)):
         w.free(pool, units, "b")
     for n, s in slots.items():
         w.free(checkpoint_pool(n), [s], "b")
     w.finish("a")
+    w.evict()
+    assert w.cache.match(PROMPT).length == 24  # b reads it still
+    w.let_go(w.cache.unlock(ins.node))
     assert w.drained()
 
 

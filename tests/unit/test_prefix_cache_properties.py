@@ -35,32 +35,22 @@ def common(a: tuple, b: tuple, ps: int) -> int:
     return k
 
 
-def inserted(reference: set, ends: set, ids: tuple, hit: int, cuts: list[int], ps: int) -> tuple[list[int], set]:
+def inserted(reference: set, ends: set, ids: tuple, cuts: list[int], ps: int) -> tuple[list[int], set]:
     """The checkpoint positions of `cuts` (all after the run's hit) its insert caches, and the
-    node ends the tree gains. The run reads the tree's pages only up to its hit and computed the
-    rest in pages of its own; it locks the node of its insert, and with it the path above, so it
-    goes through the tree's other copies only on the edge that starts at its hit (up to where it
-    leaves that edge, or its first checkpoint on it), never through a cached checkpoint, and with
-    no hit not at all (docs/prefix-cache.md). Elsewhere it caches nothing: hanging a checkpoint
-    there would pin pages it never reads for as long as it runs."""
+    node ends the tree gains. The insert follows the tree as far as it holds ids, whoever computed
+    those pages (the run then reads the tree's copy: docs/prefix-cache.md), and caches every
+    checkpoint not cached already (a run never lacks window rows here); the tree gains a node at
+    each cut, and a split where the run leaves a cached edge before its last cut."""
     reach = max((common(e, ids, ps) for e in ends), default=0)  # how far the tree holds ids
-    if reach == hit:
-        taken = cuts  # a branch of its own pages
-    else:
-        edge = min(len(e) for e in ends if len(e) > hit and e[:hit + ps] == ids[:hit + ps])
-        stop = min(reach, cuts[0])  # where it leaves the edge, or checkpoints on it
-        if not hit or stop > edge or (stop == edge and ids[:edge] in reference):
-            return [], set()
-        taken = cuts if cuts[0] >= reach else cuts[:1]  # a cut short of reach: the rest is on its copy
-        cuts = [stop, *taken]  # a split where it leaves the edge or checkpoints on it
-    return taken, {ids[:p] for p in cuts}
+    grown = {ids[:p] for p in cuts} | ({ids[:reach]} if 0 < reach < cuts[-1] else set())
+    return [p for p in cuts if ids[:p] not in reference], grown
 
 
 # Three topologies random sequences rarely reach, pinned: a query that fully covers a split point
 # without a checkpoint (a hit must stop at the checkpoint above it); a branch whose window rows
 # reach into an ancestor no remaining checkpoint needs (evicting it must free them); and a prompt
-# ending inside a cached edge with no hit (its checkpoint there is not cached: the tree holds those
-# pages in another request's copy, which it would pin; a repeat of it hits nothing).
+# ending inside a cached edge with no hit (its checkpoint there is cached on a split of that edge,
+# and the run reads the tree's copy of the page: a repeat of it hits).
 SPLIT = STEMS[0][:20] + (0,), STEMS[0][:12] + (1,) * 9
 REACH = tuple(range(300, 333)), tuple(range(300, 324)) + (1,) * 5
 INSIDE = STEMS[0][:4] + (0,)
@@ -89,7 +79,7 @@ def test_random_sequences_match_the_reference_and_return_every_pool_to_baseline(
             seen.append(ids)
             cuts = [p for p in range(expect + w.ps, len(ids) + 1, w.ps) if w.policy.is_boundary(p, len(ids))]
             if cuts:
-                taken, grown = inserted(reference, ends, ids, expect, cuts, w.ps)
+                taken, grown = inserted(reference, ends, ids, cuts, w.ps)
                 reference |= {ids[:p] for p in taken}
                 ends |= grown
         elif op[0] == "finish" and running:

@@ -254,17 +254,19 @@ def test_a_restore_evicts_the_cache_it_needs_room_from(mode):
 
 def test_a_restored_request_never_pins_its_old_cached_pages():
     """Restored into pages of its own, the request reaches its next checkpoint (48) on a path
-    the cache holds in its old pages: hanging the checkpoint there would lock that copy, which
-    it never reads, and its 56 tokens no longer fit the pool ("length" at 15 tokens)."""
+    the cache holds in its old pages: hanging the checkpoint there while it reads its own copy
+    would lock the old one too, and its 56 tokens no longer fit the pool ("length" at 15
+    tokens). (It reads the old pages again and frees its copies: Inserted.reuse.)"""
     _retract_and_finish("cpu_tensor", 20)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_request_never_pins_cached_pages_it_does_not_use(overlap):
     """Two requests with one prompt arrive together: both prefill it, the first one's pages are
-    cached, the second keeps its own copies. It must not lock the cached path (nothing of it is
-    in its page table): pinned, those pages stay out of reach of eviction while it runs, and in
-    a pool that holds its tokens only once it ran out of room and finished early ("length")."""
+    cached. The second must not lock the cached path while it reads its own copies of it:
+    pinned, those pages stay out of reach of eviction while it runs, and in a pool that holds its
+    tokens only once it ran out of room and finished early ("length"). (It reads the cached
+    pages instead and frees its copies: Inserted.reuse.)"""
     prompt = _family(24, 1, seed=13)[0][:26]
     kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL, overlap=overlap)
     params = [greedy(1), greedy(30)]  # 26 + 30 tokens: 14 of the pool's 16 pages
@@ -384,8 +386,9 @@ def test_a_request_that_hit_nothing_never_pins_an_edge_others_computed():
     """x and y share 12 tokens and diverge: the cache holds the edge 0..12 (x's pages) with no
     checkpoint at its end. r shares those 12 tokens too, hits nothing (no checkpoint on its
     path) and prefills them in pages of its own; caching its checkpoint at 16 below that edge
-    would lock x's 3 pages, which r never reads, for as long as it runs - here the difference
-    between its 56 tokens fitting the pool or ending with "length" early."""
+    while it reads its own copies would lock x's 3 pages too, for as long as it runs - here the
+    difference between its 56 tokens fitting the pool or ending with "length" early. (It reads
+    x's pages instead and frees its copies: Inserted.reuse.)"""
     rng = random.Random(37)
     p = [rng.randrange(VOCAB) for _ in range(12)]
     x, y, r = (p + [rng.randrange(VOCAB) for _ in range(4)] for _ in range(3))
@@ -405,10 +408,10 @@ def test_a_request_that_hit_nothing_never_pins_an_edge_others_computed():
 def test_a_prompt_ending_inside_an_edge_others_computed_never_pins_it():
     """a's 8 tokens are cached as one edge with its checkpoint at 8. b is a's first page and one
     more token: it hits nothing (no checkpoint at 4), prefills page 0 in a page of its own, and
-    its checkpoint at 4 falls inside a's edge. Caching it there would split the edge and lock a's
-    page 0, which b never reads, for as long as b runs: b's 64 tokens fill the pool, and with
-    that page pinned it ended with "length" at 56 of them (so a repeat of b hits nothing while
-    a's edge is cached: the price of never pinning another request's pages)."""
+    its checkpoint at 4 falls inside a's edge. Caching it there splits the edge; locking a's page
+    0 while b reads its own copy would pin it for as long as b runs: b's 64 tokens fill the pool,
+    and with that page pinned it ended with "length" at 56 of them. (b reads a's page instead
+    and frees its copy, so a repeat of b hits: the test below.)"""
     rng = random.Random(41)
     p = [rng.randrange(VOCAB) for _ in range(7)]
     a, b = p + [0], p[:4] + [1]
@@ -423,3 +426,50 @@ def test_a_prompt_ending_inside_an_edge_others_computed_never_pins_it():
         outs.append([engine.finished_requests[i].output_ids for i in ids])
         assert_idle_clean(engine)
     assert [len(o) for o in outs[1]] == [1, 59] and outs[1] == outs[0]
+
+
+def _waves_on_off(cache: bool, waves, **kw):
+    """Run each wave (prompt, params) to completion in turn; (outputs, engine)."""
+    engine = make_engine(tiny_model(HYBRID), prefix_cache=cache, **kw)
+    outs = []
+    for wave in waves:
+        ids = [engine.add_request(p, params) for p, params in wave]
+        _steps_until_done(engine)
+        outs += [engine.finished_requests[i].output_ids for i in ids]
+    assert_idle_clean(engine)
+    return outs, engine
+
+
+def test_a_prompt_ending_inside_an_edge_another_request_computed_is_cached():
+    """a's 8 tokens are one cached edge with its checkpoint at 8. b is a's first page and one
+    more token: it hits nothing (no checkpoint at 4) and prefills page 0 itself, and its
+    checkpoint at 4 falls inside a's edge. That checkpoint was rejected (hanging it there would
+    have pinned a's page 0, which b never read), so c, a repeat of b, hit nothing while a's edge
+    stayed cached. Now b reads a's page 0 instead of its own copy and c hits b's 4 tokens."""
+    rng = random.Random(41)
+    p = [rng.randrange(VOCAB) for _ in range(7)]
+    a, b = p + [0], p[:4] + [1]
+    waves = [[(a, greedy(1))], [(b, greedy(6))], [(list(b), greedy(6))]]
+    kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL)
+    off, _ = _waves_on_off(False, waves, **kw)
+    on, engine = _waves_on_off(True, waves, **kw)
+    s = engine.caching.stats.summary()
+    assert on == off
+    assert s["hits"] == 1 and s["hit_tokens"] == 4, s
+
+
+def test_a_request_that_hit_never_pins_the_edge_it_diverges_from():
+    """r0 (24 tokens) is cached with checkpoints at 8, 16 and 24. r1 shares 20 tokens with it:
+    it hits 16, prefills 16..24 itself and diverges at 20, so its checkpoint at 24 hangs below
+    a split of r0's edge 16..24 at 20. It locked r0's page 16..19 there, which it never read
+    (it had its own): its 24 + 40 tokens take the pool's 16 pages, and with that page pinned it
+    ended with "length" early. Now it reads r0's page and gives back its own copy."""
+    rng = random.Random(43)
+    p = [rng.randrange(VOCAB) for _ in range(20)]
+    r0, r1 = p + [1, 2, 3, 4], p + [5, 6, 7, 8]
+    waves = [[(r0, greedy(1))], [(r1, greedy(40, ignore_eos=True))]]
+    kw = dict(kv_capacity_tokens=64, mamba_track_interval=INTERVAL)
+    off, _ = _waves_on_off(False, waves, **kw)
+    on, engine = _waves_on_off(True, waves, **kw)
+    assert [len(o) for o in on] == [1, 40] and on == off
+    assert engine.caching.stats.summary()["hit_tokens"] == 16

@@ -12,7 +12,8 @@ mamba_track.py; the design: docs/prefix-cache.md).
   taken for that write alone).
 - `commit(plan, result)`: from that snapshot only, the written checkpoints are committed and
   handed to the tree with the request's pages (`insert`); what the tree adopts changes owner,
-  a checkpoint it already has is freed.
+  a checkpoint it already has is freed, and pages the tree holds that the request computed
+  again in its own are read from the tree from then on (its copies freed: `_reuse`).
 - `detach`: a request that leaves (finish, retraction, hand-off) unlocks its node and frees the
   slots of its pending writes through the engine's one free point; it never frees a unit the
   cache owns.
@@ -27,7 +28,7 @@ mamba_track.py; the design: docs/prefix-cache.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from hyrax.actors.engine.allocator import IndexAllocator
 from hyrax.actors.engine.config import EngineConfig
@@ -255,8 +256,7 @@ class PrefixCaching:
                                                           for n, _ in w.slots.units}, w.position <= prompt_end)
                for w in ws}
         tables = {c.name: req.indices[c.name] for c in self.components if c.kind in (TOKEN, WINDOW)}
-        ins = self.tree.insert(req.all_ids[:max(cks)], tables, tables, cks,
-                               hold.node.end if hold.node is not None else None)
+        ins = self.tree.insert(req.all_ids[:max(cks)], tables, tables, cks)
         for position in ins.rejected:
             for name, slot in cks[position].slots.items():
                 self.alloc[checkpoint_pool(name)].free(req.id, [slot])
@@ -275,6 +275,22 @@ class PrefixCaching:
             if hold.node is not None:
                 self._let_go(self.tree.unlock(hold.node))
             hold.node = ins.node
+        if ins.reuse and hold.node is not None and ins.length <= hold.node.end:  # under its lock
+            self._reuse(req, ins.reuse)
+
+    def _reuse(self, req: Request, reuse: Mapping[str, Mapping[int, int]]) -> None:
+        """The request computed pages the tree holds again in its own: it reads the tree's from
+        now on (on the path of the node it locks) and its copies go back through the one free
+        point (the step in flight may still read them: it was planned with the old table)."""
+        hold, mine = req.cache, {}
+        for name, pages in reuse.items():
+            table = list(req.indices[name])
+            mine[name] = [table[k] for k in pages if hold.owns(name, table[k])]
+            for k, unit in pages.items():
+                table[k] = unit
+            req.indices[name] = tuple(table)  # a new table: one a view or plan holds never changes
+            hold.shared.setdefault(name, set()).update(pages.values())
+        self.release(req.id, mine)
 
     # ---- a request leaves ------------------------------------------------------------------
     def detach(self, req: Request) -> None:

@@ -133,20 +133,19 @@ class PrefixCache(Eviction):
 
     # ---- insert ----------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], full: Mapping[str, Sequence[int]],
-               window: Mapping[str, Sequence[int]], checkpoints: Mapping[int, Checkpoint],
-               held: int | None = None) -> Inserted:
+               window: Mapping[str, Sequence[int]], checkpoints: Mapping[int, Checkpoint]) -> Inserted:
         """Cache a request's prefix up to its last checkpoint position.
 
         full / window: the request's page tables (page number -> unit, -1 where it holds none);
         checkpoints: position (a multiple of the page size) -> the request's checkpoint there.
-        held: the end of the node the request locks (its hit, or its last insert), None if none.
-        Pages the tree already holds are not taken (the request keeps its duplicates). The request
-        locks the node of its insert, and with it the whole path, so the insert goes through
-        pages the request does not read only where it locks them already, or from `held` to
-        where the request diverges from a cached edge with no checkpoint there (a few pages after
-        its hit); elsewhere - a cached prefix it computed or restored again in pages of its own -
-        it stops, rejecting the checkpoints from there on: hanging its branch below would pin
-        the tree's copy, out of eviction's reach while it runs."""
+        The insert follows the tree wherever it holds the request's tokens, whoever computed
+        them, and grows the rest from the request's pages (adopted). Where the tree's pages on
+        the path up to the returned node are not the request's own (it computed or restored
+        them again), `Inserted.reuse` names them: the request reads those instead and gives its
+        copies back, so that the lock it takes on the node covers exactly what it reads - never
+        a copy it does not read, pinned for as long as it runs. Window pages the tree already
+        holds are not taken (the request keeps its own); a checkpoint already cached, or one
+        whose window rows the request has released, is rejected and stays with the caller."""
         ps = self.page_size
         if not checkpoints:
             raise ValueError("insert needs at least one checkpoint (a hit must end on one)")
@@ -165,22 +164,17 @@ class PrefixCache(Eviction):
         adopted: Units = {p: [] for p in self.pools}
         rejected: list[int] = []
         node, pos, path = self.root, 0, []
-        for k, cut in enumerate(cuts):
+        for cut in cuts:
             while pos < cut:
                 child = node.children.get(tuple(token_ids[pos:pos + ps]))
                 if child is None:
                     child = self._grow(node, token_ids, pos, cut, full, adopted)
                 else:
                     m = self._common(child.key, token_ids, pos, cut - pos)
-                    if not self._may_pin(child, m, full, held):
-                        break  # a cached prefix the caller computed (or restored) again in pages of its own
                     if m < len(child.key):
                         child = self._split(child, m)
                 node, pos = child, child.end
                 path.append(node)
-            if pos < cut:
-                rejected.extend(cuts[k:])
-                break
             if node.checkpoint is not None or not self._adopt_window(path, window, adopted):
                 rejected.append(cut)
                 continue
@@ -190,7 +184,21 @@ class PrefixCache(Eviction):
         node = self._prune(node, adopted)
         self._touch(node)
         last = node if node.checkpoint is not None else self._deepest_checkpoint(node)
-        return Inserted(last, last.end, {p: u for p, u in adopted.items() if u}, tuple(rejected))
+        return Inserted(last, last.end, {p: u for p, u in adopted.items() if u}, tuple(rejected),
+                        self._reuse(last, full))
+
+    def _reuse(self, node: Node, full: Mapping[str, Sequence[int]]) -> dict[str, dict[int, int]]:
+        """Per token component, {page number: the tree's unit} where the path down to `node` holds
+        a page the request's table does not (it computed that page again in one of its own)."""
+        path = self._path(node)
+        out = {}
+        for c in self.tokens:
+            table = full[c.name]
+            tree = [u for n in path for u in n.full[c.name]]
+            diff = {k: u for k, u in enumerate(tree) if table[k] != u}
+            if diff:
+                out[c.name] = diff
+        return out
 
     def _grow(self, parent: Node, token_ids, pos: int, cut: int, full, adopted: Units) -> Node:
         ps = self.page_size
@@ -216,16 +224,6 @@ class PrefixCache(Eviction):
             node.parent = None
             node = parent
         return node
-
-    def _may_pin(self, child: Node, m: int, full: Mapping[str, Sequence[int]], held: int | None) -> bool:
-        """Whether an insert may go through the first `m` tokens of `child`'s edge: they lie in
-        the caller's pages (its hit, or what the tree took from it), or it locks them already
-        (`held`), or they start where its lock ends and hold no checkpoint at their end."""
-        if held is not None and (child.end <= held or (child.start == held and (
-                m < len(child.key) or child.checkpoint is None))):
-            return True
-        first, k = child.start // self.page_size, m // self.page_size
-        return all(list(child.full[c.name][:k]) == list(full[c.name][first:first + k]) for c in self.tokens)
 
     def _common(self, key: tuple[int, ...], token_ids, pos: int, limit: int) -> int:
         """Length of the common prefix of `key` and token_ids[pos:], in whole pages, at most `limit`."""

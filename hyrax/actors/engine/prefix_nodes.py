@@ -89,12 +89,16 @@ class Inserted:
     """node: the node ending at the inserted length (lock it to keep using the shared pages);
     adopted: units the tree took over from the request (move their ownership to the cache);
     rejected: checkpoint positions not taken (already cached, or window rows missing) — their
-    slots stay with the caller."""
+    slots stay with the caller;
+    reuse: token component -> {page number: the tree's unit} for the pages above `length` the
+    tree holds in units other than the request's (a prefix it computed again): once it locks
+    `node`, the request reads these and frees its own copies (its lock covers what it reads)."""
 
     node: Node
     length: int
     adopted: Units
     rejected: tuple[int, ...]
+    reuse: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
 
 
 def transfer(allocators: Mapping[str, IndexAllocator], units: Mapping[str, Sequence[int]], old: str, new: str) -> None:
