@@ -73,6 +73,9 @@ def test_serve_answers_a_token_file_it_cannot_write_with_one_line(tmp_path, caps
         def close(self):
             pass
 
+        def getsockname(self):  # serve warns about a host other machines reach (is_loopback)
+            return ("127.0.0.1", 8000)
+
     monkeypatch.delenv("HYRAX_ADMIN_TOKEN", raising=False)
     monkeypatch.setattr(serve, "validate", lambda a: (None,) * 5)
     monkeypatch.setattr(serve, "bind_gateway", lambda host, port: Socket())
