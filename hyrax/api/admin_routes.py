@@ -171,6 +171,9 @@ async def migrate(body: MigrateBody, request: Request):
                        param="to", code=outcome.value)
     if not outcome.ok:
         raise APIError(409, f"request {body.request_id}: {outcome.message}", param="request_id", code=outcome.value)
+    if outcome == Outcome.TAKEN_BACK:  # exported, but no replica could take it: it runs on where it was
+        raise APIError(409, f"request {body.request_id} did not move: no other replica took it over, and it runs on "
+                            f"at {to.role}/{to.index}", param="to" if body.to else "request_id", code=outcome.value)
     if to is None:  # exported, and no replica had taken it over by the time the answer came
         return {"request_id": body.request_id, "result": f"{outcome.value}; {NOT_ARRIVED}"}
     return {"request_id": body.request_id, "result": f"{outcome.value} to {to.role}/{to.index}"}

@@ -263,9 +263,14 @@ class EngineClient:
         try:
             while True:
                 handoff, asked, refusal, fresh = None, None, None, True  # fresh: nothing of this stream read yet
+                failed_import = None  # an import's first item, an error: the source may take it back
                 async for item in stream:
                     if fresh and is_refusal(item):
                         refusal = item
+                        break
+                    if (fresh and offered_by is not None and item.get("error") and request_id not in self.aborting
+                            and self._taking_back(offered_by, backend, carried)):
+                        failed_import = item  # the import failed there, so nothing of it runs there
                         break
                     fresh = False
                     if "imported" in item:  # the new replica has it; the source was told directly
@@ -279,6 +284,14 @@ class EngineClient:
                     done = bool(item.get("finished"))
                     yield item
                 await _close(stream)  # left early (a refusal, a hand-off): its cleanup runs now, not at GC
+                if failed_import is not None:  # the source runs it on (it decodes; nowhere else was asked)
+                    log.warning("request %s: %s/%s could not import it (%s); %s/%s runs it on", request_id,
+                                backend.role, backend.index, failed_import.get("error"), offered_by.role,
+                                offered_by.index)
+                    backend = offered_by
+                    self._own(request_id, backend)
+                    stream = backend.generate_imported(carried)
+                    continue
                 if refusal is not None:  # it never ran there: another replica may take it
                     self._refused(backend, refusal)
                     tried.add(id(backend))
@@ -286,7 +299,7 @@ class EngineClient:
                         done = True  # (an offer is freed below)
                         yield {"token_ids": [], "finished": True, "finish_reason": "abort"}
                         return
-                    target = self._next_try(tried, offered_by)
+                    target = self._next_try(tried, offered_by) or self._taking_back(offered_by, backend, carried)
                     self.route_stats.refusals["answered" if target is None else "rerouted"] += 1
                     if target is None:  # none left: the refusal ends it (an offer is freed below)
                         done = True
@@ -308,7 +321,7 @@ class EngineClient:
                     return
                 offered_by, carried, tried = backend, handoff, set()
                 target = (self.migrate_to.pop(request_id, None) or self._asked(asked, backend)
-                          or self._continuation(exclude=backend))
+                          or self._continuation(exclude=backend) or self._taking_back(backend, None, handoff))
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
                     yield error_item(_nowhere_to_go(handoff, backend), 503)
                     return
@@ -324,6 +337,17 @@ class EngineClient:
             self._own(request_id, None)
             self.migrate_to.pop(request_id, None)
             self.aborting.discard(request_id)
+
+    def _taking_back(self, source, refuser, handoff: dict):
+        """`source`, when it can run on `handoff`, a request it offered that no other replica
+        took: it decodes, it is in service and not the replica that just refused the offer, and
+        it still holds the state (a hand-off without state comes from a replica that was lost).
+        Else None. Its state never left it: it takes the hand-off back (transfer.py) and the
+        client's stream goes on."""
+        if (source is None or source is refuser or source.role not in DECODING_ROLES
+                or id(source) in self.out_of_service or handoff.get("manifest") is None):
+            return None
+        return source
 
     def find_backend(self, role: str, replica: int):
         for b in self.backends:
@@ -381,17 +405,21 @@ class EngineClient:
                 self.migrate_to.pop(request_id, None)
         if not ok:
             return Outcome.NOT_RUNNING, None
-        return Outcome.MIGRATING, (await self._arrival(request_id, src, wait_s) if wait_s > 0 else target)
+        if wait_s <= 0:
+            return Outcome.MIGRATING, target
+        arrived = await self._arrival(request_id, src, wait_s)
+        return (Outcome.TAKEN_BACK if arrived is src else Outcome.MIGRATING), arrived
 
     async def _arrival(self, request_id: str, src, wait_s: float):
         """The replica that took `request_id` over from `src`: the first other one to own it
-        (request_owners.py). None when none did within `wait_s`, or when no replica holds it in
-        two looks in a row (it ended; one look could miss it, the replicas answering one by one)."""
+        (request_owners.py), or `src` itself when it took its offer back (no other replica
+        took it). None when none did within `wait_s`, or when no replica holds it in two looks
+        in a row (it ended; one look could miss it, the replicas answering one by one)."""
         aloop = asyncio.get_running_loop()
         deadline, missing = aloop.time() + wait_s, 0
         while True:
             held = (await self._owners()).get(request_id)
-            if held is not None and held.replica is not src and held.row["state"] != OFFERED:
+            if held is not None and held.row["state"] != OFFERED:  # (src: exported, so offered until taken back)
                 return held.replica
             missing = missing + 1 if held is None else 0
             if missing >= 2 or aloop.time() >= deadline:
@@ -416,14 +444,15 @@ class EngineClient:
         deadline = asyncio.get_running_loop().time() + wait_s
         left = set(moving)
         while left and asyncio.get_running_loop().time() < deadline:  # until the targets took them
-            await asyncio.sleep(0.05)
-            left &= {r["id"] for r in await backend.run(ListRequests())}
+            await asyncio.sleep(0.05)  # (or it took back one no other replica took: no longer offered)
+            left &= {r["id"] for r in await backend.run(ListRequests()) if r["state"] == OFFERED}
         if moving:  # name where each went, which is not its target when that refused the hand-off
             now = await self._owners()
             for rid in moving:
                 held = now.get(rid)
-                if held is not None and held.replica is not backend:
-                    moved[rid] = _moved(Outcome.MIGRATING, held.replica)
+                if held is not None and held.row["state"] != OFFERED:
+                    moved[rid] = _moved(Outcome.TAKEN_BACK if held.replica is backend else Outcome.MIGRATING,
+                                        held.replica)
         remaining = await backend.run(Load())
         return {"draining": f"{backend.role}/{backend.index}", "migrations": moved, "remaining": remaining}
 

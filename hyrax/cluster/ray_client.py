@@ -138,7 +138,7 @@ class RayBackend:
                 finished = is_last(item)
                 yield item
         finally:
-            feed.fanout.close(rid)
+            feed.fanout.close(rid, q)
             if not finished:  # the consumer went away: free the request on the replica now
                 self._abort_there(rid)
 

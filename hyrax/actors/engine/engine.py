@@ -401,6 +401,10 @@ class Engine:
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
         return result
 
+    def take_back(self, handoff: dict) -> Outcome:
+        """Run on a request this replica offered, which no other replica took (transfer.py)."""
+        return self.transfers.take_back(handoff)
+
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
         return self.transfers.reclaim_expired(time.monotonic() if now is None else now)
 

@@ -5,6 +5,7 @@ request's state changes.
                         ^                  |                     |
                         +----requeue-------+---------------------+   (rebuilt by prefill)
     (new) --import--> RETRACTED            +--offer--> OFFERED --(acknowledged / lease over)--> gone
+                                               RUNNING <--take back-- OFFERED   (no replica took it)
     any live state --finish--> FINISHED (removed from the table)
 
 An illegal transition raises `IllegalTransition`: a caller that asks to retract a waiting
@@ -37,6 +38,7 @@ class Outcome(str, enum.Enum):
     FALLBACK = "fallback"  # state incomplete or a copy failed: rebuilt by prefill
     CHECKSUM_MISMATCH = "checksum_mismatch"  # rebuilt by prefill
     MIGRATING = "migrating"
+    TAKEN_BACK = "taken_back"  # an offer no other replica took: the source runs it on (its state never left)
     # refusals
     UNKNOWN = "unknown_request"
     NOT_RUNNING = "not_running"
@@ -150,6 +152,12 @@ class RequestTable:
         """Exported to another replica; its state stays here until acknowledged or the lease ends."""
         self._move(req, (State.RUNNING,), State.OFFERED)
         req.offer_deadline = time.monotonic() + lease_s
+
+    def take_back(self, req: Request) -> None:
+        """Its offer went nowhere (no other replica took it) and its client is still there: it runs
+        on here, from the state it never stopped holding."""
+        self._move(req, (State.OFFERED,), State.RUNNING)
+        req.offer_deadline = None
 
     def finish(self, req: Request, reason: str) -> State:
         """Leave the table (finished, aborted, failed, or taken over by another replica).

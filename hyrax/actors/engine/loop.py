@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, TypeVar
+from typing import AsyncIterator, Callable, TypeVar
 
 from hyrax.actors.engine.commands import (Abort, CachedPrefix, Command, FlushCache, ListRequests, Load, MigrateOut,
                                           Pools, Resume, Retract, SetForcedRetraction, Stats)
@@ -385,6 +385,9 @@ class EngineLoop:
         rid = handoff["request"]["id"]
 
         def admit():
+            if rid in self.engine.table.offered:  # its own offer, back: no other replica took it
+                return {"token_ids": [], "finished": False, "finish_reason": None,
+                        "imported": self.engine.take_back(handoff)}
             # a request this loop ended while recovering (it gave up) is not acknowledged: the
             # source's offer is freed by its lease or the gateway, as for any import that fails
             result = self._on_ranks(lambda: self.engine.import_request(handoff),
@@ -460,15 +463,14 @@ class EngineLoop:
             finally:
                 self._deliver(self.engine.step_outputs_flush())
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict):
-        """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items."""
-        async for item in self._stream(request_id, lambda sink: self.submit(request_id, prompt_ids, params, sink)):
-            yield item
+    def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
+        """Async generator of {"token_ids", "finished", "finish_reason"[, "error"]} items (the
+        stream itself, not a wrapper: closing it runs its cleanup then, not when collected)."""
+        return self._stream(request_id, lambda sink: self.submit(request_id, prompt_ids, params, sink))
 
-    async def generate_imported(self, handoff: dict):
+    def generate_imported(self, handoff: dict) -> AsyncIterator[dict]:
         """`submit_imported` for an in-process caller: the first item is {"imported": result}."""
-        async for item in self._stream(handoff["request"]["id"], lambda sink: self.submit_imported(handoff, sink)):
-            yield item
+        return self._stream(handoff["request"]["id"], lambda sink: self.submit_imported(handoff, sink))
 
     async def _stream(self, request_id: str, start):
         """One request's items for a caller on this event loop, fanned out from the one batch
@@ -485,7 +487,7 @@ class EngineLoop:
                 done = is_last(item)
                 yield item
         finally:
-            fan.close(request_id)
+            fan.close(request_id, q)
             if not fan:
                 self._local.pop(aloop, None)
             if not done:

@@ -63,6 +63,7 @@ class EngineStats:
     recoveries: int = 0
     step_errors: int = 0  # steps that raised on live ranks: their requests failed, the ranks stayed
     offers_reclaimed: int = 0  # hand-offs whose lease ended without an acknowledgement
+    offers_taken_back: int = 0  # hand-offs no other replica took, run on here (Transfers.take_back)
     prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     batch_cap: BatchCapStats = field(default_factory=BatchCapStats)
 
@@ -81,6 +82,7 @@ class EngineStats:
             "recoveries": self.recoveries,
             "step_errors": self.step_errors,
             "offers_reclaimed": self.offers_reclaimed,
+            "offers_taken_back": self.offers_taken_back,
             "finished": dict(self.finished),
             "bytes_backed_up": dict(self.bytes_backed_up),
             "bytes_restored": dict(self.bytes_restored),

@@ -73,8 +73,11 @@ class Fanout:
         q = self.queues[request_id] = asyncio.Queue()
         return q
 
-    def close(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+    def close(self, request_id: str, q: asyncio.Queue) -> None:
+        """The stream that opened `q` is done: its queue goes, unless a later stream of the same
+        request (an offer taken back by its source, on the same consumer) opened its own since."""
+        if self.queues.get(request_id) is q:
+            del self.queues[request_id]
 
     def dispatch(self, batch: Batch) -> None:
         for rid, item in batch:

@@ -6,7 +6,10 @@ target's halves of one protocol:
    kept alive;
 2. the target **imports** into new indices, verifies every shard on every rank, and
    **acknowledges** to the source;
-3. the source **frees** on the acknowledgement, or when the lease ends without one.
+3. the source **frees** on the acknowledgement, or when the lease ends without one; or, when
+   no other replica took the offer and its client is still there, the gateway brings it back
+   and the source **takes it back**: it runs on from the state it kept (DESIGN's "resumed
+   locally").
 
 A client that goes away aborts the request wherever it is, OFFERED included (`Engine.abort`).
 """
@@ -80,6 +83,18 @@ class Transfers:
             self.stats.offers_reclaimed += 1
             out.append(req.id)
         return out
+
+    def take_back(self, handoff: dict) -> Outcome:
+        """Run on a request this replica offered and no other replica took (its gateway brings
+        the hand-off back): its state never left the pools, so nothing is copied or verified."""
+        r = handoff["request"]
+        req = self.table.offered.get(r["id"])
+        if req is None or list(r["output_ids"]) != req.output_ids:
+            raise HyraxInputError(f"request {r['id']!r} is not offered here as handed off")
+        self.table.take_back(req)
+        req.export_payload = None  # the exported shards are nobody's to fetch now
+        self.stats.offers_taken_back += 1
+        return Outcome.TAKEN_BACK
 
     # ---- target side -------------------------------------------------------------------
     def import_(self, handoff: dict) -> Outcome:
