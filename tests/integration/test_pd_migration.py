@@ -210,3 +210,44 @@ def test_drain_decode_replica_with_8_running_requests_finishes_them_elsewhere(pd
     assert ray.get(dec0.handle.load.remote(), timeout=30) == 0
     assert_all_clean(d)
     asyncio.run(client.undrain(dec0))
+
+
+def test_a_migration_with_nowhere_to_go_runs_on_at_its_source(pd):
+    """Over Ray: the decode replica a request runs on exports it for a migration, and by the
+    time the hand-off reaches the gateway no other replica that decodes is in service. The
+    gateway brings the offer back; the source takes it back (its state never left) and the
+    request continues there token for token, instead of ending with a 503 (test_migrate_take_back.py
+    covers the other ways an offer comes back, in process)."""
+    from hyrax.actors.engine.commands import MigrateOut
+
+    d, client = pd
+    p = prompt(60, seed=977)
+    want = reference(DEMO_MODEL, CONFIG, [p], [80])
+    run = Run(uid("back"), p, 80)
+
+    async def during(runs):
+        colo = _backend(client, "colocated")
+        await client.drain(colo)  # the prefill replica hands off to a TP=1 decode replica
+        try:
+            await wait_for(lambda: len(run.tokens) >= 2, what="the request decoding")
+        finally:
+            await client.undrain(colo)
+        src = client.owner[run.id]
+        assert src.role == "decode", src.role
+        others = [b for b in client.backends if b.role in ("decode", "colocated") and b is not src]
+        before, seen = await _stats(src), len(run.tokens)
+        for b in others:
+            client._refused(b, {"error": "out of service for this test"})
+        try:
+            assert await src.run(MigrateOut(run.id, (others[0].role, others[0].index)))
+            await wait_for(lambda: len(run.tokens) >= seen + 10, what="tokens after the offer came back")
+        finally:
+            for b in others:
+                client.out_of_service.pop(id(b), None)
+        assert client.owner[run.id] is src
+        delta = stats_delta(before, await _stats(src))
+        assert delta["offers_taken_back"] == 1 and delta["transfers_out"] == 0, delta
+
+    drive(client, [run], during)
+    assert_outputs([run], want)
+    assert_all_clean(d)
