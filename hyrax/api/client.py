@@ -435,8 +435,8 @@ class EngineClient:
         self.draining.add(id(backend))
         reqs = await backend.run(ListRequests())
         moved, moving = {}, set()
-        for r in reqs:
-            if r["state"] == "running" and r["id"] in self.owner:
+        for r in reqs:  # whichever gateway streams it (`migrate`: the target travels with the hand-off)
+            if r["state"] == "running":
                 outcome, target = await self.migrate(r["id"], wait_s=0)
                 moved[r["id"]] = _moved(outcome, target)
                 if outcome == Outcome.MIGRATING:

@@ -114,3 +114,22 @@ def test_the_migrate_answer_names_the_replica_that_took_the_request_after_the_ta
     finally:
         for loop in (loops[0], loops[2]):
             loop.shutdown()
+
+
+def test_a_gateway_drains_a_replica_of_the_requests_another_gateway_streams():
+    """An operator's drain through one gateway moved only the requests that gateway streamed
+    itself: another gateway's request stayed on the draining replica (`remaining` 1)."""
+    loops = _loops(2)
+    streamer, admin = _gateway(loops), _gateway(loops)
+    try:
+        s = Stream(streamer, "r3")
+        s.wait_tokens(3)
+        assert streamer.owner["r3"].index == 0
+        out = asyncio.run(admin.drain(admin.find_backend("colocated", 0)))
+        assert out["migrations"] == {"r3": "migrating to colocated/1"}, out
+        assert out["remaining"] == 0, out
+        s.finish()
+        assert _transfers_in(loops[1]) == {"verified": 1}
+    finally:
+        for loop in loops:
+            loop.shutdown()
