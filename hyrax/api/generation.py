@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from starlette.responses import StreamingResponse
 
 from hyrax.actors.engine.step_feed import error_item
+from hyrax.actors.engine.stream_queue import StreamQueue
 from hyrax.api.text import TextStream
 
 log = logging.getLogger("hyrax.api")
@@ -39,23 +40,33 @@ class Choice:
 async def run_choices(client, choices: list[Choice], metrics=None,
                       reservation=None) -> AsyncIterator[tuple[Choice, str, bool]]:
     """Yields (choice, text delta, finished) as tokens arrive, from all choices interleaved.
-    `reservation`: the admission of these choices, released as each one ends."""
-    q: asyncio.Queue = asyncio.Queue()
+    `reservation`: the admission of these choices, released as each one ends.
+
+    Each choice's stream is read as its items come (a hand-off is passed on at once, whatever
+    the client does); what the caller has not taken yet (a client reading its answer slowly)
+    waits in the choice's queue, which joins its token items once they pile up (stream_queue.py)."""
+    held = {c.index: StreamQueue() for c in choices}  # each choice's items not taken yet
+    turns: asyncio.Queue = asyncio.Queue()  # whose item comes next: one per item held, in the order they came
     timers = {c.index: metrics.timer() for c in choices} if metrics is not None else {}
+
+    def hold(c: Choice, item: dict) -> None:
+        if held[c.index].put_nowait(item):  # a new item, not tokens joined onto the last one held
+            turns.put_nowait(c)
 
     async def pump(c: Choice):
         try:
             async for item in client.generate(c.request_id, c.prompt_ids, c.params):
-                await q.put((c, item))
+                hold(c, item)
         except Exception:  # noqa: BLE001 - a replica failure ends this choice with an error (503: retry)
             log.exception("request %s: its replica's stream failed", c.request_id)  # the client is told no more
-            await q.put((c, error_item("the replica serving this request failed", 503)))
+            hold(c, error_item("the replica serving this request failed", 503))
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     open_ = len(choices)
     try:
         while open_:
-            c, item = await q.get()
+            c = await turns.get()
+            item = await held[c.index].get()  # there since its turn was queued
             if item.get("error"):
                 c.error = item["error"]
                 c.error_status = item.get("status", 400)

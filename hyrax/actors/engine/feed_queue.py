@@ -12,36 +12,22 @@ longer with the steps.
 
 An item that carries more than tokens is never folded into: a request's first item after an
 import (`imported`: the gateway skips its tokens), one with an `error`; nor is anything folded
-into an item that ends its stream (`step_feed.is_last`). Ray-free; used on one event loop.
+into an item that ends its stream. The join and its rules are item_join.py's, which a request's
+queue on the gateway shares (stream_queue.py). Ray-free; used on one event loop.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import deque
 
-from hyrax.actors.engine.step_feed import Batch, is_last
+from hyrax.actors.engine.item_join import join, join_onto, joinable
+from hyrax.actors.engine.step_feed import Batch
 
 FOLD_AFTER = 64  # batches held for a feed before they are folded (~ a second of decode steps)
 # batches Ray may have sent a feed's gateway that it has not taken yet: past that the replica's
 # `feed` generator waits (Ray's generator backpressure) and its batches wait here, folded. Without
 # it Ray sent one message a step to a gateway that did not read them, frozen or dead too.
 IN_FLIGHT = 16
-PLAIN = frozenset({"token_ids", "finished", "finish_reason", "logprobs"})  # what an item may hold to be folded into
-
-
-def _foldable(a: dict, b: dict) -> bool:
-    """Whether `b`, the next item of the same request, may be joined onto `a`."""
-    if not PLAIN.issuperset(a) or is_last(a) or "imported" in b or "error" in b:
-        return False
-    # logprobs come one per token: two items join only if both have them or either has no tokens
-    return ("logprobs" in a) == ("logprobs" in b) or not a.get("token_ids") or not b.get("token_ids")
-
-
-def _join(a: dict, b: dict) -> dict:
-    out = dict(b, token_ids=list(a.get("token_ids") or []) + list(b.get("token_ids") or []))
-    if "logprobs" in a or "logprobs" in b:
-        out["logprobs"] = list(a.get("logprobs") or []) + list(b.get("logprobs") or [])
-    return out
 
 
 def fold(batch: Batch) -> Batch:
@@ -49,10 +35,12 @@ def fold(batch: Batch) -> Batch:
     their order (requests in the order of their first item)."""
     out: Batch = []
     last: dict[str, int] = {}  # request id -> where its newest item is in `out`
+    made: set[int] = set()  # where `out` holds an item this fold made (joined onto in place)
     for rid, item in batch:
         k = last.get(rid)
-        if k is not None and _foldable(out[k][1], item):
-            out[k] = (rid, _join(out[k][1], item))
+        if k is not None and joinable(out[k][1], item):
+            out[k] = (rid, join_onto(out[k][1], item) if k in made else join(out[k][1], item))
+            made.add(k)
         else:
             last[rid] = len(out)
             out.append((rid, item))

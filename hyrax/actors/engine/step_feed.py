@@ -5,7 +5,8 @@ in the order the engine produced the items, instead of one message per token per
 consumer is an asyncio event loop: the in-process client's, or the coordinator's feed to one
 gateway (one Ray streaming generator per gateway and replica, which the gateway fans out to its
 HTTP streams: hyrax/cluster/ray_client.py). A `Fanout` on the consumer's side hands each item
-to its request's queue; `follow` reads one request's queue to its last item.
+to its request's queue (bounded for a stream that reads slowly: stream_queue.py); `follow` reads
+one request's queue to its last item.
 
 An item is the last of its stream when it finishes the request or hands it off (`is_last`).
 Ray-free.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator, Callable
+
+from hyrax.actors.engine.stream_queue import StreamQueue
 
 Batch = list[tuple[str, dict]]
 
@@ -67,13 +70,13 @@ class Fanout:
     """Per-request queues behind one consumer; used on its event loop only."""
 
     def __init__(self):
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, StreamQueue] = {}
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        q = self.queues[request_id] = asyncio.Queue()
+    def open(self, request_id: str) -> StreamQueue:
+        q = self.queues[request_id] = StreamQueue()
         return q
 
-    def close(self, request_id: str, q: asyncio.Queue) -> None:
+    def close(self, request_id: str, q: StreamQueue) -> None:
         """The stream that opened `q` is done: its queue goes, unless a later stream of the same
         request (an offer taken back by its source, on the same consumer) opened its own since."""
         if self.queues.get(request_id) is q:
@@ -94,7 +97,7 @@ class Fanout:
         return len(self.queues)
 
 
-async def follow(q: asyncio.Queue) -> AsyncIterator[dict]:
+async def follow(q: StreamQueue) -> AsyncIterator[dict]:
     """One request's items, up to and including its last."""
     while True:
         item = await q.get()
