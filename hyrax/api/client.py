@@ -372,13 +372,16 @@ class EngineClient:
             return 409, f"{name} is draining or out of service"
         return None
 
-    async def migrate(self, request_id: str, target=None, wait_s: float = ARRIVAL_WAIT_S) -> tuple[Outcome, object]:
+    async def migrate(self, request_id: str, target=None, wait_s: float = ARRIVAL_WAIT_S,
+                      source=None) -> tuple[Outcome, object]:
         """Move a running request to `target` (a backend that `migration_refusal` accepts;
         default: the least loaded other replica that decodes), whichever gateway streams it: the
         target travels with the hand-off to that gateway (`generate`, `_asked`). Returns (outcome,
         the replica that took the request over): `target`, unless it refused the hand-off and
         another replica took it; None when none had within `wait_s` (the request ended first, or
-        is slow to arrive). `wait_s` 0: answer with the target at once."""
+        is slow to arrive). `wait_s` 0: answer with the target at once. `source`: only from that
+        replica (a drain's): a request that left it since (another gateway's drain moved it) is
+        NOT_RUNNING there, and stays where it went."""
         src = self.owner.get(request_id)
         ours = src is not None
         if not ours:  # another gateway's request (or none): the replica holding it says
@@ -386,6 +389,8 @@ class EngineClient:
             if held is None:
                 return Outcome.UNKNOWN, None
             src = held.replica
+        if source is not None and src is not source:
+            return Outcome.NOT_RUNNING, None
         if target is not None and self.migration_refusal(target) is not None:
             return Outcome.NO_TARGET, None
         if target is src:
@@ -430,14 +435,14 @@ class EngineClient:
         """Stop admitting to `backend`, migrate its running requests elsewhere, and wait (up
         to `wait_s`) until the ones on their way have left it (the replicas they move to took
         them); `remaining` is what it still holds then. What does not move (nowhere to go, not
-        running: a request retracted and held stays until resumed) is not waited for: with
-        nothing on its way the drain answers at once."""
+        running: a request retracted and held stays until resumed; one another gateway's drain
+        moved since the listing) is not waited for: with nothing on its way the drain answers at once."""
         self.draining.add(id(backend))
         reqs = await backend.run(ListRequests())
         moved, moving = {}, set()
         for r in reqs:  # whichever gateway streams it (`migrate`: the target travels with the hand-off)
             if r["state"] == "running":
-                outcome, target = await self.migrate(r["id"], wait_s=0)
+                outcome, target = await self.migrate(r["id"], wait_s=0, source=backend)
                 moved[r["id"]] = _moved(outcome, target)
                 if outcome == Outcome.MIGRATING:
                     moving.add(r["id"])

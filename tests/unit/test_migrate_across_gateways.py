@@ -17,7 +17,7 @@ import time
 from fastapi.testclient import TestClient
 
 from engine_helpers import HYBRID, make_engine, tiny_model
-from hyrax.actors.engine.commands import Stats
+from hyrax.actors.engine.commands import ListRequests, Stats
 from hyrax.actors.engine.loop import EngineLoop
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.api.app import GatewaySettings, create_app
@@ -130,6 +130,49 @@ def test_a_gateway_drains_a_replica_of_the_requests_another_gateway_streams():
         assert out["remaining"] == 0, out
         s.finish()
         assert _transfers_in(loops[1]) == {"verified": 1}
+    finally:
+        for loop in loops:
+            loop.shutdown()
+
+
+class ListsFirst(LocalBackend):
+    """A replica as one gateway sees it, whose listing answers before `meanwhile` (another
+    gateway's drain of it, on an event loop of its own) runs; then this gateway goes on."""
+
+    def __init__(self, loop, index: int, meanwhile):
+        super().__init__(loop, "colocated", index)
+        self.meanwhile = meanwhile
+
+    async def run(self, cmd):
+        out = await super().run(cmd)
+        if isinstance(cmd, ListRequests) and self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            await asyncio.to_thread(meanwhile)
+        return out
+
+
+def test_two_gateways_draining_one_replica_move_each_request_once():
+    """Scale-down drains a retiring replica through every gateway's membership task. A drain
+    whose listing came before another gateway's drain moved a request moved that request again,
+    from the replica it had just arrived on (migrations {'r4': 'migrating to colocated/2'}, two
+    imports)."""
+    loops = _loops(3)
+    streamer, first, second = _gateway(loops), _gateway(loops), _gateway(loops)
+    try:
+        s = Stream(streamer, "r4")
+        s.wait_tokens(3)
+        assert streamer.owner["r4"].index == 0
+        first_out = {}
+
+        def first_drains():
+            first_out.update(asyncio.run(first.drain(first.find_backend("colocated", 0))))
+        second.backends[0] = ListsFirst(loops[0], 0, first_drains)
+        out = asyncio.run(second.drain(second.backends[0]))
+        assert first_out["migrations"] == {"r4": "migrating to colocated/1"}, first_out
+        assert out["migrations"] == {"r4": Outcome.NOT_RUNNING.value}, out
+        assert out["remaining"] == 0, out
+        s.finish()
+        assert [_transfers_in(loop) for loop in loops] == [{}, {"verified": 1}, {}]
     finally:
         for loop in loops:
             loop.shutdown()
