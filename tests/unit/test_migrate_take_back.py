@@ -152,3 +152,35 @@ def test_an_offer_with_nowhere_to_go_runs_on_at_the_source():
     finally:
         for loop in loops:
             loop.shutdown()
+
+
+def test_a_hand_off_that_went_on_elsewhere_is_imported_not_taken_back():
+    """The source still holds its offer (the importer's acknowledgement never reached it), but
+    the request went on elsewhere and that replica was lost after streaming tokens: its gateway
+    hands on the tokens alone. The source must not take back its stale offer (those tokens are
+    past it): it frees the offer and rebuilds the request from the tokens, which then continues
+    exactly as the uninterrupted run."""
+    from engine_helpers import greedy
+    from hyrax.actors.engine.local import run_to_completion
+
+    model = tiny_model(HYBRID)
+    alone = make_engine(model, prefix_cache=False)
+    rid = alone.add_request(PROMPT, greedy(MAX_TOKENS, ignore_eos=True))
+    run_to_completion(alone)
+    want = alone.finished_requests[rid].output_ids
+
+    e = make_engine(model, prefix_cache=False)
+    rid = e.add_request(PROMPT, greedy(MAX_TOKENS, ignore_eos=True), "r5")
+    while len(e.requests[rid].output_ids) < 5:
+        e.step()
+    e.sync()
+    offer = e.export_running(rid)
+    n = len(offer["request"]["output_ids"])
+    lost = {"request": dict(offer["request"], output_ids=want[:n + 7]), "manifest": None, "payload": [],
+            "lease_s": 0.0, "source": None}
+    assert e.take_back(lost) is None and rid not in e.table.offered
+    assert e.import_request(lost) == Outcome.RECOMPUTE
+    run_to_completion(e)
+    assert e.finished_requests[rid].output_ids == want
+    assert e.stats.offers_reclaimed == 1 and e.stats.offers_taken_back == 0
+    assert_idle_clean(e)

@@ -401,8 +401,9 @@ class Engine:
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
         return result
 
-    def take_back(self, handoff: dict) -> Outcome:
-        """Run on a request this replica offered, which no other replica took (transfer.py)."""
+    def take_back(self, handoff: dict) -> Outcome | None:
+        """Run on a request this replica offered, which no other replica took (transfer.py);
+        None: `handoff` is not that offer (import it)."""
         return self.transfers.take_back(handoff)
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:

@@ -385,9 +385,9 @@ class EngineLoop:
         rid = handoff["request"]["id"]
 
         def admit():
-            if rid in self.engine.table.offered:  # its own offer, back: no other replica took it
-                return {"token_ids": [], "finished": False, "finish_reason": None,
-                        "imported": self.engine.take_back(handoff)}
+            taken = self.engine.take_back(handoff)  # its own offer, back: no other replica took it
+            if taken is not None:
+                return {"token_ids": [], "finished": False, "finish_reason": None, "imported": taken}
             # a request this loop ended while recovering (it gave up) is not acknowledged: the
             # source's offer is freed by its lease or the gateway, as for any import that fails
             result = self._on_ranks(lambda: self.engine.import_request(handoff),

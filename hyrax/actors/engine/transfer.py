@@ -84,13 +84,21 @@ class Transfers:
             out.append(req.id)
         return out
 
-    def take_back(self, handoff: dict) -> Outcome:
+    def take_back(self, handoff: dict) -> Outcome | None:
         """Run on a request this replica offered and no other replica took (its gateway brings
-        the hand-off back): its state never left the pools, so nothing is copied or verified."""
+        the hand-off back): its state never left the pools, so nothing is copied or verified.
+        None when the hand-off is not that offer: none is held (its lease ended), or the request
+        went on elsewhere since (a replica that took it was lost after streaming tokens, and its
+        gateway hands on the tokens alone); a stale offer held here is freed, and the caller
+        imports the hand-off as any other."""
         r = handoff["request"]
         req = self.table.offered.get(r["id"])
-        if req is None or list(r["output_ids"]) != req.output_ids:
-            raise HyraxInputError(f"request {r['id']!r} is not offered here as handed off")
+        if req is None:
+            return None
+        if list(r["output_ids"]) != req.output_ids:
+            self.leave(req, "lease_expired")  # what it offered is behind the request now
+            self.stats.offers_reclaimed += 1
+            return None
         self.table.take_back(req)
         req.export_payload = None  # the exported shards are nobody's to fetch now
         self.stats.offers_taken_back += 1
