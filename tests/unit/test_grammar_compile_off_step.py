@@ -155,3 +155,24 @@ def test_compiles_run_side_by_side_up_to_the_bound():
     gate.set()
     assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
     assert pool._threads == 2
+
+
+def test_a_long_compile_does_not_keep_rank_0_from_letting_go_of_older_grammars(held_compile, monkeypatch):
+    """Rank 0 keeps COMPILED_KEPT grammars, the least recently used going first; it stopped at
+    the oldest compile still running, so while one ran for minutes (the others now finish beside
+    it) every grammar compiled meanwhile was kept."""
+    from hyrax.actors.engine import grammar
+    from hyrax.actors.model.config import ModelConfig
+
+    monkeypatch.setattr(grammar, "COMPILED_KEPT", 2)
+    cfg = ModelConfig.from_dir(DEMO)
+    masks = grammar.GrammarMasks(DEMO, cfg.vocab_size, [cfg.vocab_size - 1])
+    masks.prepare([SLOW])  # held: never done in this test
+    quick = [GrammarSpec("regex", f"[a-z]{{{k}}}") for k in range(1, 6)]
+    for spec in quick:
+        masks.prepare([spec])
+        masks._compiled[spec].result(timeout=20)
+    masks.prepare([])  # a later plan trims again
+    assert SLOW in masks._compiled and len(masks._compiled) <= 3, list(masks._compiled)
+    assert quick[-1] in masks._compiled  # the newest stays
+    held_compile.set()

@@ -318,11 +318,12 @@ class GrammarMasks:
         return f.result()
 
     def _trim(self) -> None:
-        while len(self._compiled) > COMPILED_KEPT:
-            oldest = next(iter(self._compiled))
-            if not self._compiled[oldest].done():
-                break
-            del self._compiled[oldest]
+        """Keep COMPILED_KEPT grammars: the least recently used compiled ones go; one still
+        compiling stays (its request waits for it), whatever its place."""
+        excess = len(self._compiled) - COMPILED_KEPT
+        if excess > 0:
+            for spec in [s for s, f in self._compiled.items() if f.done()][:excess]:
+                del self._compiled[spec]
 
     @cached_property
     def _batch(self):
