@@ -74,20 +74,28 @@ def check(spec: GrammarSpec, param: str) -> None:
     for where, pattern in _patterns(spec):
         at = anchor_inside(pattern)
         if at is not None:
-            raise APIError(400, f"{where} {pattern!r} has {pattern[at]!r} at character {at}, inside the pattern, "
-                                "which the grammar engine ignores (it would accept strings the pattern refuses): "
-                                "'^' is allowed only where nothing comes before it and '$' only where nothing comes "
-                                "after it (write \\^ or \\$ for the characters)", param=param, code="invalid_value")
+            raise APIError(400, f"{where} {_quoted(pattern)} has '{pattern[at]}' at character {at}, inside the "
+                                "pattern, which the grammar engine ignores (it would accept strings the pattern "
+                                "refuses): '^' is allowed only where nothing comes before it and '$' only where "
+                                "nothing comes after it (write \\^ or \\$ for the characters)",
+                           param=param, code="invalid_value")
         bad = misread_inside(pattern)
         if bad is not None:
             at, what = bad
-            raise APIError(400, f"{where} {pattern!r} has {what!r} at character {at}, which the grammar engine would "
-                                f"not read as it is meant ({_misread_why(what)})",
+            raise APIError(400, f"{where} {_quoted(pattern)} has {_quoted(what)} at character {at}, which the grammar "
+                                f"engine would not read as it is meant ({_misread_why(what)})",
                            param=param, code="invalid_value")
     try:
         spec.check()
     except HyraxInputError as e:
         raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+def _quoted(text: str) -> str:
+    """`text` in quotes as the client wrote it, so that a position counts in what is shown (a
+    repr would double each backslash). Only a character that does not print is escaped (a
+    newline shows as \\n), which the positions after it then do not count."""
+    return "'" + "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text) + "'"
 
 
 def _patterns(spec: GrammarSpec) -> list[tuple[str, str]]:

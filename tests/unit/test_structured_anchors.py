@@ -6,6 +6,8 @@ mark the text's start or end (`^a$`, `^a$|^b$`, `(^a|b)c`), escaped ones and tho
 character class keep their meaning and are accepted."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from gateway_fakes import Replica, gateway
@@ -100,5 +102,16 @@ def test_a_request_with_a_misread_escape_is_a_400_naming_it():
         {"role": "user", "content": "hi"}], "structured_outputs": {"json": _schema(r"\A[a-z]+\Z")}})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert r"'\\A[a-z]+\\Z' has '\\A' at character 0" in error["message"], error
+    assert r"'\A[a-z]+\Z' has '\A' at character 0" in error["message"], error
     assert error["param"] == "structured_outputs" and error["code"] == "invalid_value", error
+
+
+@pytest.mark.parametrize("pattern,what", [(r"\d\Z", r"\Z"), (r"\w+a^b", "^"), (r"[\d]\.x$y", "$")])
+def test_the_400_shows_the_pattern_as_sent_so_its_position_counts_in_what_it_shows(pattern, what):
+    """The message quotes the pattern as the client wrote it: a repr doubled each backslash, so
+    `\\d\\Z` showed as '\\\\d\\\\Z' and "at character 2" pointed at a 'd' of what it showed."""
+    with pytest.raises(APIError) as e:
+        grammar_of(_chat(structured_outputs={"regex": pattern}))
+    shown = re.search(r"the regex '(.*)' has '(.*)' at character (\d+)", e.value.message)
+    assert shown is not None, e.value.message
+    assert shown[1] == pattern and shown[2] == what and pattern[int(shown[3]):].startswith(what), e.value.message
