@@ -70,7 +70,13 @@ def _schema_text(text: str):
 
 
 def check(spec: GrammarSpec, param: str) -> None:
-    """A 400 naming `param` for a grammar the engine would not enforce as written."""
+    """A 400 naming `param` for a grammar the engine would not enforce as written. What the
+    grammar engine refuses itself goes first: `(?i)^a$` is refused for its flag group, which
+    xgrammar does not implement, not for a '^' that only looks as if something came before it."""
+    try:
+        spec.check()
+    except HyraxInputError as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
     for where, pattern in _patterns(spec):
         at = anchor_inside(pattern)
         if at is not None:
@@ -85,10 +91,6 @@ def check(spec: GrammarSpec, param: str) -> None:
             raise APIError(400, f"{where} {_quoted(pattern)} has {_quoted(what)} at character {at}, which the grammar "
                                 f"engine would not read as it is meant ({_misread_why(what)})",
                            param=param, code="invalid_value")
-    try:
-        spec.check()
-    except HyraxInputError as e:
-        raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
 def _quoted(text: str) -> str:

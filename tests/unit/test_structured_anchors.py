@@ -115,3 +115,14 @@ def test_the_400_shows_the_pattern_as_sent_so_its_position_counts_in_what_it_sho
     shown = re.search(r"the regex '(.*)' has '(.*)' at character (\d+)", e.value.message)
     assert shown is not None, e.value.message
     assert shown[1] == pattern and shown[2] == what and pattern[int(shown[3]):].startswith(what), e.value.message
+
+
+@pytest.mark.parametrize("pattern,says", [("(?i)^abc$", "Group modifier flag"), ("(?m)^a$", "Group modifier flag"),
+                                          ("(?=a)^b", "Lookahead"), (r"\b^a", "Word boundary")])
+def test_a_pattern_the_grammar_engine_refuses_is_refused_for_its_own_reason_not_for_its_anchor(pattern, says):
+    """`(?i)^abc$` has its '^' where nothing comes before it, and xgrammar refuses the flag group
+    itself: the 400 names the flag group, not an anchor "inside the pattern" that is not there
+    (which sent a client to drop a correct '^' and then meet the flag's error)."""
+    with pytest.raises(APIError) as e:
+        grammar_of(_chat(structured_outputs={"regex": pattern}))
+    assert says in e.value.message and "inside the pattern" not in e.value.message, e.value.message
