@@ -125,6 +125,22 @@ def cluster_address() -> str | None:
         return None
 
 
+def attach_command() -> str:
+    """How another gateway joins this driver's cluster, for the banner: `hyrax serve --address
+    ADDR --attach`, after RAY_AUTH_MODE=token where the cluster uses Ray's token authentication
+    (the local one `hyrax serve` starts does, and a joining driver sends its token only when
+    asked to: without it the join fails after ~20 s of warnings). "n/a" with no cluster."""
+    address = cluster_address()
+    if address is None:
+        return "n/a"
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+        token = is_token_auth_enabled()
+    except ImportError:  # a Ray without token authentication
+        token = False
+    return f"{'RAY_AUTH_MODE=token ' if token else ''}hyrax serve --address {address} --attach"
+
+
 def dashboard_url() -> str | None:
     import ray
 

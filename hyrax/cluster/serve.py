@@ -510,7 +510,7 @@ def is_loopback(sock: socket.socket) -> bool:
 
 def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple[str, ...], config, path, roles,
                       name) -> int:
-    from hyrax.cluster.ray_cluster import cluster_address, dashboard_url, init_ray, prepare_env
+    from hyrax.cluster.ray_cluster import attach_command, cluster_address, dashboard_url, init_ray, prepare_env
 
     prepare_env(a.address)  # before the imports below import ray
     hide_secrets_in_cmdline(sys.argv)  # before Ray records the command line as this driver's entrypoint
@@ -551,7 +551,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
               f"  live dashboard  {base}/dashboard\n"
               f"  metrics         {base}/metrics\n"
               f"  Ray dashboard   {dashboard_url() or 'n/a'}\n"
-              f"  Ray cluster     {cluster_address() or 'n/a'} (--address for hyrax serve --attach)\n"
+              f"  Ray cluster     {cluster_address() or 'n/a'} (another gateway: {attach_command()})\n"
               f"  admin token     {token.where}", file=sys.stderr, flush=True)
         server = GatewayServer(app, client, a.grace_period, log_level="warning")
         heap.settle()  # what the gateway keeps for its life: later collections skip it (heap.py)
