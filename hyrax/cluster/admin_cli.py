@@ -119,10 +119,23 @@ def run(a: argparse.Namespace) -> int:
         raise HyraxInputError(f"{a.url} answered HTTP {r.status_code} without JSON: is it a hyrax server?") from None
     print(json.dumps(answer, indent=2))
     unknown = isinstance(answer, dict) and answer.get("unknown")  # retract/resume ids no replica knows
-    refused = _refused(answer)
+    refused = _refused(answer) or (_other_servers_token(a, r.url.port) if r.status_code == 401 else None)
     if refused:
         print(refused, file=sys.stderr)
     return 0 if r.is_success and not unknown and not refused else 1
+
+
+def _other_servers_token(a, port: int | None) -> str | None:
+    """For a 401 to the default token file's token: one line naming <default>.<port>, where a
+    server started while another held the default file wrote its token, when that file is
+    there. None otherwise (the token was chosen, or no such file)."""
+    if a.token_file or os.environ.get("HYRAX_ADMIN_TOKEN") or port is None:
+        return None
+    theirs = DEFAULT_TOKEN_FILE.with_name(f"{DEFAULT_TOKEN_FILE.name}.{port}")
+    if not theirs.is_file():
+        return None
+    return (f"hyrax admin: {a.url} refused the admin token of {DEFAULT_TOKEN_FILE}; a server on port {port} writes "
+            f"its token to {theirs} while another holds that file: pass --token-file {theirs}")
 
 
 def _refused(answer) -> str | None:

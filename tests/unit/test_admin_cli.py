@@ -1,6 +1,11 @@
 """`hyrax admin` turns its arguments into the admin API's requests."""
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
 import pytest
 
 from hyrax.actors.model.errors import HyraxInputError
@@ -10,6 +15,31 @@ from hyrax.cluster.cli import build_parser
 
 def _req(*argv):
     return admin_cli._request(build_parser().parse_args(["admin", *argv]))
+
+
+class _Answering(BaseHTTPRequestHandler):
+    """A stand-in server's handler: `answer(headers) -> (status, body bytes)` says what GET returns."""
+    answer = None
+
+    def do_GET(self):
+        status, body = type(self).answer(self.headers)
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _serving(answer):
+    """The URL of a local HTTP server whose GETs `answer` answers, for the `with` block."""
+    srv = HTTPServer(("127.0.0.1", 0), type("Handler", (_Answering,), {"answer": staticmethod(answer)}))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}"
+    finally:
+        srv.shutdown()
 
 
 def test_admin_actions_map_to_admin_endpoints():
@@ -88,27 +118,10 @@ def test_serve_answers_a_token_file_it_cannot_write_with_one_line(tmp_path, caps
 
 def test_an_answer_that_is_not_json_is_a_one_line_error(tmp_path, capsys):
     """--url pointing at something else than a hyrax server was a JSONDecodeError traceback."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    class NotJson(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"<html>hello</html>")
-
-        def log_message(self, *args):
-            pass
-
-    srv = HTTPServer(("127.0.0.1", 0), NotJson)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     f = tmp_path / "tok"
     f.write_text("abc\n")
-    url = f"http://127.0.0.1:{srv.server_port}"
-    try:
+    with _serving(lambda headers: (200, b"<html>hello</html>")) as url:
         assert cli.main(["admin", "--url", url, "--token-file", str(f), "requests"]) == 2
-    finally:
-        srv.shutdown()
     assert capsys.readouterr().err.splitlines() == [
         f"hyrax: error: {url} answered HTTP 200 without JSON: is it a hyrax server?"]
 
@@ -170,3 +183,30 @@ def test_admin_exits_1_when_a_command_for_every_replica_missed_one(tmp_path, mon
     f.write_text("abc\n")
     assert cli.main(["admin", "--token-file", str(f), *action]) == rc
     assert capsys.readouterr().err.strip().splitlines() == ([note] if note else [])
+
+
+def test_a_refused_default_token_names_the_token_file_of_the_server_on_that_port(tmp_path, monkeypatch, capsys):
+    """Two servers on one machine: the second writes admin_token.<port> because the first holds
+    admin_token. `hyrax admin --url <second>` read admin_token, got a 401 and said nothing more;
+    now stderr names the file a server on that port writes."""
+    def refuses_other_tokens(headers):
+        if headers.get("Authorization") == "Bearer second":
+            return 200, b'{"requests": []}'
+        return 401, json.dumps({"error": {"message": "admin endpoints need `Authorization: Bearer <admin token>`",
+                                          "type": "authentication_error", "param": None,
+                                          "code": "invalid_admin_token"}}).encode()
+
+    default = tmp_path / "admin_token"
+    default.write_text("first\n")
+    monkeypatch.setattr(admin_cli, "DEFAULT_TOKEN_FILE", default)
+    monkeypatch.delenv("HYRAX_ADMIN_TOKEN", raising=False)
+    with _serving(refuses_other_tokens) as url:
+        port = url.rpartition(":")[2]
+        theirs = tmp_path / f"admin_token.{port}"
+        theirs.write_text("second\n")
+        assert cli.main(["admin", "--url", url, "requests"]) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"hyrax admin: {url} refused the admin token of {default}; a server on port {port} writes "
+                       f"its token to {theirs} while another holds that file: pass --token-file {theirs}"], err
+        assert cli.main(["admin", "--url", url, "--token-file", str(theirs), "requests"]) == 0
+        assert capsys.readouterr().err == ""
