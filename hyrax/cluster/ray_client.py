@@ -223,6 +223,8 @@ class Membership:
     gateway migrates the requests it streams from it (`client.drain`); a replica removed leaves
     the client. Runs as a task on the gateway's event loop, asking the controller once a second."""
 
+    REMIND_S = 60.0  # while refreshes keep failing, one log line this often
+
     def __init__(self, controller, client: EngineClient, lease: GatewayLease | None, generation: int,
                  interval_s: float = 1.0):
         self.controller, self.client, self.lease = controller, client, lease
@@ -231,14 +233,32 @@ class Membership:
         self._tasks: set = set()
 
     async def run(self) -> None:
+        """Ask the controller for the deployment's replicas every `interval_s`. A controller that
+        is busy or gone keeps what the gateway has; its first failure is logged with the
+        traceback, then one line every REMIND_S while they go on (a gateway attached to a
+        deployment whose server stopped would otherwise log a traceback a second), and the
+        refresh that works again says how many failed."""
+        log, loop = logging.getLogger("hyrax.gateway"), asyncio.get_running_loop()
+        failed, reminded = 0, 0.0
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 info = await self.controller.describe.remote()
                 if info.generation != self.generation:
                     self.apply(info)
-            except Exception:  # noqa: BLE001 - the controller is busy or gone: keep what we have, ask again
-                logging.getLogger("hyrax.gateway").warning("deployment membership refresh failed", exc_info=True)
+            except Exception as e:  # noqa: BLE001 - the controller is busy or gone: keep what we have, ask again
+                failed += 1
+                if failed == 1:
+                    reminded = loop.time()
+                    log.warning("deployment membership refresh failed", exc_info=True)
+                elif loop.time() - reminded >= self.REMIND_S:
+                    reminded = loop.time()
+                    log.warning("deployment membership refresh still failing (%d times): %s: %s", failed,
+                                type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+                continue
+            if failed:
+                log.warning("deployment membership refresh works again after %d failed", failed)
+                failed = 0
 
     def apply(self, info) -> None:
         self.generation = info.generation

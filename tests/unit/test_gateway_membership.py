@@ -61,3 +61,54 @@ def test_a_retired_replica_that_serves_again_after_a_controller_restart_is_route
         await asyncio.sleep(0)
         assert drained == [1, 1]
     asyncio.run(refresh())
+
+
+def test_a_controller_that_stays_gone_is_logged_once_not_every_second(caplog):
+    """An attached gateway whose deployment's server stopped (its controller killed, the cluster
+    gone) logged a full traceback every refresh, once a second, for as long as it ran. Now the
+    first failure is logged with its traceback, the ones after it are counted, and the refresh
+    that works again says how many there were."""
+    import logging
+
+    failing = {"on": True}
+
+    async def describe():
+        if failing["on"]:
+            raise ConnectionError("the controller is gone")
+        return SimpleNamespace(generation=1)
+    controller = SimpleNamespace(describe=SimpleNamespace(remote=describe))
+    m = Membership(controller, SimpleNamespace(backends=[], draining=set()), None, generation=1, interval_s=0.001)
+
+    async def rounds():
+        task = asyncio.ensure_future(m.run())
+        await asyncio.sleep(0.3)
+        failing["on"] = False
+        await asyncio.sleep(0.05)
+        task.cancel()
+    with caplog.at_level(logging.INFO, logger="hyrax.gateway"):
+        asyncio.run(rounds())
+    lines = [r for r in caplog.records if r.name == "hyrax.gateway"]
+    assert [r.exc_info is not None for r in lines[:1]] == [True], [r.getMessage() for r in lines]
+    assert len(lines) == 2, [r.getMessage() for r in lines]
+    assert "works again after" in lines[1].getMessage(), lines[1].getMessage()
+
+
+def test_failures_that_go_on_are_recalled_once_per_reminder_period(caplog):
+    import logging
+
+    async def describe():
+        raise ConnectionError("the controller is gone\nsecond line")
+    m = Membership(SimpleNamespace(describe=SimpleNamespace(remote=describe)),
+                   SimpleNamespace(backends=[], draining=set()), None, generation=1, interval_s=0.001)
+    m.REMIND_S = 0.1
+
+    async def rounds():
+        task = asyncio.ensure_future(m.run())
+        await asyncio.sleep(0.35)
+        task.cancel()
+    with caplog.at_level(logging.INFO, logger="hyrax.gateway"):
+        asyncio.run(rounds())
+    lines = [r.getMessage() for r in caplog.records if r.name == "hyrax.gateway"]
+    assert 2 <= len(lines) <= 5 and lines[0] == "deployment membership refresh failed", lines
+    assert all(ln.startswith("deployment membership refresh still failing (") and
+               ln.endswith("times): ConnectionError: the controller is gone") for ln in lines[1:]), lines
