@@ -237,9 +237,17 @@ class EngineClient:
             self.owner.pop(request_id, None)
 
     def _abort_later(self, backend, request_id: str) -> None:
+        """Abort `request_id` on `backend` in the background. A replica that is gone fails it;
+        its loss is supervision's to report, so the failure is read here and logged at debug
+        (unread, asyncio printed it with a traceback as "Task exception was never retrieved")."""
         task = asyncio.ensure_future(backend.run(Abort(request_id)))
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.debug("abort of %s on %s/%s failed: %r", request_id, backend.role, backend.index, t.exception())
+        task.add_done_callback(done)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict) -> AsyncIterator[dict]:
         """Stream one request. With prefill replicas, the prompt runs there and the request is
