@@ -20,8 +20,9 @@ KEY_TEXT = "printable ASCII, no space at either end"  # what a client can send a
 def resolve_api_keys(a) -> tuple[str, ...]:
     """The keys of `a` (parsed `hyrax serve` options) and the environment; () when none is given."""
     env = env_api_key()
-    ways = [w for w, given in (("--api-key", bool(a.api_key)), ("HYRAX_API_KEY", env is not None),
-                               ("--api-key-file", a.api_key_file is not None)) if given]
+    ways = [w for w, given in (("--api-key (or api-key in --config)", bool(a.api_key)),
+                               ("HYRAX_API_KEY", env is not None), ("--api-key-file", a.api_key_file is not None))
+            if given]
     if len(ways) > 1:
         raise HyraxInputError(f"{', '.join(ways[:-1])} and {ways[-1]} both give API keys; give them one way")
     if env is not None:

@@ -69,8 +69,8 @@ def test_two_ways_at_once_is_an_error_naming_both(tmp_path, monkeypatch, ways):
 
 def test_keys_of_the_config_file_and_the_variable_are_two_ways_too(tmp_path, monkeypatch):
     monkeypatch.setenv("HYRAX_API_KEY", "sk-env-secret")
-    with pytest.raises(HyraxInputError, match="--api-key .*HYRAX_API_KEY"):
-        resolve_api_keys(parse_with_config(tmp_path, "api-key: sk-config-secret\n"))
+    with pytest.raises(HyraxInputError, match=r"--api-key \(or api-key in --config\) and HYRAX_API_KEY"):
+        resolve_api_keys(parse_with_config(tmp_path, "api-key: sk-config-secret\n"))  # no --api-key flag given
 
 
 @pytest.mark.parametrize("value, says", [
