@@ -226,15 +226,17 @@ class Membership:
     REMIND_S = 60.0  # while refreshes keep failing, one log line this often
 
     def __init__(self, controller, client: EngineClient, lease: GatewayLease | None, generation: int,
-                 interval_s: float = 1.0):
+                 interval_s: float = 1.0, on_gone=None):
         self.controller, self.client, self.lease = controller, client, lease
         self.generation, self.interval_s = generation, interval_s
+        self.on_gone = on_gone  # called once, with why, when the deployment is gone for good
         self._draining: set[tuple[str, int]] = set()
         self._tasks: set = set()
 
     async def run(self) -> None:
         """Ask the controller for the deployment's replicas every `interval_s`. A controller that
-        is busy or gone keeps what the gateway has; its first failure is logged with the
+        died for good (it is restarted after any failure, so the deployment was torn down) ends
+        the task and tells `on_gone`. A controller that is busy or unreachable keeps what the gateway has; its first failure is logged with the
         traceback, then one line every REMIND_S while they go on (a gateway attached to a
         deployment whose server stopped would otherwise log a traceback a second), and the
         refresh that works again says how many failed."""
@@ -246,6 +248,14 @@ class Membership:
                 info = await self.controller.describe.remote()
                 if info.generation != self.generation:
                     self.apply(info)
+            except ray.exceptions.ActorDiedError:  # restarted whenever it fails: dead only when torn down
+                why = ("the deployment was torn down (its server stopped, or hyrax undeploy): this gateway has "
+                       "nothing left to serve and stops")
+                if self.on_gone is not None:
+                    self.on_gone(why)
+                else:
+                    log.warning("%s", why)
+                return
             except Exception as e:  # noqa: BLE001 - the controller is busy or gone: keep what we have, ask again
                 failed += 1
                 if failed == 1:

@@ -530,6 +530,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
 
     owner = not a.attach  # a server that deployed its replicas tears them down on exit; an attached one never
     ctl, lease = None, None
+    gone: list[str] = []  # why the deployment went away under this gateway, once it did
     try:
         ctl = controller.create(a.deployment, str(path), name, roles, config, a.rank_timeout, attach=a.attach,
                                 scaling=scale_policies(a, roles), supervision=supervision_from_args(a))
@@ -544,7 +545,12 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
         app = create_app(client, GatewaySettings(admin_token=token.token, api_keys=api_keys,
                                                  max_body_bytes=int(a.max_body_mb * 2**20)),
                          deployment_events=_events_of(ctl))
-        app = _with_task(app, Membership(ctl, client, lease, dep.generation).run)
+
+        def stop_serving(why: str) -> None:  # the membership task found the deployment torn down
+            gone.append(why)
+            print(f"hyrax: {why}", file=sys.stderr, flush=True)
+            server.should_exit = True  # uvicorn stops as on a signal: open streams end cleanly
+        app = _with_task(app, Membership(ctl, client, lease, dep.generation, on_gone=stop_serving).run)
         base = gateway_url(a.host, a.port)
         print(f"hyrax: serving {name!r}\n"
               f"  OpenAI API      {base}/v1\n"
@@ -565,17 +571,17 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
     finally:
         if lease is not None:
             lease.stop()
-        cluster_up = gcs_alive() if (ctl is not None and owner) or started_ray else True
+        cluster_up = gcs_alive() if (ctl is not None and owner) or started_ray or gone else True
         if ctl is not None and owner and cluster_up:
             print("hyrax: stopping replicas ...", file=sys.stderr)
             controller.tear_down(ctl)
         if not cluster_up:  # stopped with us (a signal to the whole process group): nothing to tear down
             print("hyrax: the Ray cluster already stopped; exiting", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(0)  # Ray's exit hook would wait a minute for the GCS
+            os._exit(1 if gone else 0)  # Ray's exit hook would wait a minute for the GCS
         if started_ray:
             ray.shutdown()
-    return 0
+    return 1 if gone else 0
 
 
 SECRET_FLAGS = ("--api-key",)

@@ -112,3 +112,23 @@ def test_failures_that_go_on_are_recalled_once_per_reminder_period(caplog):
     assert 2 <= len(lines) <= 5 and lines[0] == "deployment membership refresh failed", lines
     assert all(ln.startswith("deployment membership refresh still failing (") and
                ln.endswith("times): ConnectionError: the controller is gone") for ln in lines[1:]), lines
+
+
+def test_a_deployment_torn_down_under_the_gateway_stops_it_once(caplog):
+    """The controller is restarted after any failure, so one that Ray reports dead was torn down
+    (its server stopped, or `hyrax undeploy`). A gateway attached to it answered 503 until Ray
+    killed it a minute later for a lost cluster; now the membership task tells it to stop, once,
+    and ends (`hyrax serve` prints the reason and exits 1)."""
+    import ray
+
+    async def describe():
+        raise ray.exceptions.ActorDiedError()
+    controller = SimpleNamespace(describe=SimpleNamespace(remote=describe))
+    told: list[str] = []
+    m = Membership(controller, SimpleNamespace(backends=[], draining=set()), None, generation=1, interval_s=0.001,
+                   on_gone=told.append)
+
+    async def run():
+        await asyncio.wait_for(m.run(), 5)  # returns: nothing left to ask
+    asyncio.run(run())
+    assert len(told) == 1 and "torn down" in told[0] and "\n" not in told[0], told
