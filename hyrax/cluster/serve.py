@@ -137,6 +137,7 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     try:
         with open(known.config, "rb") as f:
             raw = f.read(CONFIG_MAX_BYTES + 1)
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
     except OSError as e:
         raise HyraxInputError(f"cannot read --config: {e.strerror}") from None
     if len(raw) > CONFIG_MAX_BYTES:
@@ -169,6 +170,9 @@ def apply_yaml(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         raise HyraxInputError(f"--config is not valid YAML: {_yaml_problem(e)}") from None
     finally:
         loader.dispose()
+    if "api_key" in defaults and mode & 0o077:  # as --api-key-file: a key others can read is anyone's
+        raise HyraxInputError(f"--config {known.config} holds api-key but other users can read or write it "
+                              f"(mode {mode:o}): chmod 600 it, or give the key with HYRAX_API_KEY or --api-key-file")
     parser.set_defaults(**defaults)
 
 

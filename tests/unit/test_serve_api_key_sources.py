@@ -11,6 +11,7 @@ import pytest
 from hyrax.actors.model.errors import HyraxInputError
 from hyrax.cluster import cli
 from hyrax.cluster.api_keys import resolve_api_keys
+from hyrax.cluster.serve import apply_yaml
 from test_serve_config_file import parse as parse_with_config
 
 
@@ -144,3 +145,18 @@ def test_an_abbreviated_api_key_flag_is_refused_as_ambiguous(capsys):
     with pytest.raises(SystemExit):
         parse("--api-k", "sk-secret")
     assert "ambiguous option: --api-k" in capsys.readouterr().err
+
+
+def test_a_config_file_holding_keys_that_others_can_read_is_refused(tmp_path):
+    """--api-key-file refuses a file other users can read or write; the same keys in a --config
+    file with the same mode were accepted."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("api-key: sk-config-secret\n")
+    path.chmod(0o644)
+    parser = cli.build_parser()
+    with pytest.raises(HyraxInputError) as e:
+        apply_yaml(parser._subparsers._group_actions[0].choices["serve"], ["--config", str(path)])
+    msg = str(e.value)
+    assert "api-key" in msg and "mode 644" in msg and "chmod 600" in msg and "secret" not in msg, msg
+    path.write_text("port: 8001\n")  # no key in it: its mode is the operator's business
+    apply_yaml(parser._subparsers._group_actions[0].choices["serve"], ["--config", str(path)])

@@ -15,6 +15,7 @@ from hyrax.cluster.serve import apply_yaml
 def parse(tmp_path, yaml_text: str, *flags: str):
     path = tmp_path / "serve.yaml"
     path.write_text(yaml_text)
+    path.chmod(0o600)  # the operator's own (a file holding api-key must be)
     parser = cli.build_parser()
     argv = ["serve", "--config", str(path), *flags]
     apply_yaml(parser._subparsers._group_actions[0].choices["serve"], argv[1:])

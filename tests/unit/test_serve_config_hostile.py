@@ -15,6 +15,7 @@ def main_err(tmp_path, yaml_text: str, capsys, *flags: str) -> list[str]:
     (were the file accepted, serve would stop there at once, before anything starts)."""
     path = tmp_path / "serve.yaml"
     path.write_text(yaml_text)
+    path.chmod(0o600)  # the operator's own (a file holding api-key must be)
     assert cli.main(["serve", "--config", str(path), "--model", str(tmp_path / "no-model"), *flags]) == 2
     return capsys.readouterr().err.strip().splitlines()
 
