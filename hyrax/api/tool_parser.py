@@ -15,8 +15,12 @@ wrote it. Three shapes of answer:
   array of bodies (`<TOOLCALL>[...]</TOOLCALL>` for Nemotron-style ones). Text outside the tags
   is content; whitespace around a call is dropped. A closing tag inside a JSON string of the
   block's body (`{"code": "print('</tool_call>')"}`) is part of that string: a block ends at the
-  first closing tag outside the strings of its body. A tagged block with no call in it stays in
-  the content as written; an unclosed block at the end is closed there.
+  first closing tag outside the strings of its body. That holds only for a body that ends (its
+  JSON value closes): one whose string is never closed (`{"a": "x</tool_call> more text`) ends
+  at that first tag, as vLLM's and SGLang's Hermes parsers end every call, and the text after it
+  is read as the answer's rest. Until the body's end or a closing tag outside its strings tells
+  which, the text after such a tag is held back (streamed or whole alike). A tagged block with
+  no call in it stays in the content as written; an unclosed block at the end is closed there.
 """
 from __future__ import annotations
 
@@ -235,6 +239,8 @@ class ToolCallParser:
         self._buf = ""  # text not yet told apart (a possible tag start, whitespace)
         self._block: _Block | None = None  # auto: the open tagged block
         self._body = _ValueScan()  # auto: the open block's body, to tell a closing tag in one of its strings
+        self._held = False  # auto: _buf starts with a closing tag inside a string of a body not yet ended
+        self._held_from = 0  # held: the closing tags in _buf before this are in the body's strings
         self._done = False  # parallel=False and the first call is complete
         self._gap = ""  # whitespace between the text and the open block's tag
         self._after_call = False  # whitespace from here on is dropped
@@ -250,6 +256,11 @@ class ToolCallParser:
         if self.forced:
             return "", self._call.feed(delta)
         self._buf += delta
+        return self._read(final=False)
+
+    def _read(self, final: bool) -> tuple[str, list[dict]]:
+        """Read `_buf` as far as it can be told apart; `final`: the answer is complete, so a
+        held closing tag ends its block."""
         text, parts = "", []
         while not self._done:
             start, end = self.tags
@@ -269,7 +280,26 @@ class ToolCallParser:
                 self._buf = self._buf[i + len(start):]
                 self._block, self._body = _Block(self.calls, self.listed), _ValueScan()
                 continue
-            j = self._closing(end)
+            if self._held:
+                ended = self._held_body_ends(end)
+                if ended is None and not final:
+                    break
+                self._held = False
+                if ended:  # the held tag was the string's: the body, through its end, is the block's
+                    upto = self._body.end - len(self._block.text)
+                    parts += self._block_feed(self._buf[:upto])
+                    self._buf = self._buf[upto:]
+                    continue
+                # a body that never ends: its block ends at the held tag
+                self._buf = self._buf[len(end):]
+                text, more = self._close(text, end)
+                parts += more
+                continue
+            j = self._buf.find(end)
+            if j >= 0 and self._in_body_string(self._block.text + self._buf[:j]):
+                parts += self._block_feed(self._buf[:j])
+                self._buf, self._held, self._held_from = self._buf[j:], True, len(end)
+                continue
             if j < 0:
                 keep = _partial_tag(self._buf, end)
                 parts += self._block_feed(self._buf[:len(self._buf) - keep])
@@ -288,7 +318,8 @@ class ToolCallParser:
             if parts is None:  # no call: cut short before its name and arguments began, the text as written
                 return self._said(self._call.text), []
             return "", parts
-        text, parts = "", []
+        said, parts = self._read(final=True)  # a held tag ends its block: the rest read after it
+        text = ""
         if not self._done and self._block is not None:  # an unclosed block: closed by the answer's end
             parts += self._block_feed(self._buf)
             self._buf = ""
@@ -297,7 +328,7 @@ class ToolCallParser:
         if not self._done and (self._buf.strip() or not self.made_calls):
             text += self._buf
         self._buf = ""
-        return self._said(text), parts
+        return said + self._said(text), parts
 
     def message(self) -> dict:
         calls = [c.as_openai() for c in self.calls if c.started]
@@ -309,13 +340,21 @@ class ToolCallParser:
     def made_calls(self) -> bool:
         return any(c.started for c in self.calls)
 
-    def _closing(self, end: str) -> int:
-        """Where in the text not yet fed to the open block its closing tag is; -1: not yet. A tag
-        inside a string of the block's body (a JSON object or array) is not one."""
-        j = self._buf.find(end)
-        while j >= 0 and self._in_body_string(self._block.text + self._buf[:j]):
-            j = self._buf.find(end, j + 1)
-        return j
+    def _held_body_ends(self, end: str) -> bool | None:
+        """`_buf` starts with a closing tag inside a string of the open block's body. True: the
+        body ends after it (the tag is the string's text); False: a closing tag outside the
+        body's strings comes before its end (the string was never closed); None: not yet told."""
+        base = self._block.text
+        k = self._buf.find(end, self._held_from)
+        while k >= 0 and self._in_body_string(base + self._buf[:k]):
+            self._held_from = k + 1
+            k = self._buf.find(end, k + 1)
+        if k < 0:  # no tag left to tell by: read up to a possible tag start
+            self._held_from = len(self._buf) - _partial_tag(self._buf, end)
+            self._body.scan(base + self._buf[:self._held_from])
+        if self._body.end is not None:
+            return True
+        return False if k >= 0 else None
 
     def _in_body_string(self, text: str) -> bool:
         """Whether `text`, the open block's text so far, ends inside a string of its body."""

@@ -79,6 +79,18 @@ def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call(stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_call_whose_string_never_closes_ends_at_its_first_closing_tag(stream):
+    """A body that opens a string and never closes it ends at the first closing tag (vLLM's and
+    SGLang's Hermes parsers end every call there): it ran on to the answer's end, taking the text
+    after the tag into the arguments."""
+    answer = '<tool_call>\n{"name": "run", "arguments": {"code": "x</tool_call>\nDone, see above.'
+    message, finish = _ask(Answering(answer, "stop"), stream, tool_choice="auto")
+    call, = message["tool_calls"]
+    assert call["function"] == {"name": "run", "arguments": '{"code": "x'}, message
+    assert message["content"] == "Done, see above." and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_required_call_cut_short_before_its_name_is_finish_length_with_the_text_as_content(stream):
     cut = '{"name": "ru'
     message, finish = _ask(Answering(cut, "length"), stream, tool_choice="required", max_tokens=len(cut))

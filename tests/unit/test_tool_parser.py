@@ -51,6 +51,13 @@ ANSWERS = [
      '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
      None, [("run", '{"a": "</tool_call>", "b": ["\\"</tool_call>"]}'), ("f", "{}")]),
     ('<tool_call>say "hi</tool_call> then', '<tool_call>say "hi</tool_call> then', []),  # prose: the first tag
+    # a string the body never closes: the block ends at its first closing tag, the rest read after it
+    ('<tool_call>{"name": "f", "arguments": {"a": "x</tool_call> and more text', "and more text", [("f", '{"a": "x')]),
+    ('<tool_call>{"name": "f", "arguments": {"a": "x</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>',
+     None, [("f", '{"a": "x'), ("g", "{}")]),
+    ('<tool_call>{"name": "f", "arguments": {"a": "x</tool_call> said "y</tool_call> then',  # a tag outside strings
+     'said "y</tool_call> then', [("f", '{"a": "x')]),
+    ('<tool_call>{"arguments": {"a": "x</tool_call> rest', '<tool_call>{"arguments": {"a": "x</tool_call> rest', []),
 ]
 
 
@@ -62,7 +69,7 @@ def _run(pieces, **kw):
         text, more = p.feed(piece)
         content, parts = content + text, parts + more
     text, more = p.finish()
-    return content + text, parts, p.message(), p
+    return content + text, parts + more, p.message(), p
 
 
 def _reassemble(parts) -> list[tuple[str, str]]:
@@ -296,6 +303,7 @@ LISTED_ANSWERS = [
     ('<TOOLCALL>[{"name": "f", "arguments": {"x": 1', None, [("f", '{"x": 1')]),  # cut short
     ('<TOOLCALL>[{"name": "f", "arguments": {"s": "]</TOOLCALL>"}}]</TOOLCALL> ok', "ok",
      [("f", '{"s": "]</TOOLCALL>"}')]),  # a closing tag inside a string
+    ('<TOOLCALL>[{"name": "f", "arguments": {"s": "x</TOOLCALL> after', "after", [("f", '{"s": "x')]),  # never closed
 ]
 
 
