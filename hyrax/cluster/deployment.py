@@ -23,7 +23,7 @@ from hyrax.cluster.placement import RoleSpec, check_fits, rank_bundle, role_reso
 
 def free_resources_per_node() -> dict[str, dict[str, float]]:
     """What each live node of the Ray cluster has free now, by node id."""
-    try:
+    try:  # private: Ray's public views give totals (ray.nodes) or need the dashboard (ray.util.state)
         from ray._private.state import available_resources_per_node
 
         return dict(available_resources_per_node())

@@ -86,6 +86,7 @@ def actor_pid(actor) -> int:
     """The pid of `actor`'s process, from Ray's actor table (no call to the actor itself)."""
     import ray
 
+    # private: the public actor table (ray.util.state) needs the dashboard, which clusters may run without
     info = ray._private.state.actors(actor._actor_id.hex())
     if info.get("State") != "ALIVE" or not info.get("Pid"):
         raise RuntimeError(f"actor {actor._actor_id.hex()} has no live process ({info.get('State')})")
