@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
@@ -19,6 +18,7 @@ from hyrax.api.headers import single
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import checked_grammar
 from hyrax.api.text import TextStream, encode, fewest_tokens, render_chat, template_error
+from hyrax.api.text_offset import feed_with_offset
 from hyrax.api.tool_parser import ToolCallParser
 from hyrax.api.tools import checked_tools
 
@@ -167,28 +167,15 @@ def _usage(choices: list[Choice], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _unsettled(text: TextStream) -> str:
-    """The text of the ids fed to `text` after its settled part (`text.text`): empty, or ending
-    inside a character (U+FFFD, which the next token completes, continues, or shows to be an
-    invalid byte's, that stays in the text)."""
-    if text.read == len(text.ids):
-        return ""
-    return text.decode(text.ids[text.prefix:])[len(text.decode(text.ids[text.prefix:text.read])):]
-
-
 def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream) -> dict:
     """OpenAI completions format for tokens [start, end) of a choice. `text`: a stream without
     stop strings fed the choice's tokens before `start` (fed these here). A token's text_offset
-    is where its text starts in the completion's, read once it is fed: the text before it and
-    after it agree up to there, except that a token continuing a character it does not finish
-    starts where that character does (a token inside a character decodes alone to U+FFFD, and
-    counting those put every later offset past its token; an invalid byte's U+FFFD is known to
-    be one only when the next token does not continue it, and leaving it out put that token
-    one character early). top_logprobs holds the top N and the sampled token where it is not
-    among them (as OpenAI and vLLM: up to N + 1, one with N = 0); tokens that decode to the same
-    text share one key, with the most likely one's logprob."""
+    is where its text starts in the completion's (text_offset.py: a token inside a character,
+    which decodes alone to U+FFFD, starts where that character does). top_logprobs holds the
+    top N and the sampled token where it is not among them (as OpenAI and vLLM: up to N + 1,
+    one with N = 0); tokens that decode to the same text share one key, with the most likely
+    one's logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    settled, before = len(text.text), _unsettled(text)
     for t, lp in zip(c.token_ids[start:end], c.logprobs[start:end]):
         out["tokens"].append(tok.token_text(t))
         out["token_logprobs"].append(lp["logprob"])
@@ -196,13 +183,7 @@ def _completion_logprobs(c: Choice, tok, start: int, end: int, text: TextStream)
         for a, v in [*lp["top"], [t, lp["logprob"]]]:  # most likely first (the sampled token: in the top or below it)
             top.setdefault(tok.token_text(a), v)
         out["top_logprobs"].append(top)
-        text.feed([t])
-        after = text.text[settled:] + _unsettled(text)
-        n = len(os.path.commonprefix([before, after]))
-        if after == before and before.endswith("\ufffd") and tok.token_bytes(t):
-            n -= 1  # t continues the character `before` ends inside, and does not finish it
-        out["text_offset"].append(settled + n)
-        settled, before = len(text.text), _unsettled(text)
+        out["text_offset"].append(feed_with_offset(text, tok, t))
     return out
 
 

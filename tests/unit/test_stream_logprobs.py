@@ -4,11 +4,12 @@ completion in both). The gateway runs over a scripted replica, so no engine is n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from hyrax.actors.model.tokenizer import ByteTokenizer
+from hyrax.actors.model.tokenizer import ByteTokenizer, load_tokenizer
 from hyrax.api.app import GatewaySettings, create_app
 from hyrax.api.client import EngineClient, ModelInfo
 
@@ -260,3 +261,68 @@ def test_sentencepiece_tokens_keep_their_leading_space_in_logprobs(tmp_path, dec
     if decoder == "llama":  # a byte piece (a Metaspace decoder alone writes none)
         assert tok.token_text(vocab["<0xE6>"]) == "\ufffd" and tok.token_bytes(vocab["<0xE6>"]) == b"\xe6"
     assert tok.token_text(1) == "" and tok.token_bytes(1) == b""  # a special token
+
+
+def _offsets_of(tok, tokens: list[int], text: str) -> dict:
+    """The completions logprobs of an answer of `tokens` (whose text is `text`), whole; checked
+    to be the same joined from the stream."""
+    client = EngineClient(ModelInfo("m", 2048, tok, None, tok.vocab_size), [ScriptedReplica(_items(tokens, "length"))])
+    app = create_app(client, GatewaySettings(admin_token="t"))
+    app.state.ready = True
+    http = TestClient(app)
+    assert http.post("/v1/completions", json={"model": "m", "prompt": "hi"}).json()["choices"][0]["text"] == text
+    whole, joined = _both(http, {"model": "m", "prompt": "hi", "logprobs": 1})
+    assert joined == whole
+    return whole["text_offset"]
+
+
+def _zero_byte_answers(tmp_path) -> list[tuple[object, list[int], str, list[int]]]:
+    """(tokenizer, answer, its text, text_offset) for answers with a token that writes no bytes (a
+    special token) inside a character: the byte tokenizer, the demo's byte-level BPE, and a
+    tokenizer.json whose bytes are '<0xXX>' pieces (ByteFallback)."""
+    tok, vocab = _sentencepiece_style(tmp_path, "llama")
+    demo = load_tokenizer(Path(__file__).resolve().parents[2] / "hyrax" / "models" / "demo", 259)
+    special, hi = vocab["</s>"], [vocab[f"<0x{b:02X}>"] for b in "日".encode()]
+    byte = ByteTokenizer(264, EOS)
+    return [(byte, [0xE6, 0x97, 257, 0xA5, ord("b")], "日b", [0, 0, 0, 0, 1]),
+            (byte, [0xE6, 257, 0x97, 0xA5, ord("b")], "日b", [0, 0, 0, 0, 1]),
+            # an invalid byte's U+FFFD is a whole character: what follows it, written or not, comes after it
+            (byte, [0xFF, 257, ord("a")], "\ufffda", [0, 1, 1]),
+            (byte, [0xE6, 0xFF, 257, ord("a")], "\ufffd\ufffda", [0, 1, 2, 2]),
+            (demo, [*demo.encode("a日")[:3], 257, *demo.encode("日b")[2:]], "a日b", [0, 1, 1, 1, 1, 2]),
+            (tok, [hi[0], hi[1], special, hi[2], vocab["!"]], "日!", [0, 0, 0, 0, 1])]
+
+
+def test_a_token_writing_no_bytes_inside_a_character_starts_where_that_character_does(tmp_path):
+    """A token that writes nothing (a special token) while the text ends inside a character sits
+    inside that character, so its text_offset is the character's start, as the bytes around it
+    have. It was counted past the character's U+FFFD, after the tokens that follow it
+    ([0, 0, 1, 0, 1] for '日b' with a special token after its second byte)."""
+    for tok, tokens, text, offsets in _zero_byte_answers(tmp_path):
+        assert (tokens, _offsets_of(tok, tokens, text)) == (tokens, offsets)
+
+
+def test_byte_fallback_pieces_of_one_character_all_start_where_it_does(tmp_path):
+    """A '<0xXX>' byte-fallback decoder writes one U+FFFD per byte of an unfinished character, so
+    a byte that continues one reads as a character more (as an invalid byte would): its offset
+    was one past the character's start ([0, 1, 0, 1] for '日!'). The tokens' bytes tell them apart."""
+    tok, vocab = _sentencepiece_style(tmp_path, "llama")
+    tokens = [*(vocab[f"<0x{b:02X}>"] for b in "日".encode()), vocab["!"]]
+    assert _offsets_of(tok, tokens, "日!") == [0, 0, 0, 1]
+    breaks = [vocab["<0xE6>"], vocab["<0x97>"], vocab["<0xFF>"], vocab["!"]]  # 0xFF breaks the character off
+    assert _offsets_of(tok, breaks, "\ufffd\ufffd\ufffd!") == [0, 0, 2, 3]
+
+
+def test_text_offsets_never_go_back_over_bytes_and_special_tokens_in_any_order():
+    """Over answers of bytes that begin, continue and break off characters, with special tokens
+    (no bytes) anywhere: each token starts no earlier than the one before it, and within the text."""
+    import random
+
+    rng = random.Random(0)
+    pool = [0xE6, 0x97, 0xA5, 0xC3, 0xA9, 0xF0, 0x9F, 0xFF, ord("a"), 257]
+    for _ in range(100):
+        tokens = [rng.choice(pool) for _ in range(rng.randint(1, 10))]
+        http = _scripted(_items(tokens, "length"))
+        choice = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "logprobs": 0}).json()["choices"][0]
+        offsets = choice["logprobs"]["text_offset"]
+        assert offsets == sorted(offsets) and offsets[-1] <= len(choice["text"]), (tokens, offsets)
