@@ -348,13 +348,16 @@ class EngineClient:
 
     def _taking_back(self, source, refuser, handoff: dict):
         """`source`, when it can run on `handoff`, a request it offered that no other replica
-        took: it decodes, it is in service and not the replica that just refused the offer, and
-        it still holds the state (a hand-off without state comes from a replica that was lost).
-        Else None. Its state never left it: it takes the hand-off back (transfer.py) and the
-        client's stream goes on."""
-        if (source is None or source is refuser or source.role not in DECODING_ROLES
-                or id(source) in self.out_of_service or handoff.get("manifest") is None):
+        took: it is in service and not the replica that just refused the offer, and it still
+        holds the state (a hand-off without state comes from a replica that was lost). Else
+        None. Its state never left it: it takes the hand-off back (transfer.py) and the client's
+        stream goes on; a prefill replica then decodes the request to its end itself."""
+        if (source is None or source is refuser or id(source) in self.out_of_service
+                or handoff.get("manifest") is None):
             return None
+        if source.role not in DECODING_ROLES:
+            log.warning("request %s: no decode replica took its hand-off; %s/%s, which prefilled it, decodes it",
+                        handoff["request"]["id"], source.role, source.index)
         return source
 
     def find_backend(self, role: str, replica: int):

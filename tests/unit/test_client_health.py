@@ -228,8 +228,9 @@ def _handing_off(client, source, target_roles: str):
 def test_a_hand_off_with_every_decode_replica_draining_goes_to_a_draining_one_rather_than_fail():
     """Draining stops new requests from being admitted; a request already streaming that must
     move (its prompt done on a prefill replica) went nowhere and ended with an error when every
-    decode replica was draining. It continues on a draining replica in service instead; only
-    when none is in service does it end, saying so."""
+    decode replica was draining. It continues on a draining replica in service instead; with
+    none in service, the prefill replica takes its offer back and decodes it itself; only when
+    that one went out of service too does it end, saying so."""
     client, (prefill, d0, d1) = _client(("prefill", 0), ("decode", 0), ("decode", 1))
     _handing_off(client, prefill, "decode")
     imported = []
@@ -249,10 +250,19 @@ def test_a_hand_off_with_every_decode_replica_draining_goes_to_a_draining_one_ra
     items = asyncio.run(run_stream())
     assert imported == ["r1"] and items[-1]["finish_reason"] == "length", items
     client.out_of_service[id(d1)] = "unhealthy"
+    prefill.generate_imported = take
+    items = asyncio.run(run_stream())
+    assert imported == ["r1", "r1"] and items[-1]["finish_reason"] == "length", items  # taken back
 
     async def aborts(cmd):
         return True
     prefill.run = aborts
+    handing_off = prefill.generate
+
+    def lost_meanwhile(request_id, prompt_ids, params):  # out of service by the time it hands off
+        client.out_of_service[id(prefill)] = "unhealthy"
+        return handing_off(request_id, prompt_ids, params)
+    prefill.generate = lost_meanwhile
     last = asyncio.run(run_stream())[-1]
     assert last["finish_reason"] == "error" and last["status"] == 503
     assert last["error"] == "no decode replica is in service to continue this request", last

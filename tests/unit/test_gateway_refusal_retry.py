@@ -215,14 +215,20 @@ def test_a_decode_replica_that_refuses_the_handoff_passes_it_to_the_other_decode
     _settled(client)
 
 
-def test_when_every_decode_replica_refuses_the_handoff_the_request_ends_with_a_503_and_its_offer_is_freed():
+def test_when_every_decode_replica_refuses_the_handoff_the_prefill_replica_takes_it_back_and_runs_it_on():
+    """Each decode replica is tried once; then the offer goes back to the prefill replica that
+    made it (it holds the state: DESIGN's "resumed locally"), whose stream goes on where the
+    first token left off, instead of a 503 that threw the prefilled request away."""
     p0, d0, d1 = prefill("o"), refusing("decode", 0), refusing("decode", 1)
+    # what the prefill replica streams once it took its offer back (its loop's answer: taken back, then tokens)
+    p0.imported = [{"token_ids": [], "finished": False, "finish_reason": None, "imported": "taken_back"},
+                   _tokens("k")]
     http = gateway(replicas=[p0, d0, d1])
     client = http.app.state.client
-    status, _, texts, _, errors = _complete(http, 1, True)
-    assert texts == {0: "o"} and errors and errors[0]["error"]["code"] == "unavailable", (texts, errors)
-    assert len(d0.imports) == len(d1.imports) == 1
-    assert [c.request_id for c in p0.commands if isinstance(c, Abort)] == p0.calls  # the offer is freed at once
+    status, _, texts, reasons, errors = _complete(http, 1, True)
+    assert texts == {0: "ok"} and reasons == {0: "length"} and not errors, (texts, reasons, errors)
+    assert len(d0.imports) == len(d1.imports) == 1 and p0.imports == p0.calls
+    assert not [c for c in p0.commands if isinstance(c, Abort)]  # nothing to free: it runs there
     _settled(client)
 
 

@@ -46,13 +46,13 @@ def _client(loops: list[EngineLoop]) -> EngineClient:
 class Stream:
     """One request streamed by `client` on an event loop of its own thread."""
 
-    def __init__(self, client: EngineClient, rid: str):
-        self.client, self.rid, self.items = client, rid, []
+    def __init__(self, client: EngineClient, rid: str, prompt: list[int] = PROMPT):
+        self.client, self.rid, self.items, self.prompt = client, rid, [], prompt
         self.thread = threading.Thread(target=lambda: asyncio.run(self._consume()), daemon=True)
         self.thread.start()
 
     async def _consume(self):
-        async for item in self.client.generate(self.rid, PROMPT, PARAMS):
+        async for item in self.client.generate(self.rid, self.prompt, PARAMS):
             self.items.append(item)
 
     def tokens(self) -> list[int]:
@@ -71,10 +71,10 @@ class Stream:
         return self.tokens()
 
 
-def _uninterrupted() -> list[int]:
+def _uninterrupted(prompt: list[int] = PROMPT) -> list[int]:
     loops = _loops()
     try:
-        s = Stream(_client(loops[:1]), "alone")
+        s = Stream(_client(loops[:1]), "alone", prompt)
         return s.finish()
     finally:
         for loop in loops:
@@ -88,6 +88,15 @@ def _settled(loops: list[EngineLoop]) -> None:
             time.sleep(0.01)
         with loop.lock:
             assert_idle_clean(loop.engine)
+
+
+def _ran_on_at_the_source(loops: list[EngineLoop], streams: list[Stream], want: list[int]) -> None:
+    """Every stream ended as the uninterrupted run, each request taken back by loops[0] and
+    none left on loops[1]; both loops' pools back at their baseline."""
+    assert [s.finish() for s in streams] == [want] * len(streams)
+    assert loops[0].run(Stats())["offers_taken_back"] == len(streams)
+    assert not loops[1].engine.requests
+    _settled(loops)
 
 
 def test_a_migration_the_target_refuses_runs_on_at_the_source_and_migrate_says_so():
@@ -145,10 +154,7 @@ def test_an_offer_with_nowhere_to_go_runs_on_at_the_source():
         s.wait_tokens(3)
         client._refused(client.find_backend("colocated", 1), {"error": "its health check failed"})
         assert loops[0].run(MigrateOut("r3", ("colocated", 1)))
-        assert s.finish() == want
-        assert loops[0].run(Stats())["offers_taken_back"] == 1
-        assert not loops[1].engine.requests
-        _settled(loops)
+        _ran_on_at_the_source(loops, [s], want)
     finally:
         for loop in loops:
             loop.shutdown()
@@ -184,3 +190,87 @@ def test_a_hand_off_that_went_on_elsewhere_is_imported_not_taken_back():
     assert e.finished_requests[rid].output_ids == want
     assert e.stats.offers_reclaimed == 1 and e.stats.offers_taken_back == 0
     assert_idle_clean(e)
+
+
+# ---- a prefill replica's hand-off that no decode replica takes --------------------------------
+# DESIGN: an offer nobody acknowledges is "freed, or resumed locally if the client is still
+# there". A prefill replica's offer was only ever freed (the client got a 503 after its first
+# token), although the prefill replica holds the model and the request's state: it now runs the
+# request on to its end itself, as a colocated replica would, and does not offer it again.
+
+def _pd_loops(decode_config: dict | None = None) -> list[EngineLoop]:
+    model = tiny_model(HYBRID)
+    return [EngineLoop(make_engine(model, prefix_cache=False, role="prefill"), "prefill"),
+            EngineLoop(make_engine(model, prefix_cache=False, role="decode", **(decode_config or {})), "decode")]
+
+
+def _pd_client(loops: list[EngineLoop]) -> EngineClient:
+    return EngineClient(INFO, [LocalBackend(loops[0], "prefill", 0), LocalBackend(loops[1], "decode", 0)],
+                        cache_route_margin=None)
+
+
+def test_a_hand_off_the_decode_replica_refuses_runs_on_at_the_prefill_replica():
+    """decode/0 went down (it refuses at admission) before the gateway noticed: the prefill
+    replica's offer has nowhere else to go."""
+    want = _uninterrupted()
+    loops = _pd_loops()
+    loops[1].shutdown()
+    client = _pd_client(loops)
+    try:
+        s = Stream(client, "p1")
+        assert s.finish() == want  # one stream, as if it had been handed off
+        stats = loops[0].run(Stats())
+        assert stats["offers_taken_back"] == 1 and stats["transfers_out"] == 0, stats
+        _settled(loops[:1])
+    finally:
+        loops[0].shutdown()
+
+
+def test_a_hand_off_whose_import_fails_runs_on_at_the_prefill_replica():
+    """decode/0's pools could never hold the request (its import fails there, an error): the
+    prefill replica runs it on, and is not asked to offer it again after each token."""
+    prompt = list(range(3, 23))  # 20 tokens and a first one: more than decode/0's 16 tokens of KV pool
+    want = _uninterrupted(prompt)
+    loops = _pd_loops(dict(kv_capacity_tokens=16))
+    client = _pd_client(loops)
+    try:
+        _ran_on_at_the_source(loops, [Stream(client, f"p{k}", prompt) for k in range(2, 4)], want)
+        assert loops[1].run(Stats())["transfers_in"] == {}
+    finally:
+        for loop in loops:
+            loop.shutdown()
+
+
+def test_a_hand_off_with_no_decode_replica_in_service_runs_on_at_the_prefill_replica():
+    want = _uninterrupted()
+    loops = _pd_loops()
+    client = _pd_client(loops)
+    client._refused(client.find_backend("decode", 0), {"error": "its health check failed"})
+    try:
+        _ran_on_at_the_source(loops, [Stream(client, "p4")], want)
+    finally:
+        for loop in loops:
+            loop.shutdown()
+
+
+def test_a_request_the_prefill_replica_took_back_moves_on_when_it_is_drained():
+    """Taken back while no decode replica was in service; once one is back, draining the prefill
+    replica moves the request there, and it still ends as the uninterrupted run."""
+    want = _uninterrupted()
+    loops = _pd_loops()
+    client = _pd_client(loops)
+    decode = client.find_backend("decode", 0)
+    client._refused(decode, {"error": "its health check failed"})
+    try:
+        s = Stream(client, "p5")
+        s.wait_tokens(3)
+        assert client.owner["p5"].role == "prefill"
+        client.out_of_service.pop(id(decode))  # its next health check found it well
+        report = asyncio.run(client.drain(client.find_backend("prefill", 0)))
+        assert report["migrations"]["p5"] == "migrating to decode/0", report
+        assert s.finish() == want
+        assert loops[1].run(Stats())["transfers_in"] == {"verified": 1}
+        _settled(loops)
+    finally:
+        for loop in loops:
+            loop.shutdown()

@@ -220,7 +220,8 @@ class Engine:
         while True:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
-                listed, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered), held))
+                listed, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered), held,
+                self._decodes_here()))
             if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
                 lane, lane_reqs = None, ()
                 continue
@@ -328,8 +329,10 @@ class Engine:
         lps, outputs, tokens = done.logprobs, self._outputs, done.tokens
         if self.config.role == "prefill":  # a request that got its first token is offered on
             finishing = {r.id for r, _ in done.stopped}
+            requests = self.table.requests
             for rid, toks in tokens.items():
-                handoff = self.transfers.offer(rid) if rid not in finishing else None
+                offers = rid not in finishing and not requests[rid].decodes_here
+                handoff = self.transfers.offer(rid) if offers else None
                 outputs.append(StepOutput(rid, toks, False, None, handoff, lps.get(rid) if lps else None))
         else:  # one map, no per-request branch
             none = itertools.repeat(None)
@@ -401,10 +404,21 @@ class Engine:
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
         return result
 
+    def _decodes_here(self) -> frozenset[str]:
+        """A prefill replica's running requests it decodes itself (`take_back`)."""
+        if self.config.role != "prefill":
+            return frozenset()
+        return frozenset(r.id for r in self.running if r.decodes_here)
+
     def take_back(self, handoff: dict) -> Outcome | None:
         """Run on a request this replica offered, which no other replica took (transfer.py);
-        None: `handoff` is not that offer (import it)."""
-        return self.transfers.take_back(handoff)
+        None: `handoff` is not that offer (import it). A prefill replica that takes back its
+        hand-off (no decode replica could take it) decodes the request to its end itself, as a
+        colocated replica would, rather than offer it again after every token."""
+        taken = self.transfers.take_back(handoff)
+        if taken is not None and self.config.role == "prefill":
+            self.table.requests[handoff["request"]["id"]].decodes_here = True
+        return taken
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
         return self.transfers.reclaim_expired(time.monotonic() if now is None else now)

@@ -162,6 +162,7 @@ class Scheduler:
         self.paged_names = tuple(c.name for c in self.paged)
         self.config = config
         self.prefill_role = config.role == "prefill"
+        self.decodes_here: frozenset[str] = frozenset()  # the view's (schedule): a prefill replica decodes these
         self.page_size = config.page_size
         # a prefill chunk that crosses the prompt's last whole page ends there (a checkpoint is
         # taken there: prefix cache) unless the model writes checkpoints inside a step; in
@@ -175,8 +176,8 @@ class Scheduler:
         pending = n_ids - r.computed
         if pending <= 0 or n_ids - r.num_prompt >= r.params.max_tokens:
             return 0  # nothing to run, or it finishes with the step in flight
-        if self.prefill_role and n_ids > r.num_prompt:
-            return 0  # a prefill replica never decodes: the request is handed off
+        if self.prefill_role and n_ids > r.num_prompt and r.id not in self.decodes_here:
+            return 0  # a prefill replica decodes only what it took back: the request is handed off
         if pending == 1:
             return 1 if budget >= 1 else 0
         c = self.config.prefill_chunk
@@ -237,6 +238,7 @@ class Scheduler:
 
     def schedule(self, view: SchedulerView) -> Scheduled | NeedRoom:
         budget = self.config.max_batch_tokens
+        self.decodes_here = view.decodes_here
         pools = _Pools(view.free)
         entries: list[PlanEntry] = []
         grants: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -402,7 +404,8 @@ class Scheduler:
         end = len(ids)
         draw = end - r.num_prompt
         p = r.params
-        if end - start != 1 or not start % self.page_size or draw >= p.max_tokens or (self.prefill_role and draw):
+        if (end - start != 1 or not start % self.page_size or draw >= p.max_tokens
+                or (self.prefill_role and draw and r.id not in self.decodes_here)):
             return None
         idx = r.indices  # a view made by hand may hold a plain mapping: snapshot it here
         split = (idx if type(idx) is IndexSnapshot else IndexSnapshot(idx)).split(self.paged_names, self.slot_names)

@@ -126,6 +126,9 @@ class SchedulerView:
     # requests offered to another replica hold units that come back without a retraction (the
     # importer acknowledges, or the lease ends): a request short of room waits for them
     offers_held: bool = False
+    # a prefill replica's requests it decodes itself (it took back a hand-off no decode replica
+    # took); it only prefills the others
+    decodes_here: frozenset[str] = frozenset()
 
     @property
     def num_running(self) -> int:
@@ -147,14 +150,15 @@ def view_of(req: Request, ahead: tuple[int, bool] | None = None) -> RequestView:
 def build_view(step: int, running: list[Request], waiting: list[Request], alloc: dict[str, IndexAllocator],
                in_flight: StepPlan | None, max_running: int, max_units: int, admit_new: bool,
                reserve_ratio: float, lane: LaneRows | None = None, lane_reqs: Sequence[Request] = (),
-               offers_held: bool = False, held: Callable[[Request], bool] | None = None) -> SchedulerView:
+               offers_held: bool = False, held: Callable[[Request], bool] | None = None,
+               decodes_here: frozenset[str] = frozenset()) -> SchedulerView:
     """A snapshot of the request table and the allocators. `max_units`: how many of each pool's
     free units to list, in the order allocation hands them out (a step's tokens need at most
     one page each; a prefix-cache hit's window pages come on top: a step that takes more than
     is listed asks again, `NeedRoom.listed`). `lane`: rows of
     running requests planned without a view; `lane_reqs`, those requests (running, each once).
     `held`: requests that sit this step out (their grammar is not compiled yet), running or
-    waiting; they still count toward `max_running`."""
+    waiting; they still count toward `max_running`. `decodes_here`: SchedulerView's."""
     rest = running  # the lane's requests have no view; when the lane holds every running request, none has
     if lane_reqs:
         lane_ids = set(map(id, lane_reqs)) if len(lane_reqs) < len(running) else None
@@ -176,4 +180,5 @@ def build_view(step: int, running: list[Request], waiting: list[Request], alloc:
         free={n: FreePool(a.num_free, tuple(a.peek(max_units))) for n, a in alloc.items()},
         in_flight=frozenset(in_flight.req_ids) if in_flight is not None else frozenset(),
         admit_new=admit_new, reserve_ratio=reserve_ratio, lane=lane, offers_held=offers_held,
+        decodes_here=decodes_here,
     )
