@@ -22,7 +22,7 @@ from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.lifecycle import Outcome
 from hyrax.actors.model.config import ModelConfig
 from pd_harness import (
-    Run, all_stats, assert_all_clean, assert_outputs, drive, pd_deployed, row_bytes, stats_delta, wait_for,
+    Run, all_stats, assert_all_clean, assert_outputs, drive, pd_deployed, row_bytes, stats, stats_delta, wait_for,
 )
 from ray_harness import DEMO_CONFIG, DEMO_MODEL, prompt, reference, replica, uid
 
@@ -250,4 +250,34 @@ def test_a_migration_with_nowhere_to_go_runs_on_at_its_source(pd):
 
     drive(client, [run], during)
     assert_outputs([run], want)
+    assert_all_clean(d)
+
+
+def test_a_prefill_hand_off_with_nowhere_to_go_is_decoded_by_the_prefill_replica(pd):
+    """Over Ray: no replica that decodes is in service when the prefill replica hands a request
+    off after its first token. The prefill replica takes its offer back and decodes the request
+    to its end itself, token for token as the uninterrupted run, instead of a 503 after one
+    token (test_migrate_take_back.py covers the refusal and failed-import cases in process)."""
+    d, client = pd
+    p = prompt(40, seed=978)
+    want = reference(DEMO_MODEL, CONFIG, [p], [48])
+    run = Run(uid("pf-back"), p, 48)
+    src = _backend(client, "prefill")
+    others = [b for b in client.backends if b.role in ("decode", "colocated")]
+    before = stats(d, "prefill")
+
+    async def during(runs):
+        await wait_for(lambda: len(run.tokens) >= 10, what="tokens after the first")
+        assert client.owner[run.id] is src
+
+    for b in others:
+        client._refused(b, {"error": "out of service for this test"})
+    try:
+        drive(client, [run], during)
+    finally:
+        for b in others:
+            client.out_of_service.pop(id(b), None)
+    assert_outputs([run], want)
+    delta = stats_delta(before, stats(d, "prefill"))
+    assert delta["offers_taken_back"] == 1 and delta["transfers_out"] == 0, delta
     assert_all_clean(d)
