@@ -200,7 +200,7 @@ def test_a_hand_off_that_went_on_elsewhere_is_imported_not_taken_back():
 
 def _pd_loops(decode_config: dict | None = None) -> list[EngineLoop]:
     model = tiny_model(HYBRID)
-    return [EngineLoop(make_engine(model, prefix_cache=False, role="prefill"), "prefill"),
+    return [EngineLoop(make_engine(model, prefix_cache=True, role="prefill"), "prefill"),
             EngineLoop(make_engine(model, prefix_cache=False, role="decode", **(decode_config or {})), "decode")]
 
 
