@@ -97,6 +97,9 @@ class Engine:
         self._forget: list[str] = []  # requests whose last token the ranks may forget
         self._pressure = False
         self.grammars = GrammarGate()  # which grammars rank 0 has compiled: the others' requests wait
+        # a prefill replica's requests whose hand-off it took back (`take_back`): it decodes them to
+        # their end, in whatever state they are (running, retracted, or waiting to be rebuilt)
+        self.decodes_here: frozenset[str] = frozenset()
         self.recovery = Recovery(self.table, self.inflight, executor, self.stats, self.alloc, self.host_alloc,
                                  finish=self._finish, reset=self._reset_pipeline, free_device=self.moves.free_device,
                                  cap=self.cap, revoke_hits=self.caching.revoke,
@@ -221,7 +224,7 @@ class Engine:
             got = self.scheduler.schedule(build_view(
                 self.step_count, self.running, self.waiting, self.alloc, self.inflight.plan, max_running,
                 listed, admit_new, self.reserve_ratio, lane, lane_reqs, bool(self.table.offered), held,
-                self._decodes_here()))
+                self.decodes_here))
             if isinstance(got, NeedRoom) and got.widen:  # room to make: every running request as a view
                 lane, lane_reqs = None, ()
                 continue
@@ -329,9 +332,8 @@ class Engine:
         lps, outputs, tokens = done.logprobs, self._outputs, done.tokens
         if self.config.role == "prefill":  # a request that got its first token is offered on
             finishing = {r.id for r, _ in done.stopped}
-            requests = self.table.requests
             for rid, toks in tokens.items():
-                offers = rid not in finishing and not requests[rid].decodes_here
+                offers = rid not in finishing and rid not in self.decodes_here
                 handoff = self.transfers.offer(rid) if offers else None
                 outputs.append(StepOutput(rid, toks, False, None, handoff, lps.get(rid) if lps else None))
         else:  # one map, no per-request branch
@@ -358,6 +360,8 @@ class Engine:
         """A request leaves the replica: release what its state held (device indices through
         the one free point, or its backup). Not counted as finished: another replica has it."""
         self._forget.append(req.id)
+        if req.id in self.decodes_here:
+            self.decodes_here -= {req.id}
         was = self.table.finish(req, reason)
         if was in (State.RUNNING, State.OFFERED):
             req.export_payload = None
@@ -404,12 +408,6 @@ class Engine:
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
         return result
 
-    def _decodes_here(self) -> frozenset[str]:
-        """A prefill replica's running requests it decodes itself (`take_back`)."""
-        if self.config.role != "prefill":
-            return frozenset()
-        return frozenset(r.id for r in self.running if r.decodes_here)
-
     def take_back(self, handoff: dict) -> Outcome | None:
         """Run on a request this replica offered, which no other replica took (transfer.py);
         None: `handoff` is not that offer (import it). A prefill replica that takes back its
@@ -417,7 +415,7 @@ class Engine:
         colocated replica would, rather than offer it again after every token."""
         taken = self.transfers.take_back(handoff)
         if taken is not None and self.config.role == "prefill":
-            self.table.requests[handoff["request"]["id"]].decodes_here = True
+            self.decodes_here |= {handoff["request"]["id"]}
         return taken
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:

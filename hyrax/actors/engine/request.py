@@ -113,7 +113,6 @@ class Request:
     transferred_bytes: dict[str, int] = field(default_factory=dict)  # imported state, per component
     export_payload: list | None = None  # while offered: the exported shards (kept alive until acked)
     offer_deadline: float | None = None  # while offered: monotonic time the lease ends
-    decodes_here: bool = False  # a prefill replica took back its offer: it runs the request to its end
     retracted_at_step: int = -1  # not resumed automatically in the step that retracted it
     finish_reason: str | None = None
     text: str = ""
