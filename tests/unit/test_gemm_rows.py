@@ -295,15 +295,33 @@ def test_the_native_kernel_is_the_plain_product(bias):
                                            rtol=1e-5, atol=1e-5, msg=lambda s: f"m={m} n={n} k={k}: {s}")
 
 
-def test_a_native_row_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_kernel_is_the_plain_product_over_long_rows(bias):
+    """Inner sizes the kernel goes over in several blocks, with x's rows copied to a padded
+    stride (1536: two whole blocks; 2051: three uneven ones and a tail), rows in one chunk
+    and past it (17), outputs in fours and single ones."""
+    gemm_rows = _native_or_skip()
+    g = torch.Generator().manual_seed(2)
+    for m in (1, 2, 3, 4, 16, 17):
+        for n in (5, 13):
+            for k in (1536, 2051):
+                x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+                b = torch.randn(n, generator=g) if bias else None
+                torch.testing.assert_close(gemm_rows.native_linear(x, w, b), F.linear(x, w, b),
+                                           rtol=1e-4, atol=1e-4, msg=lambda s: f"m={m} n={n} k={k}: {s}")
+
+
+@pytest.mark.parametrize("k", [203, 2051])
+def test_a_native_row_does_not_depend_on_the_rows_beside_it(k):
     """Each output is summed in one order whatever the row count: any subset of rows gives
-    exactly the values those rows get in the full product (a BLAS gives no such promise)."""
+    exactly the values those rows get in the full product (a BLAS gives no such promise),
+    also where the inner size takes several blocks and the rows more than one chunk."""
     gemm_rows = _native_or_skip()
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(16, 203, generator=g), torch.randn(45, 203, generator=g)
+    x, w = torch.randn(17, k, generator=g), torch.randn(45, k, generator=g)
     full = gemm_rows.native_linear(x, w, None)
-    for lo in range(16):
-        for hi in range(lo + 1, 17):
+    for lo in range(17):
+        for hi in range(lo + 1, 18):
             assert torch.equal(gemm_rows.native_linear(x[lo:hi].contiguous(), w, None), full[lo:hi]), (lo, hi)
 
 

@@ -40,9 +40,10 @@ weight, built once; 17 .. LARGE_ROWS[0] - 1 rows, where that padding would cost 
 A third way is Hyrax's own kernel (kernels/gemm_rows.c, built like the other native kernels):
 a BLAS packs the weight into its own layout on every call, which at 2-16 rows costs about as
 much as the arithmetic; the kernel reads the weight where it lies, each vector of it serving
-three rows of x at once. Measured, 2-core AVX2 VM (Zen 3), one thread, weights out of cache,
-GFLOP/s MKL / kernel: a (3224, 768) weight 7 / 15, 23 / 40, 35 / 45 at 2 / 8 / 16 rows, 53 / 53
-at 32, 64 / 56 at 64; (8192, 768) 22 / 41 at 8 rows, 36 / 50 at 16. The plan times it at every
+three rows of x at once, while the next rows of the weight are fetched. Measured, 2-core AVX2
+VM (Zen 3), one thread, weights out of cache, GFLOP/s MKL / kernel: a (3224, 768) weight 9 / 20,
+26 / 63, 42 / 79 at 2 / 8 / 16 rows, 58 / 79 at 32, 72 / 81 at 64; (8192, 768) 23 / 66 at 8 rows,
+37 / 78 at 16. The plan times it at every
 planned row count and runs it where it costs at most NATIVE_MARGIN of the best other way (MKL
 as planned, or oneDNN where that won). Its sums run in one order for every row count (native
 rows are batch-invariant, unlike a BLAS's).
