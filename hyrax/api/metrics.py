@@ -83,6 +83,10 @@ def engine_families(stats: list[dict], pools: list[dict], health: HealthReport) 
         ("state_bytes_transferred", "Bytes of request state imported from another replica.", ["component"]),
         ("transfers_in", "Requests imported from another replica, by result.", ["result"]),
         ("transfers_out", "Requests handed to another replica (PD hand-off or migration).", []),
+        ("offers_taken_back", "Hand-offs no other replica took, run on by the replica that offered them (a prefill "
+                              "replica then decodes the request itself).", []),
+        ("offers_reclaimed", "Hand-offs freed by the replica that offered them without an acknowledgement (lease "
+                             "over, its ranks lost, or the request went on elsewhere).", []),
         ("replica_recoveries", "Times a replica replaced failed ranks.", []),
         ("step_out_of_memory", "Steps that ran out of device memory: the batch cap was lowered and their requests "
                                "rebuilt.", []),
@@ -110,6 +114,8 @@ def engine_families(stats: list[dict], pools: list[dict], health: HealthReport) 
         c["generation_tokens"].add_metric(lab, s["generation_tokens"])
         c["checksum_failures"].add_metric(lab, s["checksum_failures"])
         c["transfers_out"].add_metric(lab, s.get("transfers_out", 0))
+        c["offers_taken_back"].add_metric(lab, s.get("offers_taken_back", 0))
+        c["offers_reclaimed"].add_metric(lab, s.get("offers_reclaimed", 0))
         c["replica_recoveries"].add_metric(lab, s.get("recoveries", 0))
         c["step_out_of_memory"].add_metric(lab, s.get("batch_cap", {}).get("out_of_memory_steps", 0))
         for reason, n in s["finished"].items():
