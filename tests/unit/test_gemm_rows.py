@@ -479,3 +479,23 @@ def test_a_model_larger_than_the_cache_is_planned_with_weights_out_of_it(monkeyp
     assert len(copies) == 30 and all(c.shape == (10, 10) for c in copies)
     assert len({c.data_ptr() for c in copies}) == 30
     assert gemm_rows._cold_copies(torch.zeros(64, 64)) == ()  # 16 KB: past the cache alone, no copy
+
+
+def test_the_native_kernel_runs_past_16_rows_between_large_counts_it_won_at():
+    """A decode step of 17-64 running requests: the kernel needs no padding, so a count between
+    16 and 64 rows runs through it where it won at both (and past 64 where it won at 64 and
+    256, past 256 where it won at 256); elsewhere the BLAS's way stands."""
+    from hyrax.actors.model.gemm_rows import LARGE_ROWS, _plan_from
+
+    mkl = _mkl_like()
+    wins = [0.5 * s for s in mkl]
+    plan = _plan_from({"mkl": mkl + [5e-3, 20e-3], "onednn": mkl + [4e-3, 18.5e-3], "native": wins + [3e-3, 19e-3]})
+    assert LARGE_ROWS == (64, 256) and plan.native_large == (True, False)  # 3 vs oneDNN's 4; 19 vs 18.5
+    assert [plan.native_for(m) for m in (16, 17, 40, 64, 65, 256, 300)] == [True] * 4 + [False] * 3
+    assert [plan.onednn_for(m) for m in (64, 256)] == [True, True]  # (oneDNN's own choice unchanged)
+    at_256 = _plan_from({"mkl": mkl + [5e-3, 20e-3], "native": wins + [3e-3, 10e-3]})  # no oneDNN: vs MKL
+    assert at_256.native_large == (True, True) and all(at_256.native_for(m) for m in (17, 100, 256, 1000))
+    lost_at_16 = _plan_from({"mkl": mkl + [5e-3, 20e-3], "native": wins[:15] + [mkl[15]] + [3e-3, 10e-3]})
+    assert [lost_at_16.native_for(m) for m in (16, 17, 64, 65)] == [False, False, False, True]
+    small = _plan_from({"mkl": mkl, "native": wins})  # a weight too small for the large counts
+    assert small.native_large == () and not small.native_for(17)

@@ -16,8 +16,9 @@ programming over the measured times). A plan replaces the plain call only where 
 clearly cheaper (`MARGIN`), so a row count near a tie keeps its plain product and its exact
 rounding. `plan_rows(model)` gives every `nn.Linear` of a CPU model its plan: the module
 becomes a `PlannedLinear` (same parameters, names and state dict) whose forward consults it.
-Products of more than MAX_ROWS rows, GPU models, traced code (torch.compile) and products
-autograd records run plain.
+Products of more than MAX_ROWS rows run plain unless oneDNN or the native kernel (below) won
+at the LARGE_ROWS counts; GPU models, traced code (torch.compile) and products autograd records
+run plain.
 
 A second library, oneDNN (`torch.ops.mkldnn._linear_pointwise` on the dense weight as it lies:
 no copy, no other layout), runs the same products with its own kernels, and on large weights
@@ -45,7 +46,11 @@ VM (Zen 3), one thread, weights out of cache, GFLOP/s MKL / kernel: a (3224, 768
 26 / 63, 42 / 79 at 2 / 8 / 16 rows, 58 / 79 at 32, 72 / 81 at 64; (8192, 768) 23 / 66 at 8 rows,
 37 / 78 at 16. The plan times it at every
 planned row count and runs it where it costs at most NATIVE_MARGIN of the best other way (MKL
-as planned, or oneDNN where that won). Its sums run in one order for every row count (native
+as planned, or oneDNN where that won); on a weight large enough to time oneDNN on, also at
+LARGE_ROWS, and a product between two counts it won at (16 and 64 rows: the decode steps of
+17-64 running requests) runs through it too (measured, same VM, out of cache: (3224, 768) at
+24 / 32 / 64 rows, MKL 51 / 57 / 71, oneDNN 51 / 53 / 63, the kernel 77 / 79 / 79 GFLOP/s; at
+256 rows MKL's 84 beat its 82, so prefill products stay with the BLAS). Its sums run in one order for every row count (native
 rows are batch-invariant, unlike a BLAS's).
 
 Each row of the result is computed from its own row of x alone, so a padded or split product
@@ -97,6 +102,10 @@ class RowPlan:
     onednn: tuple[bool, ...] = ()
     onednn_large: tuple[bool, ...] = ()
     native: tuple[bool, ...] = ()  # native[m - 1]: whether m rows run through the native kernel (first)
+    # native_large[i]: whether the native kernel won at LARGE_ROWS[i] rows; a product of more than
+    # len(native) rows runs through it when it won at the measured counts on both sides of it
+    # (past the last: at the last). It needs no padding, so the counts between them go with it.
+    native_large: tuple[bool, ...] = ()
 
     def for_rows(self, m: int) -> tuple[Piece, ...] | None:
         return self.pieces[m - 1] if 0 < m <= len(self.pieces) else None
@@ -105,12 +114,22 @@ class RowPlan:
         if m > len(self.pieces):
             if not self.onednn_large or m < LARGE_ROWS[0]:
                 return False
-            at = next((i for i, rows in enumerate(LARGE_ROWS) if m <= rows), len(LARGE_ROWS) - 1)
-            return self.onednn_large[at]
+            return self.onednn_large[_large_index(m)]
         return 0 < m <= len(self.onednn) and self.onednn[m - 1]
 
     def native_for(self, m: int) -> bool:
+        if m > len(self.native):
+            if not self.native or not self.native_large:
+                return False
+            at = _large_index(m)
+            below = self.native[-1] if at == 0 else self.native_large[at - 1]
+            return self.native_large[at] and (below or m > LARGE_ROWS[-1])
         return 0 < m <= len(self.native) and self.native[m - 1]
+
+
+def _large_index(m: int) -> int:
+    """The first of LARGE_ROWS at least m (past the last: the last)."""
+    return next((i for i, rows in enumerate(LARGE_ROWS) if m <= rows), len(LARGE_ROWS) - 1)
 
 
 def _onednn_op():
@@ -304,10 +323,10 @@ def row_plan(weight: torch.Tensor, bias: torch.Tensor | None, cold: bool = False
                     if k == 0 or kind == "mkl":
                         seconds[kind] = [min(s, _time_rows(w, b, m, product, others))
                                          for m, s in enumerate(seconds[kind], 1)]
-            if "onednn" in kinds:
-                for kind in ("mkl", "onednn"):
+            if "onednn" in kinds or ("native" in kinds and w.numel() * w.element_size() >= ONEDNN_MIN_WEIGHT_BYTES):
+                for kind, product in kinds.items():
                     # (hot: products this large are bound by their arithmetic, not by the weight's reads)
-                    seconds[kind] += [_time_rows(w, b, m, kinds[kind]) for m in LARGE_ROWS]
+                    seconds[kind] += [_time_rows(w, b, m, product) for m in LARGE_ROWS]
         _plans[key] = _plan_from(seconds)
     return _plans[key]
 
@@ -324,7 +343,7 @@ def _onednn_serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
     """The plan from measured seconds per kind ("mkl"; "onednn" and "native" where they ran) at
-    1 .. MAX_ROWS rows, then (with "onednn", for MKL and oneDNN) at each of LARGE_ROWS."""
+    1 .. MAX_ROWS rows, then (for a weight large enough, each kind) at each of LARGE_ROWS."""
     mkl = seconds["mkl"][:MAX_ROWS]
     pieces = best_pieces(mkl)
     best = [min(mkl[m - 1], pieces_seconds(mkl, pieces[m - 1], m)) for m in range(1, MAX_ROWS + 1)]
@@ -337,7 +356,10 @@ def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
     native = seconds.get("native")
     if native is None:
         return RowPlan(pieces, onednn, large)
-    return RowPlan(pieces, onednn, large, tuple(t <= NATIVE_MARGIN * b for t, b in zip(native, best)))
+    small = tuple(t <= NATIVE_MARGIN * b for t, b in zip(native[:MAX_ROWS], best))
+    # at each of LARGE_ROWS (where timed): the way a product of that many rows runs otherwise
+    others = [dnn[MAX_ROWS + i] if i < len(large) and large[i] else k for i, k in enumerate(seconds["mkl"][MAX_ROWS:])]
+    return RowPlan(pieces, onednn, large, small, tuple(t <= NATIVE_MARGIN * b for t, b in zip(native[MAX_ROWS:], others)))
 
 
 def run_pieces(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
