@@ -41,8 +41,8 @@ def test_two_loops_importing_from_each_other_at_once_do_not_deadlock():
         for loop in (a, b):
             inner = loop.engine.import_request
 
-            def import_then_wait(handoff, inner=inner):
-                out = inner(handoff)
+            def import_then_wait(handoff, *more, inner=inner):
+                out = inner(handoff, *more)
                 both.wait()  # each loop thread holds its own lock here
                 return out
             loop.engine.import_request = import_then_wait

@@ -98,3 +98,26 @@ def test_a_taken_back_request_decodes_on_after_the_prefill_replicas_rank_is_lost
         assert [s.finish() for s in streams] == [want] * 2
         assert pd.recoveries == 1
         assert pd.stats(0)["offers_taken_back"] == 2
+
+
+def test_a_hand_off_whose_offer_a_lost_rank_freed_is_still_decoded_by_the_prefill_replica():
+    """The prefill replica's rank is lost and replaced between its offer and the gateway bringing
+    the offer back: recovery let the offer go (its state went with the rank), so there is no offer
+    to take back. The hand-off is the replica's own, so the replica imports it (rebuilt from its
+    tokens: the exported state may be gone) and decodes it; before, the import was refused
+    ("offered to a prefill replica, which does not decode") and the client got that error after
+    its first token."""
+    want = _uninterrupted()
+    with PrefillAndDecode() as pd:
+        prefill = pd.client.find_backend("prefill", 0)
+        bring_back = prefill.generate_imported
+
+        def lost_meanwhile(handoff):
+            with pd.loops[0].lock:
+                pd._recover(RuntimeError("the rank was lost after its offer"))
+            return bring_back(handoff)
+        prefill.generate_imported = lost_meanwhile
+        s = Stream(pd.client, "q6")
+        assert s.finish() == want
+        stats = pd.stats(0)
+        assert stats["offers_reclaimed"] == 1 and stats["offers_taken_back"] == 0, stats

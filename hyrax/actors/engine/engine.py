@@ -392,13 +392,17 @@ class Engine:
     def release_handoff(self, req_id: str) -> bool:
         return self.transfers.acknowledged(req_id)
 
-    def import_request(self, handoff: dict) -> Outcome:
+    def import_request(self, handoff: dict, own: bool = False) -> Outcome:
         """Take over a request another replica offered (transfer.py). A prefill replica takes
         none: it never decodes, so a request it took would hold its state and never move. Nor does
         a replica whose pools (or context) could never hold the request's tokens: it would wait
-        retracted for room that never comes, and stop every admission here meanwhile."""
+        retracted for room that never comes, and stop every admission here meanwhile.
+        `own`: the hand-off is this replica's own, come back (no other replica took it) after its
+        offer was let go here (its ranks were lost since): it takes it over as any import (rebuilt
+        from its tokens where its exported state went with the ranks), and a prefill replica then
+        decodes it to its end, as it does an offer it takes back."""
         r = handoff["request"]
-        if self.config.role == "prefill":
+        if self.config.role == "prefill" and not own:
             raise HyraxInputError(f"request {r['id']!r} offered to a prefill replica, which does not decode")
         try:  # its tokens so far as a prompt: a request this replica could never run would wait for good
             self._check(list(r["prompt_ids"]) + list(r["output_ids"]), r["params"])
@@ -406,6 +410,8 @@ class Engine:
             raise HyraxInputError(f"request {r['id']!r} cannot continue on this replica: {e}") from None
         result = self.transfers.import_(handoff)
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
+        if self.config.role == "prefill":
+            self.decodes_here |= {r["id"]}
         return result
 
     def take_back(self, handoff: dict) -> Outcome | None:

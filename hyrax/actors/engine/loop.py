@@ -36,6 +36,15 @@ GAVE_UP = "the replica failed and could not recover; it stops serving"
 FAILED = "the replica failed while running this request"
 
 
+def _same_replica(a, b) -> bool:
+    """Whether two hand-off sources name the same replica: the same loop in process, handles of
+    the same actor over Ray (a handle that crossed Ray is another object for the same actor)."""
+    if a is None or b is None:
+        return False
+    return a is b or (getattr(a, "_actor_id", None) is not None and getattr(a, "_actor_id", None) == getattr(
+        b, "_actor_id", None))
+
+
 def _ack_in_process(source, request_id: str) -> None:
     """Queued for the source loop's next turn: the importer's loop thread holds its own lock
     here, and two loops importing from each other would each wait for the other's lock."""
@@ -390,12 +399,15 @@ class EngineLoop:
                 return {"token_ids": [], "finished": False, "finish_reason": None, "imported": taken}
             # a request this loop ended while recovering (it gave up) is not acknowledged: the
             # source's offer is freed by its lease or the gateway, as for any import that fails
-            result = self._on_ranks(lambda: self.engine.import_request(handoff),
+            own = _same_replica(handoff.get("source"), self.source)  # an offer of ours that recovery let go
+            result = self._on_ranks(lambda: self.engine.import_request(handoff, own),
                                     lambda: Outcome.RANKS_FAILED if rid in self.engine.requests else None)
             if result is None:
                 return None  # its stream ended with the error of the loop that gave up
-            # the request is ours now (imported, or rebuilt by prefill from the tokens): tell the source
-            if handoff.get("source") is not None:
+            # the request is ours now (imported, or rebuilt by prefill from the tokens): tell the
+            # source (not this replica itself: its offer is gone, and a late acknowledgement could
+            # free a later offer of the same request)
+            if handoff.get("source") is not None and not own:
                 self.ack(handoff["source"], rid)
             return {"token_ids": [], "finished": False, "finish_reason": None, "imported": result}
         self.open_stream(rid, sink, admit)
