@@ -45,6 +45,20 @@ class PrefillAndDecode:
         self.rank.restart()
         self.prefill.reset_for_recovery()
 
+    def lose_rank_before_the_offer_comes_back(self, and_in_the_import: bool = False) -> None:
+        """The prefill rank is lost and replaced (its offers let go) just before the gateway brings
+        a hand-off back; `and_in_the_import`: the new rank is lost too, found by the import."""
+        prefill = self.client.find_backend("prefill", 0)
+        bring_back = prefill.generate_imported
+
+        def lost_meanwhile(handoff):
+            with self.loops[0].lock:
+                self._recover(RuntimeError("the rank was lost after its offer"))
+                if and_in_the_import:
+                    self.rank.die()
+            return bring_back(handoff)
+        prefill.generate_imported = lost_meanwhile
+
     def decode_back_in_service(self) -> None:
         self.client.out_of_service.pop(id(self.decode))  # its next health check found it well
 
@@ -109,15 +123,22 @@ def test_a_hand_off_whose_offer_a_lost_rank_freed_is_still_decoded_by_the_prefil
     its first token."""
     want = _uninterrupted()
     with PrefillAndDecode() as pd:
-        prefill = pd.client.find_backend("prefill", 0)
-        bring_back = prefill.generate_imported
-
-        def lost_meanwhile(handoff):
-            with pd.loops[0].lock:
-                pd._recover(RuntimeError("the rank was lost after its offer"))
-            return bring_back(handoff)
-        prefill.generate_imported = lost_meanwhile
+        pd.lose_rank_before_the_offer_comes_back()
         s = Stream(pd.client, "q6")
         assert s.finish() == want
         stats = pd.stats(0)
         assert stats["offers_reclaimed"] == 1 and stats["offers_taken_back"] == 0, stats
+
+
+def test_an_own_hand_off_whose_import_loses_the_rank_is_still_decoded_by_the_prefill_replica():
+    """As above, and the replacement rank is lost too while the replica loads the hand-off's
+    state: the import is recovered (RANKS_FAILED, the request rebuilt from its tokens) and the
+    request is still one the prefill replica decodes. Before, the import raised before the replica
+    marked it so, and the rebuilt request waited first in line for good (the stream never ended)."""
+    want = _uninterrupted()
+    with PrefillAndDecode() as pd:
+        pd.lose_rank_before_the_offer_comes_back(and_in_the_import=True)
+        s = Stream(pd.client, "q7")
+        assert s.finish() == want
+        assert pd.recoveries == 2
+        assert pd.stats(0)["transfers_in"] == {"ranks_failed": 1}

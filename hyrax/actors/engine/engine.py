@@ -408,10 +408,15 @@ class Engine:
             self._check(list(r["prompt_ids"]) + list(r["output_ids"]), r["params"])
         except HyraxInputError as e:
             raise HyraxInputError(f"request {r['id']!r} cannot continue on this replica: {e}") from None
-        result = self.transfers.import_(handoff)
+        # a prefill replica decodes it once it is in the table, also where loading its state lost a
+        # rank (the loop's recovery then rebuilds it here, and it must run on, not wait for good)
+        decodes = self.config.role == "prefill" and r["id"] not in self.table
+        try:
+            result = self.transfers.import_(handoff)
+        finally:
+            if decodes and r["id"] in self.table:
+                self.decodes_here |= {r["id"]}
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
-        if self.config.role == "prefill":
-            self.decodes_here |= {r["id"]}
         return result
 
     def take_back(self, handoff: dict) -> Outcome | None:
