@@ -26,7 +26,7 @@ def unsettled(text: TextStream, end: int | None = None) -> str:
     """The text of the ids fed to `text` after its settled part (`text.text`), up to `end`: empty,
     or ending inside a character (U+FFFD, which the next token completes, continues, or shows to
     be an invalid byte's, that stays in the text)."""
-    if text.read == len(text.ids[:end]):
+    if text.read == (len(text.ids) if end is None else min(end, len(text.ids))):  # (no copy of the ids: per token)
         return ""
     return text.decode(text.ids[text.prefix:end])[len(text.decode(text.ids[text.prefix:text.read])):]
 
