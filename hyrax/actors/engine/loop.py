@@ -41,8 +41,8 @@ def _same_replica(a, b) -> bool:
     the same actor over Ray (a handle that crossed Ray is another object for the same actor)."""
     if a is None or b is None:
         return False
-    return a is b or (getattr(a, "_actor_id", None) is not None and getattr(a, "_actor_id", None) == getattr(
-        b, "_actor_id", None))
+    actor = getattr(a, "_actor_id", None)
+    return a is b or (actor is not None and actor == getattr(b, "_actor_id", None))
 
 
 def _ack_in_process(source, request_id: str) -> None:
