@@ -44,14 +44,14 @@ much as the arithmetic; the kernel reads the weight where it lies, each vector o
 three rows of x at once, while the next rows of the weight are fetched. Measured, 2-core AVX2
 VM (Zen 3), one thread, weights out of cache, GFLOP/s MKL / kernel: a (3224, 768) weight 9 / 20,
 26 / 63, 42 / 79 at 2 / 8 / 16 rows, 58 / 79 at 32, 72 / 81 at 64; (8192, 768) 23 / 66 at 8 rows,
-37 / 78 at 16. The plan times it at every
-planned row count and runs it where it costs at most NATIVE_MARGIN of the best other way (MKL
-as planned, or oneDNN where that won); on a weight large enough to time oneDNN on, also at
-LARGE_ROWS, and a product between two counts it won at (16 and 64 rows: the decode steps of
-17-64 running requests) runs through it too (measured, same VM, out of cache: (3224, 768) at
-24 / 32 / 64 rows, MKL 51 / 57 / 71, oneDNN 51 / 53 / 63, the kernel 77 / 79 / 79 GFLOP/s; at
-256 rows MKL's 84 beat its 82, so prefill products stay with the BLAS). Its sums run in one order for every row count (native
-rows are batch-invariant, unlike a BLAS's).
+37 / 78 at 16. The plan times it at every planned row count and runs it where it costs at
+most NATIVE_MARGIN of the best other way (MKL as planned, or oneDNN where that won); on a
+weight large enough to time oneDNN on, also at LARGE_ROWS, and a product between two counts it
+won at (16 and 64 rows: the decode steps of 17-64 running requests) runs through it too
+(measured, same VM, out of cache: (3224, 768) at 24 / 32 / 64 rows, MKL 51 / 57 / 71, oneDNN
+51 / 53 / 63, the kernel 77 / 79 / 79 GFLOP/s; at 256 rows MKL's 84 beat its 82, so prefill
+products stay with the BLAS). Its sums run in one order for every row count (native rows are
+batch-invariant, unlike a BLAS's).
 
 Each row of the result is computed from its own row of x alone, so a padded or split product
 gives each request the same values a product of that many rows would; which kernel computed
@@ -323,7 +323,7 @@ def row_plan(weight: torch.Tensor, bias: torch.Tensor | None, cold: bool = False
                     if k == 0 or kind == "mkl":
                         seconds[kind] = [min(s, _time_rows(w, b, m, product, others))
                                          for m, s in enumerate(seconds[kind], 1)]
-            if "onednn" in kinds or ("native" in kinds and w.numel() * w.element_size() >= ONEDNN_MIN_WEIGHT_BYTES):
+            if len(kinds) > 1 and w.numel() * w.element_size() >= ONEDNN_MIN_WEIGHT_BYTES:  # (oneDNN's own floor)
                 for kind, product in kinds.items():
                     # (hot: products this large are bound by their arithmetic, not by the weight's reads)
                     seconds[kind] += [_time_rows(w, b, m, product) for m in LARGE_ROWS]
@@ -358,8 +358,10 @@ def _plan_from(seconds: dict[str, list[float]]) -> RowPlan:
         return RowPlan(pieces, onednn, large)
     small = tuple(t <= NATIVE_MARGIN * b for t, b in zip(native[:MAX_ROWS], best))
     # at each of LARGE_ROWS (where timed): the way a product of that many rows runs otherwise
-    others = [dnn[MAX_ROWS + i] if i < len(large) and large[i] else k for i, k in enumerate(seconds["mkl"][MAX_ROWS:])]
-    return RowPlan(pieces, onednn, large, small, tuple(t <= NATIVE_MARGIN * b for t, b in zip(native[MAX_ROWS:], others)))
+    others = [dnn[MAX_ROWS + i] if i < len(large) and large[i] else k
+              for i, k in enumerate(seconds["mkl"][MAX_ROWS:])]
+    native_large = tuple(t <= NATIVE_MARGIN * b for t, b in zip(native[MAX_ROWS:], others))
+    return RowPlan(pieces, onednn, large, small, native_large)
 
 
 def run_pieces(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
