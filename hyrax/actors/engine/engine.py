@@ -410,12 +410,12 @@ class Engine:
             raise HyraxInputError(f"request {r['id']!r} cannot continue on this replica: {e}") from None
         # a prefill replica decodes it once it is in the table, also where loading its state lost a
         # rank (the loop's recovery then rebuilds it here, and it must run on, not wait for good)
-        decodes = self.config.role == "prefill" and r["id"] not in self.table
+        decodes = r["id"] not in self.table
         try:
             result = self.transfers.import_(handoff)
         finally:
             if decodes and r["id"] in self.table:
-                self.decodes_here |= {r["id"]}
+                self._decode_here(r["id"])
         self.grammars.want(r["params"].grammar)  # compiled here before its next step (grammar_gate.py)
         return result
 
@@ -425,9 +425,15 @@ class Engine:
         hand-off (no decode replica could take it) decodes the request to its end itself, as a
         colocated replica would, rather than offer it again after every token."""
         taken = self.transfers.take_back(handoff)
-        if taken is not None and self.config.role == "prefill":
-            self.decodes_here |= {handoff["request"]["id"]}
+        if taken is not None:
+            self._decode_here(handoff["request"]["id"])
         return taken
+
+    def _decode_here(self, req_id: str) -> None:
+        """A request that came back to this replica runs to its end here: on a prefill replica,
+        past its first token (`decodes_here`); elsewhere it would anyway."""
+        if self.config.role == "prefill":
+            self.decodes_here |= {req_id}
 
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
         return self.transfers.reclaim_expired(time.monotonic() if now is None else now)
