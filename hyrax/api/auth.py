@@ -1,5 +1,9 @@
 """Bearer-token checks: the admin token for /admin/*, optional API keys for /v1/*.
-Tokens are compared in constant time."""
+Tokens are compared in constant time.
+
+The checks are coroutines: FastAPI runs a plain-function dependency in its thread pool, so
+every API call would wait for a free worker thread (none while the pool is busy with slow
+work) and pay two thread hops for a comparison of a few bytes."""
 from __future__ import annotations
 
 import hmac
@@ -28,14 +32,14 @@ def _matches(token: str | None, allowed: list[str]) -> bool:
     return ok
 
 
-def require_admin(request: Request) -> None:
+async def require_admin(request: Request) -> None:
     token = request.app.state.settings.admin_token
     if not token or not _matches(_bearer(request), [token]):
         raise APIError(401, "admin endpoints need `Authorization: Bearer <admin token>`", code="invalid_admin_token",
                        headers=CHALLENGE)
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     keys = request.app.state.settings.api_keys
     if keys and not _matches(_bearer(request), list(keys)):
         raise APIError(401, "invalid or missing API key", code="invalid_api_key", headers=CHALLENGE)

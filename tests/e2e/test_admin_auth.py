@@ -149,6 +149,42 @@ def test_api_keys_and_the_admin_token_do_not_open_each_other(local, gateway_with
     assert HTTP.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
 
 
+
+def test_token_checks_need_no_worker_thread(local):
+    """The API-key and admin-token checks run on the event loop: with every thread of the
+    gateway's pool held by slow work (40 plain-function handlers, anyio's default limit), API
+    and admin calls still answer at once. Before, each check was a plain function, which FastAPI
+    runs in that pool: the calls waited for a free thread."""
+    from e2e_harness import Gateway
+    from hyrax.api.app import GatewaySettings, create_app
+
+    app = create_app(local.client, GatewaySettings(admin_token=ADMIN_TOKEN, api_keys=("k1",)))
+    release, holding, lock = threading.Event(), [0], threading.Lock()
+
+    def hold_a_thread():  # a plain function: FastAPI runs it in the thread pool
+        with lock:
+            holding[0] += 1
+        release.wait(60)
+        return {}
+
+    app.add_api_route("/test-hold", hold_a_thread)
+    gw = Gateway(app)
+    pool = 40  # anyio's default limit on a loop's worker threads
+    holders = [threading.Thread(target=lambda: HTTP.get(f"{gw.url}/test-hold", timeout=60)) for _ in range(pool)]
+    try:
+        for t in holders:
+            t.start()
+        wait_until(lambda: holding[0] == pool, 30, what="every pool thread held")
+        assert HTTP.get(f"{gw.url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=5).status_code == 200
+        assert HTTP.get(f"{gw.url}/admin/requests", headers=ADMIN, timeout=5).status_code == 200
+        assert_error(HTTP.get(f"{gw.url}/v1/models", timeout=5), 401)
+    finally:
+        release.set()
+        for t in holders:
+            t.join(60)
+        gw.close()
+
+
 # ---- unknown ids and impossible moves: the same contract on retract, resume and migrate ------------
 @pytest.mark.parametrize("path", ["/admin/retract", "/admin/resume"])
 def test_naming_only_unknown_requests_is_404_like_migrate(local, path):
