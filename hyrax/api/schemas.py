@@ -37,6 +37,10 @@ UNSUPPORTED_FIELDS = {
     "best_of": "best_of",
     "suffix": "suffix",
     "audio": "audio",
+    # an answer's fields, both null in the openai client's ChatCompletionMessage.model_dump(),
+    # which a client may send back as the next turn's assistant message
+    "refusal": "an assistant message's refusal",
+    "annotations": "an assistant message's annotations",
     "modalities": "other modalities",
     "prediction": "predicted outputs",
     "reasoning_effort": "reasoning models",

@@ -62,6 +62,26 @@ def test_unsupported_field_is_400_saying_so_and_null_means_absent(local, path, f
     assert post(local.url, path, {**BASE[path], field: None}).status_code == 200
 
 
+def test_an_answer_sent_back_as_the_openai_client_dumps_it_is_the_next_turns_assistant_message(local, oai):
+    """The openai client's ChatCompletionMessage.model_dump() holds OpenAI's answer fields
+    `refusal` and `annotations`, null for any answer: sending that dump back as the next turn's
+    assistant message was a 400 (unknown field). Null asks for nothing; a refusal or annotations
+    given are a 400 saying they are not supported."""
+    first = oai.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=3, temperature=0)
+    dumped = first.choices[0].message.model_dump()
+    assert dumped["refusal"] is None and dumped["annotations"] is None
+    turns = [*CHAT["messages"], dumped, {"role": "user", "content": "more"}]
+    again = oai.chat.completions.create(model=MODEL, messages=turns, max_tokens=3, temperature=0)
+    without = [*CHAT["messages"], {"role": "assistant", "content": dumped["content"]}, turns[-1]]
+    assert again.choices[0].message.content == oai.chat.completions.create(
+        model=MODEL, messages=without, max_tokens=3, temperature=0).choices[0].message.content
+    for field, value in (("refusal", "I cannot help with that."), ("annotations", [])):
+        turns[1] = {**dumped, field: value}
+        err = assert_error(post(local.url, "/v1/chat/completions", {**CHAT, "messages": turns}), 400,
+                           code="unsupported_parameter", param=f"messages.1.{field}")
+        assert "not supported" in err["message"]
+
+
 @pytest.mark.parametrize("path", GEN)
 def test_null_for_an_optional_field_means_its_default(local, path):
     """OpenAI's fields are nullable: null is "not set", for every optional field; a required one is still a 400."""
