@@ -352,7 +352,15 @@ class TokenizeRequest(Body):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(default=True, description="messages only: end with the assistant's "
+                                                                   "turn opened, as chat completions do")
+
+    @field_validator("add_generation_prompt")
+    @classmethod
+    def _only_with_messages(cls, v, info: ValidationInfo):
+        if info.data.get("prompt") is not None:  # a prompt has no template: it would be ignored
+            raise ValueError("add_generation_prompt applies to messages (the chat template), not to a prompt")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -354,6 +354,20 @@ def test_tokenize_and_detokenize_in_vllms_shape_agree_with_generation(local):
         assert post(local.url, "/tokenize", {"prompt": "x", field: None}).status_code == 200
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_add_generation_prompt_with_a_prompt_is_400_naming_it(local, value):
+    """It applies to messages only (vLLM has it on its chat form alone); with a prompt it was
+    silently ignored. Null asks for nothing; with messages it still picks the template's ending."""
+    err = assert_error(post(local.url, "/tokenize", {"prompt": "x", "add_generation_prompt": value}), 400,
+                       code="invalid_value", param="add_generation_prompt")
+    assert "messages" in err["message"]
+    assert post(local.url, "/tokenize", {"prompt": "x", "add_generation_prompt": None}).json()["count"] == 1
+    chat = {"messages": CHAT["messages"]}
+    counts = {v: post(local.url, "/tokenize", {**chat, "add_generation_prompt": v}).json()["count"]
+              for v in (True, False, None)}
+    assert counts[None] == counts[True] > counts[False]
+
+
 # ---- documentation ----------------------------------------------------------------------------------
 def test_docs_are_served_offline_from_installed_assets(local):
     page = HTTP.get(f"{local.url}/docs")
