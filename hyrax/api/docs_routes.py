@@ -20,7 +20,7 @@ _ERROR_TEXT = {
     404: "Unknown model, request or replica",
     409: "The request is not in a state that allows this operation",
     413: "The request body exceeds the server's limit",
-    415: "Content-Type declares a charset other than UTF-8 (JSON over HTTP is UTF-8)",
+    415: "Content-Type declares a charset other than UTF-8 (JSON over HTTP is UTF-8), or a Content-Encoding",
     503: "Not ready or the request queue is full; retry after the `Retry-After` header's seconds",
 }
 _EXTRA = {  # statuses beyond the ones every route of its kind answers

@@ -1,6 +1,7 @@
 """Request bodies read as JSON the way RFC 8259 has it over HTTP: UTF-8 only (another declared
-charset is a 415, UTF-16 or UTF-32 bytes a 400), and nothing silently ignored: a key given twice
-in one object is a 400 naming it (json.loads would keep the last). A body the parser cannot take
+charset is a 415, UTF-16 or UTF-32 bytes a 400), uncompressed (a Content-Encoding is a 415), and
+nothing silently ignored: a key given twice in one object is a 400 naming it (json.loads would
+keep the last). A body the parser cannot take
 (a number too long, nesting too deep) is a 400 saying so, not FastAPI's "There was an error
 parsing the body". Content-Type given twice is a 400 (`headers.single`). Every router with JSON
 bodies uses `JSONRoute`."""
@@ -66,9 +67,19 @@ def parse(body: bytes, content_type: str = "") -> object:
         raise
 
 
+def _check_encoding(content_encoding: str | None) -> None:
+    """A 415 for a body sent with a content coding (gzip, ...): the gateway does not decompress,
+    and reading the compressed bytes as JSON would answer a misleading 400 (RFC 9110 §15.5.16)."""
+    codings = [c.strip() for c in (content_encoding or "").split(",")]
+    if any(c and c.lower() != "identity" for c in codings):
+        raise APIError(415, f"Content-Encoding {content_encoding!r} is not supported: send the body uncompressed",
+                       param="Content-Encoding", code="unsupported_media_type")
+
+
 class JSONRequest(Request):
     async def json(self):
         if not hasattr(self, "_json"):
+            _check_encoding(single(self, "Content-Encoding"))
             self._json = parse(await self.body(), self.headers.get("content-type", ""))
         return self._json
 

@@ -6,7 +6,9 @@ a number too long for the parser, nesting too deep, not UTF-8, duplicate keys) i
 and 401s say how to authenticate (`WWW-Authenticate: Bearer`)."""
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 
 import pytest
 
@@ -110,6 +112,23 @@ def test_json_in_another_charset_than_utf8_is_415(local):
     for ctype in ("application/json; charset=utf-8", "application/json; charset=UTF-8",
                   "application/json;charset=utf8"):
         assert raw(local.url, "/v1/completions", body, ctype).status_code == 200
+
+
+@pytest.mark.parametrize("coding,compress", [("gzip", gzip.compress), ("deflate", zlib.compress),
+                                             ("br", lambda b: b), ("gzip, identity", gzip.compress)])
+def test_a_compressed_body_is_415_naming_its_content_encoding(local, coding, compress):
+    """The gateway reads bodies as they come: a Content-Encoding was ignored and the compressed
+    bytes read as JSON, a 400 guessing at UTF-16 ("it has NUL bytes") or at bad UTF-8. RFC 9110
+    answers a content coding the server does not take with a 415; identity is no coding."""
+    body = json.dumps(COMPLETION).encode()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/tokenize"):
+        r = HTTP.post(f"{local.url}{path}", content=compress(body), timeout=60,
+                      headers={"Content-Type": "application/json", "Content-Encoding": coding})
+        err = assert_error(r, 415, code="unsupported_media_type", param="Content-Encoding")
+        assert coding in err["message"] and "uncompressed" in err["message"], err
+    r = HTTP.post(f"{local.url}/v1/completions", content=body, timeout=60,
+                  headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text
 
 
 def test_a_lone_surrogate_in_an_unknown_key_is_an_unknown_field_named_escaped(local, no_generation):
