@@ -307,7 +307,7 @@ def _arguments(text: str):
 
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
         return text
 
 

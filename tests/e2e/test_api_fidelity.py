@@ -82,6 +82,19 @@ def test_an_answer_sent_back_as_the_openai_client_dumps_it_is_the_next_turns_ass
         assert "not supported" in err["message"]
 
 
+def test_an_earlier_calls_arguments_nested_past_the_json_parser_are_text_to_the_template(local):
+    """An earlier turn's call arguments reach the chat template as a mapping when they parse as
+    JSON, else as their text. JSON nested deeper than Python's parser goes raised RecursionError
+    (not a ValueError) out of that parse: a valid request was a 400 blaming the template."""
+    deep = '{"a": ' * 5000 + "1" + "}" * 5000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    msgs = [*CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = post(local.url, "/v1/chat/completions", {**CHAT, "messages": msgs})
+    assert r.status_code == 200, r.text
+    assert post(local.url, "/tokenize", {"messages": msgs}).json()["count"] == r.json()["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize("path", GEN)
 def test_null_for_an_optional_field_means_its_default(local, path):
     """OpenAI's fields are nullable: null is "not set", for every optional field; a required one is still a 400."""
