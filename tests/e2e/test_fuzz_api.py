@@ -122,8 +122,7 @@ ROUTES = {  # path -> (required fields, optional fields), each with a strategy o
                               "max_tokens": st.integers(1, 3)},
                              {**SAMPLING, **GRAMMARS, **TOOLS, "logprobs": st.booleans(),
                               "top_logprobs": st.integers(0, 3)}),
-    "/v1/tokenize": ({"prompt": texts(max_size=20)},
-                     {"model": st.just(MODEL), "add_generation_prompt": st.booleans()}),
+    "/v1/tokenize": ({"prompt": texts(max_size=20)}, {"model": st.just(MODEL)}),  # add_generation_prompt: messages
     "/v1/detokenize": ({"tokens": st.lists(st.integers(0, 263), max_size=8)}, {"model": st.just(MODEL)}),
     "/admin/retract": ({"request_ids": st.lists(texts(max_size=8), max_size=2)},
                        {"mode": st.sampled_from(["cpu_tensor", "host_pool", "recompute"]), "hold": st.just(False)}),
