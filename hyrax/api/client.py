@@ -329,7 +329,8 @@ class EngineClient:
                     return
                 offered_by, carried, tried = backend, handoff, set()
                 target = (self.migrate_to.pop(request_id, None) or self._asked(asked, backend)
-                          or self._continuation(exclude=backend) or self._taking_back(backend, None, handoff))
+                          or self._continuation(exclude=backend) or self._taking_back(backend, None, handoff)
+                          or self._rebuilder(backend, handoff))
                 if target is None:  # nowhere to go: give it up cleanly rather than hold it
                     yield error_item(_nowhere_to_go(handoff, backend), 503)
                     return
@@ -359,6 +360,20 @@ class EngineClient:
             log.warning("request %s: no decode replica took its hand-off; %s/%s, which prefilled it, decodes it",
                         handoff["request"]["id"], source.role, source.index)
         return source
+
+    def _rebuilder(self, lost, handoff: dict):
+        """Where a request whose replica was lost (a hand-off without state) goes when no replica
+        that decodes is in service: a prefill replica in service, which rebuilds it by prefill over
+        its tokens and decodes it to its end itself (Engine.import_request), as it does a hand-off
+        it takes back; else None."""
+        if handoff.get("manifest") is not None:
+            return None
+        cands = self._candidates(("prefill",), exclude=lost)
+        if not cands:
+            return None
+        log.warning("request %s: its replica %s/%s was lost and no decode replica is in service; a prefill "
+                    "replica rebuilds and decodes it", handoff["request"]["id"], lost.role, lost.index)
+        return self.router(cands, self.inflight)
 
     def find_backend(self, role: str, replica: int):
         for b in self.backends:

@@ -400,9 +400,11 @@ class Engine:
         `own`: the hand-off is this replica's own, come back (no other replica took it) after its
         offer was let go here (its ranks were lost since): it takes it over as any import (rebuilt
         from its tokens where its exported state went with the ranks), and a prefill replica then
-        decodes it to its end, as it does an offer it takes back."""
+        decodes it to its end, as it does an offer it takes back. A hand-off without state (the
+        replica decoding it was lost, and no replica that decodes is in service) is rebuilt here
+        from its tokens and decoded to its end the same way, rather than ended with an error."""
         r = handoff["request"]
-        if self.config.role == "prefill" and not own:
+        if self.config.role == "prefill" and not own and handoff.get("manifest") is not None:
             raise HyraxInputError(f"request {r['id']!r} offered to a prefill replica, which does not decode")
         try:  # its tokens so far as a prompt: a request this replica could never run would wait for good
             self._check(list(r["prompt_ids"]) + list(r["output_ids"]), r["params"])
