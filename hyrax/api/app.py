@@ -16,6 +16,7 @@ from hyrax.api.errors import error_response, install_handlers
 from hyrax.api.health import NOT_CHECKED
 from hyrax.api.metrics import GatewayMetrics
 from hyrax.api.metrics import render as render_metrics
+from hyrax.api.query_params import QueryCheck
 
 
 @dataclass
@@ -99,6 +100,7 @@ def create_app(client, settings: GatewaySettings, deployment_events=None) -> Fas
     app.state.started = int(time.time())
     app.state.metrics = GatewayMetrics()
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(QueryCheck)
     install_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)

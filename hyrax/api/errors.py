@@ -19,6 +19,7 @@ log = logging.getLogger("hyrax.api")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
           415: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}  # 500: OpenAI's type
+_SOURCES = ("body", "query", "path", "header", "cookie")  # the first part of a FastAPI error's location
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}  # Starlette's own errors (no route, wrong method)
 
 
@@ -72,7 +73,9 @@ def validation_error(errors: list[dict], body=None) -> JSONResponse:
     kind = first.get("type")
     if kind == "json_invalid":
         return error_response(400, "request body is not valid JSON", code="invalid_json")
-    loc = [x for x in first.get("loc", []) if x != "body"]
+    loc = list(first.get("loc", []))
+    if loc[:1] and loc[0] in _SOURCES:  # where FastAPI read it: the field's name follows
+        loc = loc[1:]
     if not loc and kind == "missing":  # FastAPI reads an empty body as no body
         return error_response(400, "the request body is empty; send a JSON object with Content-Type: "
                               "application/json", code="invalid_json")

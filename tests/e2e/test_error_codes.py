@@ -181,3 +181,28 @@ def test_401_says_how_to_authenticate(local, gateway_with):
               HTTP.get(f"{url}/admin/requests", headers={"Authorization": "Bearer k1"})):
         assert_error(r, 401)
         assert r.headers.get("www-authenticate") == "Bearer", r.headers
+
+
+# ---- query strings ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,path,query,name", [
+    ("POST", "/v1/completions", "stream=true", "stream"),
+    ("POST", "/v1/chat/completions", "max_tokens=1", "max_tokens"),
+    ("POST", "/v1/tokenize", "model=x&", "model"),
+    ("GET", "/v1/models", "limit=1", "limit"),
+    ("GET", f"/v1/models/{MODEL}", "x", "x"),
+    ("GET", "/admin/events", "limit=abc", "limit"),
+    ("POST", "/admin/flush-cache", "all=1", "all"),
+    ("GET", "/health", "verbose=1", "verbose"),
+    ("GET", "/metrics", "name[]=x", "name[]"),
+    ("GET", "/version", "v=2", "v"),
+    ("GET", "/dashboard/summary", "t=1", "t"),
+    ("GET", "/openapi.json", "format=yaml", "format"),
+])
+def test_a_query_parameter_no_route_declares_is_400_naming_it(local, method, path, query, name):
+    """No route takes query parameters: one given was ignored (`?stream=true` streamed nothing)."""
+    body = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/v1/tokenize": {"prompt": "hi"}}.get(path)
+    r = HTTP.request(method, f"{local.url}{path}?{query}", json=body, headers=ADMIN, timeout=60)
+    err = assert_error(r, 400, code="unknown_parameter", param=name)
+    assert f"query parameter {name!r}" in err["message"], err
+    # the same call without the query is served, and an empty query is none
+    assert HTTP.request(method, f"{local.url}{path}?", json=body, headers=ADMIN, timeout=60).status_code in (200, 404)
