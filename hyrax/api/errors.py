@@ -119,6 +119,9 @@ def internal_error(request_id: str, detail: str | None = None) -> APIError:
                     code="internal_error")
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
 def logged_request_id(request: Request) -> str:
     """The id a failed call is logged under: the API call's (X-Request-Id, set by the OpenAI
     routes as `request.state.call_id`), else a fresh one (admin and other routes)."""
@@ -129,23 +132,33 @@ def error_response(status: int, message: str, *, code: str, param=None, headers=
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+def _identified(request: Request, response: JSONResponse) -> JSONResponse:
+    """The error of a call that has an id (call_id.identify) carries it, as its answer would."""
+    call_id = getattr(request.state, "call_id", None)
+    if call_id is not None:
+        response.headers[REQUEST_ID_HEADER] = call_id
+    return response
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api(_: Request, e: APIError):
-        return error_response(e.status, e.message, code=e.code, param=e.param, headers=e.headers)
+    async def _api(request: Request, e: APIError):
+        return _identified(request, error_response(e.status, e.message, code=e.code, param=e.param,
+                                                   headers=e.headers))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
-        return validation_error(e.errors(), e.body)
+    async def _validation(request: Request, e: RequestValidationError):
+        return _identified(request, validation_error(e.errors(), e.body))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
+    async def _http(request: Request, e: StarletteHTTPException):
         msg = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
-        return error_response(e.status_code, msg, code=_HTTP_CODES.get(e.status_code, "invalid_request"))
+        return _identified(request, error_response(e.status_code, msg,
+                                                   code=_HTTP_CODES.get(e.status_code, "invalid_request")))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         rid = logged_request_id(request)
         log.error("request %s (%s %s) raised", rid, request.method, request.url.path, exc_info=e)
         err = internal_error(rid)
-        return error_response(err.status, err.message, code=err.code)
+        return error_response(err.status, err.message, code=err.code, headers={REQUEST_ID_HEADER: rid})

@@ -2,19 +2,18 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request, Response
 
 from hyrax.api.auth import require_api_key
-from hyrax.api.errors import APIError, error_body, internal_error
+from hyrax.api.call_id import identify
+from hyrax.api.errors import REQUEST_ID_HEADER, APIError, error_body, internal_error
 from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.context_limit import ContextExceeded, completion_budget
 from hyrax.api.json_body import JSONRoute
 from hyrax.api.generation import Choice, ClientGone, ClosingStreamingResponse, run_choices, until_disconnected
-from hyrax.api.headers import single
 from hyrax.api.schemas import ChatRequest, CompletionRequest, _Sampling
 from hyrax.api.structured import checked_grammar
 from hyrax.api.text import TextStream, encode, fewest_tokens, render_chat, template_error
@@ -32,24 +31,6 @@ def _check_model(request: Request, model: str) -> None:
     if model != name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {name!r}",
                        param="model", code="model_not_found")
-
-
-REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
-
-
-def _call_id(request: Request) -> str:
-    """The API call's id: the client's `X-Request-Id` when given (so that the client, the
-    admin API and the logs name the same request), else a fresh one. Choice k of the call runs
-    as engine request `<id>-<k>-<nonce>`: a client may reuse an id (or two clients pick the
-    same) while the first call's requests are still being aborted, and two requests must never
-    share one engine id."""
-    given = single(request, REQUEST_ID_HEADER)
-    if given is not None and not _REQUEST_ID.fullmatch(given):
-        raise APIError(400, f"{REQUEST_ID_HEADER} must be 1-100 characters of A-Z a-z 0-9 . _ : - "
-                            "starting with a letter or digit", param=REQUEST_ID_HEADER, code="invalid_value")
-    request.state.call_id = given or uuid.uuid4().hex  # what an internal error is logged under (errors.py)
-    return request.state.call_id
 
 
 def _check_choices(request: Request, n: int) -> None:
@@ -304,9 +285,9 @@ async def model(model: str, request: Request):
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, response: Response):
+async def completions(body: CompletionRequest, request: Request, response: Response,
+                      call_id: str = Depends(identify)):
     _check_model(request, body.model)
-    call_id = _call_id(request)
     if body.logprobs is not None and body.echo:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo",
                        code="unsupported_parameter")
@@ -377,9 +358,8 @@ def _chat_max_tokens(body: ChatRequest) -> int | None:
 
 
 @router.post("/v1/chat/completions")
-async def chat(body: ChatRequest, request: Request, response: Response):
+async def chat(body: ChatRequest, request: Request, response: Response, call_id: str = Depends(identify)):
     _check_model(request, body.model)
-    call_id = _call_id(request)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     want_lp = bool(body.logprobs)

@@ -32,10 +32,29 @@ def test_without_a_request_id_one_is_made_and_returned(local):
     assert len(ids) == 2 and a.json()["id"] == f"chatcmpl-{a.headers['x-request-id']}"
 
 
+@pytest.mark.parametrize("path,body,content", [
+    ("/v1/completions", {**BODY, "temperature": "hot"}, None),  # pydantic's 400
+    ("/v1/completions", {**BODY, "model": "nope"}, None),  # the route's 404
+    ("/v1/completions", {**BODY, "echo": True, "logprobs": 1}, None),  # the route's 400
+    ("/v1/completions", None, b'{"model": '),  # a body that is not JSON
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, None),
+])
+def test_an_error_answer_carries_the_calls_request_id(local, path, body, content):
+    """A 4xx of a call had no X-Request-Id, its 200 had: the client could not name a failed call."""
+    r = HTTP.post(f"{local.url}{path}", json=body, content=content, timeout=60,
+                  headers={"X-Request-Id": "failed-7", **({"Content-Type": "application/json"} if content else {})})
+    assert 400 <= r.status_code < 500, r.text
+    assert r.headers.get("x-request-id") == "failed-7", r.headers
+    assigned = HTTP.post(f"{local.url}{path}", json=body, content=content, timeout=60,
+                         headers={"Content-Type": "application/json"} if content else {})
+    assert assigned.status_code == r.status_code and len(assigned.headers.get("x-request-id", "")) == 32
+
+
 @pytest.mark.parametrize("bad", ["", "-lead", "has space", "x" * 101, "semi;colon", "slash/"])
 def test_a_malformed_request_id_is_400_naming_the_header(local, bad):
     r = HTTP.post(f"{local.url}/v1/completions", json=BODY, headers={"X-Request-Id": bad}, timeout=60)
     assert_error(r, 400, param="X-Request-Id")
+    assert "x-request-id" not in r.headers  # the call has no id: not the client's, nor one made up
 
 
 def test_two_request_ids_in_one_call_are_400_not_one_picked(local):
