@@ -91,7 +91,10 @@ def create_app(client, settings: GatewaySettings, deployment_events=None) -> Fas
         finally:
             task.cancel()
 
-    app = FastAPI(title="Hyrax", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # redirect_slashes off: `/v1/completions/` is a path no route has (an OpenAI-shaped 404), not
+    # a bare 307 to `/v1/completions` that a client posting JSON does not follow
+    app = FastAPI(title="Hyrax", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False)
     app.state.client = client
     app.state.deployment_events = deployment_events
     app.state.settings = settings

@@ -132,6 +132,11 @@ def error_response(status: int, message: str, *, code: str, param=None, headers=
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+def _no_route(method: str, path: str) -> str:
+    slash = "; paths have no trailing slash" if path.endswith("/") and path != "/" else ""
+    return f"no route for {method} {path}{slash} (docs/api.md lists the routes)"
+
+
 def _identified(request: Request, response: JSONResponse) -> JSONResponse:
     """The error of a call that has an id (call_id.identify) carries it, as its answer would."""
     call_id = getattr(request.state, "call_id", None)
@@ -153,6 +158,8 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         msg = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
+        if e.status_code == 404 and msg == "Not Found":  # Starlette's: no route has the path
+            msg = _no_route(request.method, request.url.path)
         return _identified(request, error_response(e.status_code, msg,
                                                    code=_HTTP_CODES.get(e.status_code, "invalid_request")))
 

@@ -206,3 +206,28 @@ def test_a_query_parameter_no_route_declares_is_400_naming_it(local, method, pat
     assert f"query parameter {name!r}" in err["message"], err
     # the same call without the query is served, and an empty query is none
     assert HTTP.request(method, f"{local.url}{path}?", json=body, headers=ADMIN, timeout=60).status_code in (200, 404)
+
+
+# ---- unknown paths ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/v1/completions/"), ("POST", "/v1/chat/completions/"), ("GET", "/v1/models/?"),
+    ("GET", "/health/"), ("GET", "/dashboard/"), ("POST", "/admin/retract/"), ("GET", "/v2/models"),
+])
+def test_an_unknown_path_and_a_trailing_slash_are_openais_404(local, no_generation, method, path):
+    """A trailing slash was a bare 307 redirect to the path without it (a client that does not
+    follow a POST's redirect saw an empty answer): it is a path no route has, like any other."""
+    r = HTTP.request(method, f"{local.url}{path}", json=COMPLETION, headers=ADMIN, timeout=60,
+                     follow_redirects=False)
+    if path == "/v1/models/?":  # /v1/models/{model:path} with an empty id
+        assert_error(r, 404, code="model_not_found", param="model")
+        return
+    err = assert_error(r, 404, code="not_found")
+    assert path in err["message"], err
+    if path.endswith("/"):
+        assert "trailing slash" in err["message"], err
+
+
+def test_routes_that_end_in_a_path_parameter_still_answer(local):
+    assert HTTP.get(f"{local.url}/v1/models/{MODEL}").status_code == 200
+    assert HTTP.get(f"{local.url}/dashboard/assets/dashboard.js").status_code == 200
+    assert_error(HTTP.get(f"{local.url}/v1/models/org/{MODEL}/"), 404, code="model_not_found", param="model")
