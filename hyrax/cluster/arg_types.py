@@ -45,6 +45,15 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
     return _ranged(int, lambda v: lo <= v <= hi, f"an int in [{lo}, {hi}]")
 
 
+def token_ids(text: str) -> list[int]:
+    """A prompt as comma-separated token ids (ints >= 0), at least one; an empty item (`1,,2`,
+    `1,2,`) is refused, not dropped."""
+    items = text.split(",")
+    if not all(x.strip().isdigit() and x.strip().isascii() for x in items):
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids (ints >= 0, none empty), got {text!r}")
+    return [int(x) for x in items]
+
+
 def non_empty(text: str) -> str:
     """A name that must be given when the option is (an empty one would silently mean the default)."""
     if not text:

@@ -14,7 +14,7 @@ from hyrax.actors.model.errors import HyraxInputError
 from hyrax.actors.model.tokenizer import load_tokenizer
 from hyrax.api.context_limit import ContextExceeded, completion_budget
 from hyrax.env import apply_torch_threads
-from hyrax.cluster.arg_types import fraction, int_in, non_negative_float, non_negative_int, positive_int
+from hyrax.cluster.arg_types import fraction, int_in, non_negative_float, non_negative_int, positive_int, token_ids
 from hyrax.cluster.engine_args import RAY_ONLY, add_engine_args, engine_config_from_args
 
 DEFAULT_MAX_TOKENS = 32  # without --max-tokens, capped to what the context leaves (the HTTP API's default is 16)
@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="demo", help="checkpoint directory, a Hugging Face repo id in the local cache "
                    "(org/name[@revision], never downloaded), or 'demo' (default)")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
-    p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], type=token_ids,
+                   help="comma-separated token ids (repeatable)")
     p.add_argument("--prompts-file", help="JSONL file: one {\"prompt\": ...} or {\"prompt_ids\": [...]} per line, no "
                                           "other key (the sampling options apply to every prompt)")
     p.add_argument("--max-tokens", type=positive_int, default=None,
@@ -49,11 +50,7 @@ LINE_KEYS = ("prompt", "prompt_ids")  # what a --prompts-file line holds: one of
 
 def _prompts(a, tok) -> list[list[int]]:
     out = [_encode(tok, t, "--prompt") for t in a.prompt]
-    for s in a.prompt_ids:
-        try:
-            out.append([int(x) for x in s.split(",") if x.strip()])
-        except ValueError:
-            raise HyraxInputError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
+    out += a.prompt_ids  # lists of token ids (arg_types.token_ids)
     if a.prompts_file:
         out += _file_prompts(a.prompts_file, tok)
     if not out:

@@ -44,6 +44,9 @@ REFUSED = [
     ("generate", "--temperature", "inf"), ("generate", "--top-p", "0"), ("generate", "--top-p", "nan"),
     ("generate", "--top-p", "1.5"), ("generate", "--top-k", "-1"),
     ("generate", "--seed", str(2**63)), ("generate", "--seed", str(-2**63 - 1)), ("generate", "--seed", "1.5"),
+    # generate's token ids: an empty item was dropped (`1,,2` ran [1, 2]), an empty list ran an empty prompt
+    ("generate", "--prompt-ids", "1,,2"), ("generate", "--prompt-ids", "1,2,"), ("generate", "--prompt-ids", ""),
+    ("generate", "--prompt-ids", "1,-2"), ("generate", "--prompt-ids", "1;2"),
     # eval, train-demo, admin
     ("eval", "--limit", "0"), ("eval", "--concurrency", "-2"),
     ("train-demo", "--steps", "0"), ("train-demo", "--batch-size", "0"), ("train-demo", "--threads", "0"),
@@ -79,6 +82,11 @@ def test_a_negative_forced_retraction_interval_is_refused(capsys):
 ])
 def test_the_boundaries_that_mean_something_are_accepted(argv):
     cli.build_parser().parse_args(argv)
+
+
+def test_prompt_ids_are_read_as_lists_of_token_ids():
+    a = cli.build_parser().parse_args(["generate", "--prompt-ids", "0,1, 2", "--prompt-ids", "7"])
+    assert a.prompt_ids == [[0, 1, 2], [7]]
 
 
 def _roles(*flags: str):
