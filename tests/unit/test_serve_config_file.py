@@ -30,6 +30,15 @@ def test_values_become_the_engine_config_and_flags_win(tmp_path):
     assert type(cfg.max_running) is int
 
 
+def test_a_gateway_option_takes_effect_spelled_with_dashes_or_underscores_but_not_both(tmp_path):
+    """`max-inflight: 5` (the long option's name) reaches the gateway's limit, as does
+    `max_inflight` (the same key); both in one file are one key given twice."""
+    assert parse(tmp_path, "max-inflight: 5\n").max_inflight == 5
+    assert parse(tmp_path, "max_inflight: 6\n").max_inflight == 6
+    with pytest.raises(HyraxInputError, match=r"given twice \(lines 1 and 2\)"):
+        parse(tmp_path, "max-inflight: 5\nmax_inflight: 6\n")
+
+
 @pytest.mark.parametrize("text, named", [
     ('deterministic: "false"\n', "deterministic must be true or false"),
     ("no-overlap: 1\n", "no-overlap must be true or false"),
