@@ -50,10 +50,30 @@ def _is_union_tag(part) -> bool:
                                       or part[:1].isupper())
 
 
+def _branch(loc: tuple) -> tuple:
+    """The location up to its first union tag: which member of a union the error is in."""
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    return loc if tag is None else loc[:tag + 1]
+
+
 def _pick(errors: list[dict]) -> dict:
-    """The error to report: an unknown field first, else the most specific (deepest) one."""
+    """The error to report: an unknown field first, else the most specific (deepest) one. Among
+    equally deep ones, the union member that matched the most: the fewest errors, then the one
+    that failed furthest along a list (`prompt: [1, "a"]` is a list of token ids with a bad
+    item 1, not a list of texts with a bad item 0)."""
     unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
-    return unknown[0] if unknown else max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    if unknown:
+        return unknown[0]
+    per_branch: dict[tuple, int] = {}
+    for e in errors:
+        b = _branch(tuple(e.get("loc", ())))
+        per_branch[b] = per_branch.get(b, 0) + 1
+
+    def rank(e: dict):
+        loc = tuple(e.get("loc", ()))
+        return len(loc), -per_branch[_branch(loc)], [p for p in loc if isinstance(p, int)]
+
+    return max(errors, key=rank, default={})
 
 
 def _at(body, loc: list):

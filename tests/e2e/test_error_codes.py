@@ -231,3 +231,18 @@ def test_routes_that_end_in_a_path_parameter_still_answer(local):
     assert HTTP.get(f"{local.url}/v1/models/{MODEL}").status_code == 200
     assert HTTP.get(f"{local.url}/dashboard/assets/dashboard.js").status_code == 200
     assert_error(HTTP.get(f"{local.url}/v1/models/org/{MODEL}/"), 404, code="model_not_found", param="model")
+
+
+# ---- which error of a union's branches is reported --------------------------------------------------
+@pytest.mark.parametrize("prompt,param,says", [
+    ([1, "a"], "prompt.1", "valid integer"),  # was prompt.0 "should be a valid string": 1 is a fine token id
+    ([1, 2, 2.5], "prompt.2", "valid integer"),
+    (["a", 1], "prompt.1", "valid string"),
+    (["a", "b", 3], "prompt.2", "valid string"),
+    ([[1], [2, "x"]], "prompt.1.1", "valid integer"),
+])
+def test_a_bad_item_of_a_prompt_list_is_named_by_the_branch_its_other_items_match(local, no_generation, prompt,
+                                                                                 param, says):
+    err = assert_error(post(local.url, "/v1/completions", {**COMPLETION, "prompt": prompt}), 400,
+                       code="invalid_value", param=param)
+    assert says in err["message"], err
