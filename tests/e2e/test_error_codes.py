@@ -154,6 +154,29 @@ def test_a_lone_surrogate_in_a_schema_is_the_usual_bad_text_400(local, no_genera
     assert "lone surrogate" in err["message"] and "Check failed" not in err["message"], err
 
 
+@pytest.mark.parametrize("schema,says", [
+    ('{"type": "number", "minimum": 1e400}', "a number at minimum is out of range"),
+    ('{"type": "object", "properties": {"a": {"enum": [1, -1e999]}}}', "a number at properties.a.enum.1 is out"),
+    ('{"type": "number", "maximum": 1' + "0" * 400 + '}', "a number at maximum is out of range"),
+    ('{"type": "integer", "minimum": 100000000000000000000}', "100000000000000000000 at minimum is out of range"),
+    ('{"type": ["integer", "null"], "exclusiveMaximum": -1e19}', "-1e+19 at exclusiveMaximum is out of range"),
+])
+def test_a_number_in_a_schema_beyond_what_the_grammar_engine_reads_is_out_of_range(local, no_generation, schema,
+                                                                                    says):
+    """1e400 reached xgrammar as Infinity: 'Check failed: (error.empty()) is false: Failed to parse JSON'."""
+    body = ('{"model": "%s", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+            '{"name": "x", "schema": %s}}}' % (MODEL, schema))
+    err = assert_error(raw(local.url, "/v1/completions", body.encode()), 400, code="invalid_value",
+                       param="response_format")
+    assert says in err["message"] and "Check failed" not in err["message"], err
+
+
+def test_integer_bounds_at_the_ends_of_int64_are_taken(local):
+    ok = {**COMPLETION, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1}}}}
+    assert post(local.url, "/v1/completions", ok).status_code == 200
+
+
 def test_json_with_an_emoji_in_a_schema_is_fine(local):
     """A surrogate pair (\\ud83d\\ude00, one character) is valid text."""
     body = {**COMPLETION, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
