@@ -1,7 +1,7 @@
 """Request bodies read as JSON the way RFC 8259 has it over HTTP: UTF-8 only (another declared
 charset is a 415, UTF-16 or UTF-32 bytes a 400), uncompressed (a Content-Encoding is a 415), and
 nothing silently ignored: a key given twice in one object is a 400 naming it (json.loads would
-keep the last). A body the parser cannot take
+keep the last), and NaN or Infinity (which Python's parser takes) is a 400. A body the parser cannot take
 (a number too long, nesting too deep) is a 400 saying so, not FastAPI's "There was an error
 parsing the body". Content-Type given twice is a 400 (`headers.single`). Every router with JSON
 bodies uses `JSONRoute`."""
@@ -44,6 +44,11 @@ def _object(pairs: list[tuple]) -> dict:
     return d
 
 
+def _no_constant(name: str):
+    """json.loads' parse_constant: NaN, Infinity and -Infinity are JavaScript, not JSON (RFC 8259)."""
+    raise _invalid(f"{name} is not a JSON value (JSON numbers are finite; RFC 8259)")
+
+
 def parse(body: bytes, content_type: str = "") -> object:
     """The JSON value of a request body, or an APIError that says what is wrong with it."""
     if ";" in content_type:
@@ -57,7 +62,7 @@ def parse(body: bytes, content_type: str = "") -> object:
     if text[:1] == "\ufeff":  # a UTF-8 byte order mark: RFC 8259 lets a parser ignore it
         text = text[1:]
     try:
-        return json.loads(text, object_pairs_hook=_object)
+        return json.loads(text, object_pairs_hook=_object, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise _invalid(f"{e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:

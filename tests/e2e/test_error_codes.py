@@ -93,10 +93,13 @@ def test_an_empty_body_is_invalid_json_not_a_missing_field(local, no_generation,
     (b'{"model": "hyrax-demo", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
     (b'{"model": "hyrax-demo", "prompt": "hi", "prompt": "again"}', "'prompt'"),
     (b'{"model": "hyrax-demo", "prompt": "hi", "logit_bias": {"1": 1, "1": 2}}', "'1'"),
+    (b'{"model": "hyrax-demo", "prompt": "hi", "temperature": NaN}', "NaN is not a JSON value"),
+    (b'{"model": "hyrax-demo", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+     b'{"name": "x", "schema": {"type": "number", "maximum": -Infinity}}}}', "-Infinity is not a JSON value"),
     (json.dumps(COMPLETION).encode("utf-16"), "UTF-8"),
     (json.dumps(COMPLETION).encode("utf-16-le"), "UTF-8"),
     (json.dumps(COMPLETION).encode("utf-32"), "UTF-8"),
-], ids=["long-int", "deep", "dup-key", "dup-nested-key", "utf-16", "utf-16-le-no-bom", "utf-32"])
+], ids=["long-int", "deep", "dup-key", "dup-nested-key", "nan", "infinity", "utf-16", "utf-16-le-no-bom", "utf-32"])
 def test_json_the_server_cannot_read_is_invalid_json_saying_why(local, no_generation, content, says):
     err = assert_error(raw(local.url, "/v1/completions", content), 400, code="invalid_json")
     assert says in err["message"], err
