@@ -27,6 +27,7 @@ ENFORCED = {
                "propertyNames", "minProperties", "maxProperties"),
 }
 KEYWORD_TYPE = {k: t for t, ks in ENFORCED.items() for k in ks}
+MAX_MULTIPLE_OF = 1024  # the largest integer multipleOf xgrammar applies
 # Type-specific keywords xgrammar applies in a schema without "type" (it infers the type from
 # them); it drops the others there.
 INFERS_TYPE = frozenset({"items", "prefixItems", "unevaluatedItems", "properties", "required", "additionalProperties"})
@@ -100,6 +101,8 @@ def _check_node(path: str, node: dict, strict: bool) -> None:
         if "number" in types or not (isinstance(m, (int, float)) and not isinstance(m, bool) and float(m).is_integer()):
             raise _refuse(path, "multipleOf", "the grammar engine enforces it only for \"type\": \"integer\" and a "
                                               "whole multiple")
+        if m > MAX_MULTIPLE_OF:  # xgrammar logs a warning and drops it (zero and below: its own error)
+            raise _refuse(path, "multipleOf", f"the grammar engine enforces a multiple of at most {MAX_MULTIPLE_OF}")
     if "string" in types:
         given = [next(k for k in g if k in node) for g in STRING_GROUPS if any(k in node for k in g)]
         if len(given) > 1:
