@@ -1,6 +1,6 @@
 """An API call's id (`X-Request-Id`): the client's when given, so that the client, the admin API
 and the logs name the same request, else a fresh one. A route that has one declares
-`Depends(identify)`; `JSONRoute` then assigns it before it reads the body, so every answer of
+`Depends(call_id)`; `JSONRoute` then assigns it before it reads the body, so every answer of
 the call carries it, errors included (errors.install_handlers). Choice k of the call runs as
 engine request `<id>-<k>-<nonce>`: a client may reuse an id (or two clients pick the same) while
 the first call's requests are still being aborted, and two requests must never share one engine
@@ -30,3 +30,10 @@ def identify(request: Request) -> str:
                             "starting with a letter or digit", param=REQUEST_ID_HEADER, code="invalid_value")
     request.state.call_id = given or uuid.uuid4().hex  # what an internal error is logged under (errors.py)
     return request.state.call_id
+
+
+async def call_id(request: Request) -> str:
+    """`identify` as a route's dependency: a coroutine, so it runs on the event loop (FastAPI runs
+    a plain-function dependency in its worker-thread pool: two thread hops per call, and a wait
+    for a free thread while the pool is busy)."""
+    return identify(request)

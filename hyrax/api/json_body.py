@@ -14,7 +14,7 @@ from fastapi import Request
 from starlette.exceptions import HTTPException  # what FastAPI raises for a body it could not read
 from fastapi.routing import APIRoute
 
-from hyrax.api.call_id import identify
+from hyrax.api.call_id import call_id, identify
 from hyrax.api.errors import APIError
 from hyrax.api.headers import single
 
@@ -93,12 +93,12 @@ class JSONRequest(Request):
 class JSONRoute(APIRoute):
     """A route whose body is read by `parse`. FastAPI turns an error raised while reading the
     body into its own 400 ("There was an error parsing the body"); the APIError is answered instead.
-    A route that declares `Depends(identify)` has its call id assigned first, before its body is
+    A route that declares `Depends(call_id)` has its call id assigned first, before its body is
     read or its dependencies run, so that every error of the call carries it."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
-        identified = any(d.call is identify for d in self.dependant.dependencies)
+        identified = any(d.call is call_id for d in self.dependant.dependencies)
 
         async def route(request: Request):
             if identified:

@@ -8,7 +8,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request, Response
 
 from hyrax.api.auth import require_api_key
-from hyrax.api.call_id import identify
+from hyrax.api.call_id import call_id as call_id_of
 from hyrax.api.errors import REQUEST_ID_HEADER, APIError, error_body, internal_error
 from hyrax.api.client import Reservation, Unavailable
 from hyrax.api.context_limit import ContextExceeded, completion_budget
@@ -286,7 +286,7 @@ async def model(model: str, request: Request):
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response,
-                      call_id: str = Depends(identify)):
+                      call_id: str = Depends(call_id_of)):
     _check_model(request, body.model)
     if body.logprobs is not None and body.echo:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo",
@@ -358,7 +358,7 @@ def _chat_max_tokens(body: ChatRequest) -> int | None:
 
 
 @router.post("/v1/chat/completions")
-async def chat(body: ChatRequest, request: Request, response: Response, call_id: str = Depends(identify)):
+async def chat(body: ChatRequest, request: Request, response: Response, call_id: str = Depends(call_id_of)):
     _check_model(request, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")

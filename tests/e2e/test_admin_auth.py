@@ -151,7 +151,7 @@ def test_api_keys_and_the_admin_token_do_not_open_each_other(local, gateway_with
 
 
 def test_token_checks_need_no_worker_thread(local):
-    """The API-key and admin-token checks run on the event loop: with every thread of the
+    """The API-key and admin-token checks, and a call's id, run on the event loop: with every thread of the
     gateway's pool held by slow work (40 plain-function handlers, anyio's default limit), API
     and admin calls still answer at once. Before, each check was a plain function, which FastAPI
     runs in that pool: the calls waited for a free thread."""
@@ -178,6 +178,13 @@ def test_token_checks_need_no_worker_thread(local):
         assert HTTP.get(f"{gw.url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=5).status_code == 200
         assert HTTP.get(f"{gw.url}/admin/requests", headers=ADMIN, timeout=5).status_code == 200
         assert_error(HTTP.get(f"{gw.url}/v1/models", timeout=5), 401)
+        key = {"Authorization": "Bearer k1"}  # and a call's id (X-Request-Id), assigned on the event loop too
+        r = HTTP.post(f"{gw.url}/v1/completions", headers=key, timeout=10,
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["X-Request-Id"], r.text
+        r = HTTP.post(f"{gw.url}/v1/chat/completions", headers=key, timeout=10,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["X-Request-Id"], r.text
     finally:
         release.set()
         for t in holders:
