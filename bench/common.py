@@ -25,7 +25,7 @@ class Profile:
     serving_target_concurrency: int = 16
     # runs of the same workload at concurrency 1 and at the target concurrency (the prefix cache
     # flushed in between), the in-process engine's runs interleaved with the latter: medians
-    serving_repeats: int = 3
+    serving_repeats: int = 5
     # serving, large model: requests at concurrency 16 (0: skip), output and prompt lengths. The
     # answers are several times their prompts, so that decoding, not prefill, dominates
     # transformers' sequential time (its "ceiling" row: bench/README.md)
