@@ -174,3 +174,20 @@ def test_the_cli_flag_and_which_capacities_were_given_explicitly():
     assert (plain.kv_capacity_tokens, plain.mamba_slots) == (EngineConfig.kv_capacity_tokens, EngineConfig.mamba_slots)
     with pytest.raises(HyraxInputError, match="gpu-memory-fraction must be in"):
         _cli("--gpu-memory-fraction", "1.5")
+
+
+def test_the_scratch_units_of_cuda_graph_decode_are_counted_in_the_budget():
+    """`--captured-decode cuda_graphs` pools keep a scratch page of each paged kind and a scratch
+    slot past their capacity (engine/pools.py): pools that exactly fill the budget without them
+    do not fit with them, and the error names them."""
+    from hyrax.actors.engine.pools import pool_bytes, pool_sizes_for
+
+    comps = tiny_model(HYBRID, torch.float64).components
+    fixed = ("kv_capacity_tokens", "swa_capacity_tokens", "mamba_slots")
+    plain = _config(kv_capacity_tokens=512, swa_capacity_tokens=256, mamba_slots=4, fixed_capacities=fixed)
+    budget = pool_bytes(comps, pool_sizes_for(comps, plain))
+    assert capacities(comps, plain, budget) == {"kv_capacity_tokens": 512, "swa_capacity_tokens": 256, "mamba_slots": 4}
+    graphs = dataclasses.replace(plain, captured_decode="cuda_graphs")
+    with pytest.raises(HyraxInputError, match="the CUDA-graph padding units"):
+        capacities(comps, graphs, budget)
+    assert capacities(comps, graphs, pool_bytes(comps, pool_sizes_for(comps, graphs))) == capacities(comps, plain, budget)

@@ -32,7 +32,7 @@ import torch
 
 from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
-from hyrax.actors.engine.pools import pool_sizes
+from hyrax.actors.engine.pools import pool_sizes, scratch_units
 from hyrax.actors.engine.rank_runtime import make_rank_runtime
 from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
 from hyrax.actors.model.errors import HyraxInputError
@@ -121,7 +121,7 @@ def profile_plans(components: tuple[ComponentSpec, ...], config: EngineConfig):
               [1] * min(config.max_running, tokens))
     n = max(len(s) for s in shapes)
     pages = -(-chunk // ps)  # per sequence
-    sizes = pool_sizes(components, ps, n * pages * ps, n, n * pages * ps)
+    sizes = pool_sizes(components, ps, n * pages * ps, n, n * pages * ps, scratch=scratch_units(config))
     slotted = [c.name for c in components if c.kind == SLOT]
     paged = [c.name for c in components if c.paged]
     greedy = SamplingSpec(0.0, 1.0, 0, 0, 0)
@@ -166,8 +166,9 @@ class _Group:
     fixed: bool
 
 
-def _groups(components: tuple[ComponentSpec, ...], config: EngineConfig) -> tuple[list[_Group], int]:
-    """The capacity groups this model has, and bytes fixed outside them (explicit checkpoint slots)."""
+def _groups(components: tuple[ComponentSpec, ...], config: EngineConfig) -> tuple[list[_Group], int, int]:
+    """The capacity groups this model has, and bytes fixed outside them (explicit checkpoint slots,
+    the scratch units of CUDA-graph decode: a page of each paged kind, a slot)."""
     def row_bytes(kind):
         return sum(c.row_bytes for c in components if c.kind == kind)
 
@@ -175,27 +176,30 @@ def _groups(components: tuple[ComponentSpec, ...], config: EngineConfig) -> tupl
     ckpt_each = 3 if config.caches_prefixes and not config.mamba_checkpoint_slots else 0
     ckpt_fixed = config.checkpoint_slots * row_bytes(SLOT) if config.caches_prefixes and not ckpt_each else 0
     ps = config.page_size
+    scratch = scratch_units(config) * (ps * (row_bytes(TOKEN) + row_bytes(WINDOW)) + row_bytes(SLOT))
     groups = [
         _Group("kv_capacity_tokens", config.kv_capacity_tokens, row_bytes(TOKEN), ps, "kv_capacity_tokens" in fixed),
         _Group("swa_capacity_tokens", config.swa_capacity_tokens or config.kv_capacity_tokens, row_bytes(WINDOW), ps,
                "swa_capacity_tokens" in fixed),
         _Group("mamba_slots", config.mamba_slots, row_bytes(SLOT) * (1 + ckpt_each), 1, "mamba_slots" in fixed),
     ]
-    return [g for g in groups if g.unit_bytes], ckpt_fixed
+    return [g for g in groups if g.unit_bytes], ckpt_fixed, scratch
 
 
 def capacities(components: tuple[ComponentSpec, ...], config: EngineConfig, budget: int,
                why: str = "") -> dict[str, int]:
     """Capacity fields (config.CAPACITY_FIELDS the model uses) that fit `budget` bytes of pools, in
     the flags' proportions, explicit ones kept. Raises HyraxInputError when they cannot."""
-    groups, extra = _groups(components, config)
-    fixed_bytes = extra + sum(-(-g.value // g.step) * g.step * g.unit_bytes for g in groups if g.fixed)
+    groups, ckpt, scratch = _groups(components, config)
+    fixed_bytes = ckpt + scratch + sum(-(-g.value // g.step) * g.step * g.unit_bytes for g in groups if g.fixed)
     flexible = [g for g in groups if not g.fixed]
     if fixed_bytes > budget:
         named = ", ".join(f"--{g.field.replace('_', '-')} {g.value} ({g.value * g.unit_bytes / GiB:.3f} GiB)"
                           for g in groups if g.fixed)
-        if extra:
-            named += f", --mamba-checkpoint-slots {config.mamba_checkpoint_slots} ({extra / GiB:.3f} GiB)"
+        if ckpt:
+            named += f", --mamba-checkpoint-slots {config.mamba_checkpoint_slots} ({ckpt / GiB:.3f} GiB)"
+        if scratch:
+            named += f", the CUDA-graph padding units ({scratch / GiB:.3f} GiB)"
         raise HyraxInputError(f"{why or f'the pools have {budget / GiB:.3f} GiB'}; the capacities set explicitly "
                               f"need {fixed_bytes / GiB:.3f} GiB: {named}")
     out = {g.field: g.value for g in groups if g.fixed}

@@ -1,13 +1,17 @@
 """CUDA graphs for decode batches. NOT YET RUN ON A GPU: tests/gpu/test_cuda_graph_decode.py
 is the check to run where CUDA is.
 
-A graph replays fixed shapes over fixed addresses. A decode batch's key dimension is padded
-to a power-of-two bucket (`key_bucket`, through `pad_key_columns`: attention-only, no state
-is touched); its batch size is NOT padded: one graph per batch size seen (up to
-`max_graph_batch`, beyond it eager), captured on first use. Padding rows would need a slot and
-a K/V row that no request owns (the decode conv step shifts every row's window, so a padding
-row on a borrowed slot would change it), and the pools have none; once they keep a scratch
-unit, batch-size buckets are a padding step away.
+A graph replays fixed shapes over fixed addresses, so a decode batch is padded to a bucket in
+both dimensions (`graph_inputs`):
+- its batch size to `batch_bucket` (1, 2, 4, 8, then multiples of 8, up to `max_graph_batch`;
+  beyond it eager). The padding rows are sequences of one token at position 0 on the pools'
+  scratch unit: every pool built for graphs keeps `SCRATCH_UNITS` past its capacity that no
+  allocator hands out (engine/pools.py), so a padding row reads and writes state nobody owns
+  (the decode conv step shifts its row's window; on a borrowed slot it would change a request's).
+  Their logits are dropped.
+- its key dimension to a power-of-two `key_bucket` (`pad_key_columns`: attention-only, no state
+  is touched).
+One graph per (batch bucket, key buckets, pool layout), captured on first use.
 
 A step copies its batch into that graph's static input buffers and replays the graph. The
 first batch of a shape is run twice on a side stream over the pools (warm-up, as capture
@@ -30,6 +34,7 @@ from hyrax.actors.model.captured_decode import layer_views, pad_key_columns
 from hyrax.actors.model.errors import HyraxInputError
 
 MIN_KEY_BUCKET = 64
+SCRATCH_UNITS = 1  # units (a page, a slot) a pool built for graphs keeps past its capacity
 
 
 def key_bucket(k: int) -> int:
@@ -37,11 +42,58 @@ def key_bucket(k: int) -> int:
     return max(MIN_KEY_BUCKET, 1 << k.bit_length())
 
 
-def graph_inputs(batch: ForwardBatch) -> tuple[tuple[int, ...], ForwardBatch]:
-    """A decode batch's graph key (its batch size and each paged component's key bucket, in
-    component-name order) and the batch padded to those buckets, as the graph is fed."""
+def batch_bucket(b: int) -> int:
+    """The batch size the graph replaying B sequences was captured at: 1, 2, 4, 8, then the next
+    multiple of 8 (at most 7 padding rows, and 19 buckets up to 128)."""
+    return 1 << (b - 1).bit_length() if b <= 8 else -(-b // 8) * 8
+
+
+def scratch_rows(pools: dict[str, torch.Tensor], names: tuple[str, ...], page_size: int,
+                 paged: frozenset[str]) -> dict[str, int]:
+    """The pool row padding rows use in each component: the first row of its scratch unit, the
+    pool's last (a page of rows for a paged component, one row for a slot component)."""
+    return {n: pools[n].shape[1] - (page_size if n in paged else 1) for n in names}
+
+
+def pad_batch_rows(batch: ForwardBatch, rows: int, scratch: dict[str, int]) -> ForwardBatch:
+    """The decode batch with `rows` - B padding sequences after its own: one token (id 0) at
+    position 0 each, its slot and its one key on the component's `scratch` row (the key valid,
+    so its attention is over one key, not none). The first B rows are the batch's, unchanged."""
+    B = batch.num_seqs
+    n = rows - B
+    if n < 0:
+        raise ValueError(f"cannot pad a batch of {B} sequences to {rows}")
+    if n == 0:
+        return batch
+    dev = batch.input_ids.device
+
+    def more(t: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([t, t.new_full((n, *t.shape[1:]), fill)])
+
+    attn = {}
+    for name, i in batch.attn.items():
+        row = scratch[name]
+        first = torch.zeros(n, i.read_rows.shape[1], dtype=torch.bool, device=dev)
+        first[:, 0] = True
+        attn[name] = AttnIndex(more(i.write_rows, row), i.pad_keys, more(i.page_table, -1), i.block_cols,
+                               read_rows=torch.cat([i.read_rows, torch.where(first, row, 0)]),
+                               key_pos=more(i.key_pos, 0), key_valid=torch.cat([i.key_valid, first]))
+    return dataclasses.replace(
+        batch, input_ids=more(batch.input_ids, 0), positions=more(batch.positions, 0),
+        q_valid=more(batch.q_valid, True), q_lens=more(batch.q_lens, 1),
+        token_index=torch.arange(rows, dtype=batch.token_index.dtype, device=dev),
+        context_lens=more(batch.context_lens, 1), attn=attn,
+        slots={name: more(s, scratch[name]) for name, s in batch.slots.items()})
+
+
+def graph_inputs(batch: ForwardBatch, scratch: dict[str, int]) -> tuple[tuple[int, ...], ForwardBatch]:
+    """A decode batch's graph key (its batch bucket and each paged component's key bucket, in
+    component-name order) and the batch padded to those buckets, as the graph is fed: rows on
+    the `scratch` rows (`scratch_rows`), then key columns."""
+    rows = batch_bucket(batch.num_seqs)
     keys = {n: key_bucket(i.read_rows.shape[1]) for n, i in batch.attn.items()}
-    return (batch.num_seqs, *(keys[n] for n in sorted(keys))), pad_key_columns(batch, keys)
+    padded = pad_key_columns(pad_batch_rows(batch, rows, scratch), keys)
+    return (rows, *(keys[n] for n in sorted(keys))), padded
 
 
 def pool_layout(pools: dict[str, torch.Tensor], names: tuple[str, ...]) -> tuple:
@@ -106,8 +158,9 @@ class _Graph:
 
 
 class CudaGraphDecode:
-    """Decode forward by CUDA graph replay, one graph per (batch size, key buckets, pools),
-    captured on first use; batches above `max_graph_batch` run eager."""
+    """Decode forward by CUDA graph replay, one graph per (batch bucket, key buckets, pools),
+    captured on first use; batches above `max_graph_batch` run eager. The pools must keep their
+    scratch units (engine/pools.py, `scratch_units`): padding rows write there."""
 
     def __init__(self, model, eager, names: tuple[str, ...], device: torch.device, max_graph_batch: int = 128):
         # HyraxInputError: an option this rank cannot honour, one line on the CLI (under `hyrax
@@ -120,6 +173,7 @@ class CudaGraphDecode:
             raise HyraxInputError(f"--captured-decode cuda_graphs needs --attention-backend sdpa, not "
                                   f"{', '.join(sorted(others))}")
         self.eager, self.names, self.max_graph_batch = eager, names, max_graph_batch
+        self.paged = frozenset(c.name for c in model.components if c.paged)
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = None  # one memory pool shared by every captured graph
 
@@ -127,13 +181,13 @@ class CudaGraphDecode:
         """batch: decode-only, B sequences -> logits (B, vocab)."""
         if batch.num_seqs > self.max_graph_batch:
             return self.eager(batch, pools)
-        shape, padded = graph_inputs(batch)
+        shape, padded = graph_inputs(batch, scratch_rows(pools, self.names, batch.page_size, self.paged))
         key = (*shape, *pool_layout(pools, self.names))
         g = self.graphs.get(key) or self._capture(key, padded, pools)
         for static, value in zip(g.inputs, batch_tensors(padded)):
             static.copy_(value, non_blocking=True)
         g.graph.replay()
-        return g.logits.clone()
+        return g.logits[:batch.num_seqs].clone()
 
     def _capture(self, key: tuple, padded: ForwardBatch, pools: dict[str, torch.Tensor]) -> _Graph:
         """Capture the forward over static copies of `padded`, after the warm-up runs capture
