@@ -176,3 +176,24 @@ def test_pools_built_for_graphs_keep_a_scratch_unit_outside_the_capacity():
         assert pa[c.name].shape[1] == a.rows(c) and pb[c.name].shape[1] == b.rows(c) + unit, c.name
     assert pool_bytes(comps, b) == sum(t.numel() * t.element_size() for t in pb.values())
     assert pool_bytes(comps, b) - pool_bytes(comps, a) == sum((PAGE if c.paged else 1) * c.row_bytes for c in comps)
+
+
+def test_cuda_graphs_refuse_a_model_with_routed_experts_and_take_one_without(tmp_path):
+    """The MoE dispatch reads the experts a step chose on the host (`unique().tolist()`), which a
+    CUDA graph capture forbids: on a GPU the first decode step would fail inside the capture.
+    It is refused when the replica starts, with a line naming the modes that work. (Built on
+    a CUDA device name; nothing is allocated there, so this runs without CUDA.)"""
+    from test_family_config_variants import granite, save
+
+    from hyrax.actors.model.cuda_graphs import CudaGraphDecode
+    from hyrax.actors.model.errors import HyraxInputError
+    from hyrax.actors.model.loader import load_model
+
+    save(granite(), tmp_path)
+    moe = load_model(tmp_path, attn_backend="sdpa")
+    assert moe.cfg.moe.num_experts == 4
+    names = tuple(c.name for c in moe.components)
+    with pytest.raises(HyraxInputError, match="routed experts .*use compile, or off"):
+        CudaGraphDecode(moe, moe.forward, names, torch.device("cuda"))
+    dense = _sdpa_model()
+    CudaGraphDecode(dense, dense.forward, tuple(c.name for c in dense.components), torch.device("cuda"))

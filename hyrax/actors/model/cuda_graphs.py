@@ -20,7 +20,9 @@ them (capture records, it does not run) in a memory pool all graphs share. The s
 then replayed.
 
 Needs the SDPA attention backend: the flash kernel takes host-side lengths per step, which a
-graph would freeze at capture (`CudaGraphDecode` refuses other backends at construction).
+graph would freeze at capture (`CudaGraphDecode` refuses other backends at construction). Models
+with routed experts are refused too: their dispatch (moe.py) reads which experts a step chose on
+the host, which capture forbids.
 """
 from __future__ import annotations
 
@@ -172,6 +174,11 @@ class CudaGraphDecode:
         if others:
             raise HyraxInputError(f"--captured-decode cuda_graphs needs --attention-backend sdpa, not "
                                   f"{', '.join(sorted(others))}")
+        experts = model.cfg.moe.num_experts if model.cfg.moe is not None else 0
+        if experts:  # moe.py: the experts a step runs are read on the host
+            raise HyraxInputError("--captured-decode cuda_graphs cannot capture a model with routed experts "
+                                  f"({experts} per MoE layer: their dispatch reads the "
+                                  f"chosen experts on the host); use compile, or off")
         self.eager, self.names, self.max_graph_batch = eager, names, max_graph_batch
         self.paged = frozenset(c.name for c in model.components if c.paged)
         self.graphs: dict[tuple, _Graph] = {}
