@@ -82,8 +82,11 @@ def test_a_frozen_gateway_past_its_lease_leaves_the_replica_answering_and_anothe
             time.sleep(0.2)
         assert ray.get(coord.health.remote(), timeout=30)["gateway_leases"]["aborted_streams"] >= 1
         assert slowest < 2.0, f"the replica answered health only after {slowest:.1f} s while a gateway was frozen"
+        # the other gateway's stream went on: tokens came, nothing cut it (on a fast machine it
+        # may reach the model's context limit within the window and end by `length`, as it should)
         progressed = len(other.tokens) - got
-        assert progressed > 0 and not other.done, (progressed, other.finish_reason)
+        assert progressed > 0 and other.error is None and other.finish_reason in (None, "length"), \
+            (progressed, other.finish_reason, other.error)
         os.kill(proc.pid, signal.SIGCONT)
         # its stream ends with the lease's abort, an error its client sees; nothing after it
         assert _line(proc).split() == ["ended", "abort", "True"]
