@@ -4,6 +4,8 @@ so every tensor it copies must have the shape the graph was captured with whenev
 get the same graph. The capture and replay themselves need CUDA (tests/gpu)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -21,8 +23,9 @@ SCRATCH = {"full_kv": ROWS, "swa_kv": ROWS, "mamba_conv": SLOTS, "mamba_ssm": SL
 
 def _sdpa_model():
     """The model as a CUDA-graph rank runs it: SDPA attention and the torch Mamba2 step (the C
-    kernels are CPU-only; they refuse two sequences on one state row, which padding rows are)."""
-    model = tiny_model(HYBRID)
+    kernels are CPU-only; they refuse two sequences on one state row, which padding rows are).
+    A copy: `tiny_model` is cached and shared with every other test of the process."""
+    model = copy.deepcopy(tiny_model(HYBRID))
     for layer in model.model.layers:
         if hasattr(layer, "self_attn"):
             layer.self_attn.backend = SdpaPaged()
