@@ -42,3 +42,30 @@ def test_sized_pools_serve_like_flag_sized_ones():
     sized, _ = demo_greedy("cuda", LENGTHS, gpu_memory_fraction=fraction, dtype="float32")
     flags, _ = demo_greedy("cuda", LENGTHS, dtype="float32")
     assert sized == flags
+
+
+def test_a_dropped_cuda_rank_runtime_frees_its_pools_at_once():
+    """The profile's throw-away runtime is dropped right before the device is read
+    (memory_budget.measure): a CUDA runtime must give its pools back by reference counting
+    alone, with the cyclic collector off (tests/unit/test_memory_fraction.py checks the same
+    through the whole sizing on the CPU)."""
+    import gc
+
+    from hyrax.actors.engine.pools import pool_bytes, pool_sizes
+    from hyrax.actors.engine.rank_runtime import make_rank_runtime
+    from hyrax.actors.model.loader import load_model
+
+    model = load_model(str(DEMO_DIR), dtype=torch.float32, device="cuda", attn_backend="sdpa")
+    sizes = pool_sizes(model.components, 16, 64 * 1024, 64)
+    held = pool_bytes(model.components, sizes)
+    gc.collect()
+    gc.disable()
+    try:
+        before = torch.cuda.memory_allocated()
+        runtime = make_rank_runtime(model, sizes, {}, device="cuda")
+        assert torch.cuda.memory_allocated() - before >= held
+        del runtime
+        left = torch.cuda.memory_allocated() - before
+    finally:
+        gc.enable()
+    assert left < held // 2, (left, held)

@@ -9,6 +9,7 @@ mirroring `StateMoves.save` / `load` on the coordinator (moves.py).
 """
 from __future__ import annotations
 
+import functools
 from itertools import repeat
 from operator import attrgetter
 
@@ -90,8 +91,11 @@ class RankRuntime:
         self._host_row_pools = {c.name: row_view(self.host[c.name]) for c in self.components}
         self._part = {n: (p.shape[0], p.shape[2], p.dtype) for n, p in self._row_pools.items()}
         cuda = self.device.type == "cuda"
+        # plain functions, never bound methods kept on the runtime: one would refer back to it, and
+        # that cycle kept a dropped runtime and its pools alive until the cyclic collector ran
+        # (memory_budget.measure reads the device right after dropping its throw-away runtime)
         self._gather = self._gather_cuda if cuda else self._gather_cpu
-        self._idx = self._idx_to_device if cuda else self._idx_cpu
+        self._idx = functools.partial(self._idx_on, self.device) if cuda else self._idx_cpu
         self.lane = copy_lane(self.device, self.buffers)  # state moves: a copy stream of their own on a GPU
         # tokens sampled last for each request, so a plan made before they were known can
         # refer to them (overlap scheduling); rank 0 samples and broadcasts them to the group
@@ -307,17 +311,20 @@ class RankRuntime:
         (1,024 rows, one core), and an int64 array it takes as it is."""
         return torch.from_numpy(np.asarray(rows, dtype=np.int64))
 
-    def _idx_to_device(self, rows) -> torch.Tensor:
-        """`_idx_cpu`, on the rank's device."""
-        return self._idx_cpu(rows).to(self.device)
+    @staticmethod
+    def _idx_on(device: torch.device, rows) -> torch.Tensor:
+        """`_idx_cpu`, on `device` (the rank's)."""
+        return RankRuntime._idx_cpu(rows).to(device)
 
-    def _gather_cpu(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _gather_cpu(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """src: (layers, pool rows, *unit); idx: (n,) -> out (layers, n, *unit) filled; returns out."""
         return torch.index_select(src, 1, idx, out=out)
 
-    def _gather_cuda(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The rows gathered on the device (returned, to hash there) and copied asynchronously into
-        the pinned `out`; the caller's host read of the hashes waits for the copy."""
+    @staticmethod
+    def _gather_cuda(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rows gathered on the device (returned, to hash there) and copied into `out`, the
+        export's host buffer (pageable: CUDA returns from such a copy once it is done)."""
         rows = src.index_select(1, idx)
         out.copy_(rows, non_blocking=True)
         return rows
