@@ -1,6 +1,6 @@
 """CUDA-graph decode steps (hyrax/actors/model/cuda_graphs.py) against the eager CUDA run
-(skipped without CUDA). NOT YET RUN: no GPU was available when the path was written; this is
-the check to run first where one is."""
+(skipped without CUDA; one CPU check of the runs' batch sizes). NOT YET RUN: no GPU was
+available when the path was written; this is the check to run first where one is."""
 from __future__ import annotations
 
 import pytest
@@ -9,11 +9,13 @@ import torch
 from gpu_helpers import demo_greedy
 from hyrax.actors.model.errors import HyraxInputError
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LENGTHS = (5, 40, 130, 77, 9)
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_decode_gives_the_eager_tokens_with_retraction():
     kw = dict(dtype="float32", attention_backend="sdpa", forced_retraction_interval=3)
     eager, _ = demo_greedy("cuda", LENGTHS, **kw)
@@ -22,6 +24,8 @@ def test_cuda_graph_decode_gives_the_eager_tokens_with_retraction():
     assert stats["retractions"] >= 3
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_decode_refuses_the_flash_backend():
     pytest.importorskip("vllm_flash_attn")
     with pytest.raises(HyraxInputError, match="needs --attention-backend sdpa"):
@@ -29,31 +33,50 @@ def test_cuda_graph_decode_refuses_the_flash_backend():
                     captured_decode="cuda_graphs")
 
 
-def _staggered(captured_decode: str):
-    """Five requests ending at different steps (decode batches of 5, 4, 3, 2, 1), greedy: their
-    tokens, and the model (its graphs, with cuda_graphs)."""
+def _staggered(device: str, captured_decode: str):
+    """Five requests ending at different steps, greedy, batched (not deterministic mode, whose
+    forwards run one request each, so every decode batch would be of one sequence): their tokens,
+    the model's decode forward (a CapturedDecode with cuda_graphs, holding its graphs), and the
+    size of every decode-only batch it ran (5, 4, 3, 2 and 1 sequences as the requests end)."""
     from hyrax.actors.engine.config import EngineConfig
     from hyrax.actors.engine.local import engine_for_model, run_to_completion
     from hyrax.actors.engine.request import SamplingParams
     from hyrax.actors.model.demo import DEMO_DIR
     from hyrax.actors.model.loader import load_model
 
-    model = load_model(str(DEMO_DIR), dtype=torch.float32, device="cuda", attn_backend="sdpa", row_plans=False)
-    e = engine_for_model(model, EngineConfig(deterministic=True, dtype="float32", attention_backend="sdpa",
-                                             captured_decode=captured_decode), device="cuda")
+    model = load_model(str(DEMO_DIR), dtype=torch.float32, device=device, attn_backend="sdpa", row_plans=False)
+    e = engine_for_model(model, EngineConfig(dtype="float32", attention_backend="sdpa",
+                                             captured_decode=captured_decode), device=device)
+    forward, sizes = model.forward, []
+
+    def counted(batch, pools, all_logits=False):
+        if batch.max_len == 1 and not all_logits:
+            sizes.append(batch.num_seqs)
+        return forward(batch, pools, all_logits)
+    model.forward = counted
     ids = [e.add_request([(7 * i + j) % 256 for j in range(n)], SamplingParams(max_tokens=6 + 4 * i, ignore_eos=True))
            for i, n in enumerate(LENGTHS)]
     run_to_completion(e)
     e.check_invariants()
     assert e.is_idle_clean()
-    return [e.finished_requests[i].output_ids for i in ids], model
+    return [e.finished_requests[i].output_ids for i in ids], forward, sizes
 
 
+def test_the_staggered_run_decodes_batches_of_five_down_to_one():
+    """What the CUDA test below relies on, checked on the CPU: the run's decode steps batch
+    5, 4, 3, 2 and 1 sequences (in deterministic mode all of them were of one)."""
+    _, _, sizes = _staggered("cpu", "off")
+    assert {5, 4, 3, 2, 1} <= set(sizes), sizes
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_decode_pads_batches_to_buckets_and_gives_the_eager_tokens():
     """Batches of 5 to 1 sequences replay the graphs of buckets 8, 4, 2 and 1 (padding rows on
     the pools' scratch unit), and every request's tokens are the eager run's."""
-    eager, _ = _staggered("off")
-    graphs, model = _staggered("cuda_graphs")
+    eager, _, sizes = _staggered("cuda", "off")
+    graphs, decode, graph_sizes = _staggered("cuda", "cuda_graphs")
     assert graphs == eager
-    buckets = {key[0] for key in model.forward.decode.graphs}
-    assert {4, 2, 1} <= buckets <= {8, 4, 2, 1}, buckets  # batches of 3 replay the graph of 4
+    assert graph_sizes == sizes and {5, 4, 3, 2, 1} <= set(sizes), sizes
+    buckets = {key[0] for key in decode.decode.graphs}
+    assert buckets == {8, 4, 2, 1}, buckets  # batches of 5 replay the graph of 8, of 3 the graph of 4
