@@ -33,3 +33,18 @@ def test_moves_are_ordered_after_queued_compute_and_before_the_next():
         pool[1].copy_(src, non_blocking=True)
     after = pool[1].clone()  # queued on the compute stream after the move: reads what it wrote
     assert torch.equal(after.cpu(), src)  # exact (a sum compared with a tolerance could flake near 0)
+
+
+def test_a_move_that_raises_still_orders_the_next_compute_work_after_it():
+    """A move may raise after queueing writes into the pools (an allocation that fails, a
+    refused shard): the compute stream must still wait for what it queued. The copy stream is
+    kept busy for about a second; once the compute stream has drained, the copy stream has too
+    only if the compute stream waited for it."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lane = CudaCopyLane(dev, HostBuffers(pin=True))
+    with pytest.raises(RuntimeError, match="the move failed"):
+        with lane.moving():
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles on the copy stream
+            raise RuntimeError("the move failed")
+    torch.cuda.current_stream(dev).synchronize()
+    assert lane.stream.query(), "the compute stream did not wait for the failed move's work"

@@ -59,9 +59,11 @@ class CudaCopyLane:
     def moving(self):
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # an event: the rows written by the work queued so far
-        with torch.cuda.stream(self.stream):
-            yield
-        compute.wait_stream(self.stream)  # the next step runs after the moves' writes
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # a move that raised may have queued writes into the pools all the same
+            compute.wait_stream(self.stream)  # the next step runs after the moves' writes
 
     def device_words(self, rows: int) -> torch.Tensor:
         """(rows, ROW_WORDS) int64 in device memory (allocated on the copy stream inside `moving`)."""
