@@ -230,7 +230,8 @@ class RoleCoordinator:
 
     def _expire_gateways(self) -> None:
         """Abort the streams of gateways that stopped renewing (their process is gone or frozen),
-        and end their feeds once their process is gone.
+        free the offers whose hand-offs they carry (to an importer they will not reach now), and
+        end their feeds once their process is gone.
 
         A feed is not ended while its gateway may be frozen (SIGSTOP, a node that stopped
         answering): Ray ends a streaming generator by waiting, on this actor's event loop, until
@@ -247,6 +248,10 @@ class RoleCoordinator:
                 except Exception:  # noqa: BLE001 - a rank gone mid-abort is the loop's to recover; leases go on
                     log.exception("aborting %s, whose gateway's lease ran out, failed", rid)
             for gateway, job in self.gateways.take_lapsed():
+                try:  # the offers it carries would reach no importer: freed with its streams
+                    self.loop.reclaim_offers(gateway)
+                except Exception:  # noqa: BLE001 - as for an abort: the leases go on
+                    log.exception("reclaiming the offers of %s, whose lease ran out, failed", gateway)
                 if job is None:
                     self.feeds.close_gateway_soon(gateway)
                 else:

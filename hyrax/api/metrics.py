@@ -86,7 +86,8 @@ def engine_families(stats: list[dict], pools: list[dict], health: HealthReport) 
         ("offers_taken_back", "Hand-offs no other replica took, run on by the replica that offered them (a prefill "
                               "replica then decodes the request itself).", []),
         ("offers_reclaimed", "Hand-offs freed by the replica that offered them without an acknowledgement (lease "
-                             "over, its ranks lost, or the request went on elsewhere).", []),
+                             "over, the gateway carrying it lost its lease, its ranks lost, or the request went on "
+                             "elsewhere).", []),
         ("replica_recoveries", "Times a replica replaced failed ranks.", []),
         ("step_out_of_memory", "Steps that ran out of device memory: the batch cap was lowered and their requests "
                                "rebuilt.", []),

@@ -440,6 +440,12 @@ class Engine:
     def reclaim_expired_offers(self, now: float | None = None) -> list[str]:
         return self.transfers.reclaim_expired(time.monotonic() if now is None else now)
 
+    def offer_carried_by(self, req_id: str, gateway: str) -> None:
+        self.transfers.carried(req_id, gateway)
+
+    def reclaim_offers_carried_by(self, gateway: str) -> list[str]:
+        return self.transfers.reclaim_carried(gateway)
+
     def step_outputs_flush(self) -> list[StepOutput]:
         out, self._outputs = self._outputs, []
         return out

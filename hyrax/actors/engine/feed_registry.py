@@ -40,7 +40,7 @@ class FeedRegistry:
         if feed_id not in self._feeds:  # made by whichever of `stream`/`sink` comes first
             self.aloop = asyncio.get_running_loop()
             q = FeedQueue()
-            self._feeds[feed_id] = (Sink(q.put, self.aloop, self._on_end(gateway)), q, gateway)
+            self._feeds[feed_id] = (Sink(q.put, self.aloop, self._on_end(gateway), gateway), q, gateway)
         return self._feeds[feed_id]
 
     def summary(self) -> dict:
@@ -59,7 +59,7 @@ class FeedRegistry:
         after its feed was closed gets a sink that drops them (nobody reads that feed any more)
         rather than a new entry that nothing would ever remove."""
         if feed_id in self._closed and feed_id not in self._feeds:
-            return Sink(_drop, asyncio.get_running_loop(), self._on_end(gateway))
+            return Sink(_drop, asyncio.get_running_loop(), self._on_end(gateway), gateway)
         return self._entry(feed_id, gateway)[0]
 
     async def stream(self, feed_id: str, gateway: str | None) -> AsyncIterator[Batch]:

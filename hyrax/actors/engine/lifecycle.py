@@ -151,7 +151,7 @@ class RequestTable:
     def offer(self, req: Request, lease_s: float) -> None:
         """Exported to another replica; its state stays here until acknowledged or the lease ends."""
         self._move(req, (State.RUNNING,), State.OFFERED)
-        req.offer_deadline = time.monotonic() + lease_s
+        req.offer_deadline, req.offer_carrier = time.monotonic() + lease_s, None
 
     def take_back(self, req: Request) -> None:
         """Its offer went nowhere (no other replica took it) and its client is still there: it runs

@@ -312,7 +312,7 @@ class EngineLoop:
                 batch = batches[sink] = []
             batch.append((rid, item_of(o)))
             if o.finished or o.handoff is not None:  # `is_last` of the item
-                self._end(streams, sink, rid)
+                self._end(streams, sink, rid, o.handoff is not None)
         if unstreamed:
             self._drop_unstreamed(unstreamed)
         if last is not None:
@@ -321,7 +321,7 @@ class EngineLoop:
             if sink is not None:
                 batches.setdefault(sink, []).append(last)
                 if is_last(item):
-                    self._end(streams, sink, rid)
+                    self._end(streams, sink, rid, "handoff" in item)
         gone = [sink for sink, batch in batches.items() if not sink.post(batch)]
         self.batches_posted += len(batches) - len(gone)
         for sink in gone:
@@ -341,10 +341,12 @@ class EngineLoop:
         if rids:
             self._deliver(self.engine.step_outputs_flush())
 
-    @staticmethod
-    def _end(streams: dict, sink: Sink, rid: str) -> None:
-        """The stream of `rid` got its last item."""
+    def _end(self, streams: dict, sink: Sink, rid: str, handed_off: bool) -> None:
+        """The stream of `rid` got its last item; `handed_off`: that item is its offer's hand-off,
+        which the stream's gateway now carries (`reclaim_offers` once that gateway is gone)."""
         del streams[rid]
+        if handed_off and sink.gateway is not None:
+            self.engine.offer_carried_by(rid, sink.gateway)
         if sink.on_end is not None:
             sink.on_end(rid)
 
@@ -552,6 +554,16 @@ class EngineLoop:
     def release(self, request_id: str) -> bool:
         with self._turn():
             return self.engine.release_handoff(request_id)
+
+    def reclaim_offers(self, gateway: str) -> list[str]:
+        """`gateway` lost its lease here (its process is gone, or frozen past the lease): the
+        offers whose hand-off it carries will reach no importer through it, so their state is
+        freed now, as its streams are aborted, not when each offer's own lease ends. An
+        importer's acknowledgement queued before is applied first (the turn opens what is queued:
+        the offer is then the importer's, transferred); one that comes later finds no offer and
+        changes nothing. The ids freed."""
+        with self._turn():
+            return self.engine.reclaim_offers_carried_by(gateway)
 
     def release_soon(self, request_id: str) -> None:
         """`release` for a caller that must not wait for the lock (the coordinator's event loop):

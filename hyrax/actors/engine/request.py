@@ -113,6 +113,8 @@ class Request:
     transferred_bytes: dict[str, int] = field(default_factory=dict)  # imported state, per component
     export_payload: list | None = None  # while offered: the exported shards (kept alive until acked)
     offer_deadline: float | None = None  # while offered: monotonic time the lease ends
+    # while offered: the gateway whose stream carried its hand-off (None: not known, or an in-process caller)
+    offer_carrier: str | None = None
     retracted_at_step: int = -1  # not resumed automatically in the step that retracted it
     finish_reason: str | None = None
     text: str = ""

@@ -46,12 +46,14 @@ def is_refusal(item: dict) -> bool:
 class Sink:
     """One consumer's entry, safe to call from any thread: `post(batch)` runs `deliver(batch)`
     on the consumer's event loop, batches in the order they were posted. `on_end(request_id)`
-    runs (on the posting thread) when a stream of this consumer ended: last item posted."""
+    runs (on the posting thread) when a stream of this consumer ended: last item posted.
+    `gateway`: the gateway whose lease holds this consumer's streams (None: none, an in-process
+    caller); a stream that ends with a hand-off leaves that gateway carrying the offer."""
 
     def __init__(self, deliver: Callable[[Batch], None], aloop: asyncio.AbstractEventLoop | None = None,
-                 on_end: Callable[[str], None] | None = None):
+                 on_end: Callable[[str], None] | None = None, gateway: str | None = None):
         self.aloop = aloop or asyncio.get_running_loop()
-        self.deliver, self.on_end = deliver, on_end
+        self.deliver, self.on_end, self.gateway = deliver, on_end, gateway
         self.posted = 0  # batches posted: the messages this consumer was sent
 
     def post(self, batch: Batch) -> bool:

@@ -6,7 +6,9 @@ target's halves of one protocol:
    kept alive;
 2. the target **imports** into new indices, verifies every shard on every rank, and
    **acknowledges** to the source;
-3. the source **frees** on the acknowledgement, or when the lease ends without one; or, when
+3. the source **frees** on the acknowledgement, or when the lease ends without one, or as soon
+   as the gateway that carries the hand-off lost its lease (its process is gone or frozen: it
+   will bring the offer to no importer, `reclaim_carried`); or, when
    no other replica took the offer and its client is still there, the gateway brings it back
    and the source **takes it back**: it runs on from the state it kept (DESIGN's "resumed
    locally").
@@ -80,6 +82,25 @@ class Transfers:
         out = []
         for req in self.table.expired_offers(now):
             self.leave(req, "lease_expired")
+            self.stats.offers_reclaimed += 1
+            out.append(req.id)
+        return out
+
+    def carried(self, req_id: str, gateway: str) -> None:
+        """The stream that ended with the hand-off of `req_id` belongs to `gateway`: that gateway
+        carries the offer to the importer (or back here)."""
+        req = self.table.offered.get(req_id)
+        if req is not None:
+            req.offer_carrier = gateway
+
+    def reclaim_carried(self, gateway: str) -> list[str]:
+        """The offers `gateway` carries, once it lost its lease: free their state here now, not
+        when their own lease ends. An importer that got the hand-off before (it acknowledges
+        later, `acknowledged` then finds no offer) holds its own copy; one that gets it later
+        (the gateway was only frozen) imports from the payload it carries, as after a lease."""
+        out = []
+        for req in [r for r in self.table.offered.values() if r.offer_carrier == gateway]:
+            self.leave(req, "carrier_gone")
             self.stats.offers_reclaimed += 1
             out.append(req.id)
         return out
