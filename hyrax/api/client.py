@@ -95,6 +95,12 @@ async def _close(stream) -> None:
         await close()
 
 
+def _failed_abort(t: asyncio.Task) -> None:
+    """An abort's failure, read (a replica that is gone fails it; its loss is reported elsewhere)."""
+    if not t.cancelled() and t.exception() is not None:
+        log.debug("an abort at shutdown failed: %r", t.exception())
+
+
 class Unavailable(RuntimeError):
     """No replica can take the request now (503 with Retry-After)."""
 
@@ -508,7 +514,10 @@ class EngineClient:
         `timeout_s` for the replicas to answer. Returns how many requests were open."""
         ids = list(self.owner)
         if ids:
-            await asyncio.wait([asyncio.ensure_future(self.abort(rid)) for rid in ids], timeout=timeout_s)
+            tasks = [asyncio.ensure_future(self.abort(rid)) for rid in ids]
+            await asyncio.wait(tasks, timeout=timeout_s)
+            for t in tasks:  # a replica that is gone fails the abort: read, or asyncio prints a traceback
+                t.add_done_callback(_failed_abort)
         return len(ids)
 
     async def retract(self, cmd: Retract) -> dict[str, Outcome]:

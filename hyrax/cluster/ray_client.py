@@ -155,6 +155,13 @@ class RayBackend:
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
+    def cut_streams(self, message: str) -> None:
+        """End every stream this gateway has open on the replica now, each with a 503 error
+        `message`, without waiting for the replica: the cluster it ran on is gone, and Ray may take
+        a minute to say so."""
+        if self._feed is not None:
+            self._feed.cut(FeedEnd(error_item(message, 503)))
+
     async def health(self) -> dict:
         try:
             return await asyncio.wait_for(self.handle.health.remote(), 5.0)
@@ -193,6 +200,12 @@ class ReplicaFeed:
         self.aloop = asyncio.get_running_loop()
         self.handle = handle
         self._task = asyncio.ensure_future(self._pump(handle.feed.remote(self.id, gateway=gateway)))
+
+    def cut(self, end: "FeedEnd") -> None:
+        """End each stream open on this feed with `end` now. A stream ends at the first end it
+        reads, so the pump's own, once Ray reports the replica lost, finds none of them left."""
+        self.ended = True
+        self.fanout.broadcast(end)
 
     async def _pump(self, stream) -> None:
         try:

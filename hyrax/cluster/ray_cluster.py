@@ -5,6 +5,7 @@ import os
 import socket
 
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
+from hyrax.cluster.cluster_watch import ClusterEndpoints, accepts
 
 
 def prepare_env(address: str | None) -> None:
@@ -92,10 +93,8 @@ def gcs_alive(timeout_s: float = 1.0) -> bool:
     import ray
 
     try:
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-        return True
-    except (OSError, ValueError, AttributeError):
+        return accepts(ray.get_runtime_context().gcs_address, timeout_s)
+    except AttributeError:  # no address yet
         return False
 
 
@@ -122,6 +121,20 @@ def cluster_address() -> str | None:
     try:
         return ray.get_runtime_context().gcs_address or None
     except Exception:  # noqa: BLE001 - best effort, only for printing
+        return None
+
+
+def cluster_endpoints() -> ClusterEndpoints | None:
+    """Where this driver reaches its cluster (the GCS, its node's raylet), for the gateway's
+    ClusterWatch; None before Ray is up."""
+    import ray
+
+    try:
+        ctx = ray.get_runtime_context()
+        node = ctx.worker.node
+        port = node.node_manager_port
+        return ClusterEndpoints(ctx.gcs_address, f"{node.node_ip_address}:{port}" if port else None)
+    except Exception:  # noqa: BLE001 - Ray not up, or a Ray that keeps these elsewhere: nothing to watch
         return None
 
 

@@ -514,12 +514,14 @@ def is_loopback(sock: socket.socket) -> bool:
 
 def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple[str, ...], config, path, roles,
                       name) -> int:
-    from hyrax.cluster.ray_cluster import attach_command, cluster_address, dashboard_url, init_ray, prepare_env
+    from hyrax.cluster.ray_cluster import (attach_command, cluster_address, cluster_endpoints, dashboard_url,
+                                           init_ray, prepare_env)
 
     prepare_env(a.address)  # before the imports below import ray
     hide_secrets_in_cmdline(sys.argv)  # before Ray records the command line as this driver's entrypoint
     from hyrax.api.app import GatewaySettings, create_app
     from hyrax.cluster import controller
+    from hyrax.cluster.cluster_watch import ClusterWatch
     from hyrax.cluster.gateway_server import GatewayServer
     from hyrax.cluster.ray_client import GatewayLease, Membership, client_for
 
@@ -554,7 +556,17 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
             gone.append(why)
             print(f"hyrax: {why}", file=sys.stderr, flush=True)
             server.should_exit = True  # uvicorn stops as on a signal: open streams end cleanly
+        def cluster_lost(why: str) -> None:  # the cluster's GCS and this node's raylet are gone
+            if server.should_exit:  # stopping already (a signal to the whole group stopped the cluster too)
+                return
+            stop_serving(why)
+            for b in client.backends:  # the replicas went with the cluster: nothing more comes from them
+                b.cut_streams("the Ray cluster serving this request is gone")
+            server.hurry = True  # and there is nothing to wait for
         app = _with_task(app, Membership(ctl, client, lease, dep.generation, on_gone=stop_serving).run)
+        endpoints = cluster_endpoints()
+        if endpoints is not None:
+            app = _with_task(app, ClusterWatch(endpoints, cluster_lost).run)
         base = gateway_url(a.host, a.port)
         print(f"hyrax: serving {name!r}\n"
               f"  OpenAI API      {base}/v1\n"
@@ -579,8 +591,9 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
         if ctl is not None and owner and cluster_up:
             print("hyrax: stopping replicas ...", file=sys.stderr)
             controller.tear_down(ctl)
-        if not cluster_up:  # stopped with us (a signal to the whole process group): nothing to tear down
-            print("hyrax: the Ray cluster already stopped; exiting", file=sys.stderr, flush=True)
+        if not cluster_up:  # stopped with us (a signal to the whole process group), or lost: nothing to tear down
+            if not gone:  # (a cluster lost said so already)
+                print("hyrax: the Ray cluster already stopped; exiting", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1 if gone else 0)  # Ray's exit hook would wait a minute for the GCS
         if started_ray:
