@@ -62,3 +62,36 @@ def test_a_hung_test_run_is_interrupted_inside_the_budget_and_every_output_is_ke
     assert "test_one PASSED" in tests and "(interrupted)" in tests  # the summary pytest prints on SIGINT
     assert '"status": "ok"' in (out / "doctor.json").read_text()  # the JSON run kept its reserve
     assert "tests/gpu: exit 124" in done.stdout
+
+
+# python3's stand-in for a CUDA host whose python lacks pytest-timeout (pyproject's addopts pass
+# --timeout, which pytest then refuses): pytest writes the arguments it got
+NO_TIMEOUT_PYTHON = r"""#!/usr/bin/env bash
+case "$*" in
+    *"import pytest_timeout"*) [ -n "$HAS_TIMEOUT_PLUGIN" ] && exit 0; echo "No module named pytest_timeout" >&2; exit 1 ;;
+    *"-m pytest"*) printf '%s\n' "$@" > "$OUT/pytest-args.txt"; echo "1 passed in 0.1s" ;;
+    *"doctor --json"*) echo '{}' ;;
+    *) echo "stand-in" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("plugin", [True, False], ids=["with pytest-timeout", "without it"])
+def test_the_tests_run_whether_or_not_the_host_has_pytest_timeout(tmp_path, plugin):
+    """The lent machine's python may lack pytest-timeout (nothing can be installed there but the
+    wheels carried in .whl/), and pytest refuses the --timeout of pyproject's addopts without
+    it: every GPU test would be lost to a usage error. Without the plugin the script overrides
+    addopts and passes no --timeout."""
+    bin_dir = _stand_ins(tmp_path)
+    (bin_dir / "python3").write_text(NO_TIMEOUT_PYTHON)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "PYTHON": "python3",
+           "HYRAX_CHECK_BUDGET_S": "60", "HAS_TIMEOUT_PLUGIN": "1" if plugin else ""}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout[-2000:]
+    args = (out / "pytest-args.txt").read_text().splitlines()
+    if plugin:
+        assert "--timeout=240" in args and not any(a.startswith("addopts=") for a in args), args
+    else:
+        assert not any(a.startswith("--timeout") for a in args) and "addopts=-m 'not slow' --durations=25" in args, args
+        assert "pytest-timeout is not installed" in done.stdout
