@@ -131,9 +131,9 @@ def _clone(batch: ForwardBatch) -> ForwardBatch:
 
 
 def warm_up(eager, padded: ForwardBatch, pools: dict[str, torch.Tensor], names: tuple[str, ...],
-            runs: int = 2) -> None:
+            runs: int = 2) -> torch.Tensor:
     """Run the decode forward `runs` times over the real pools, leaving the state it holds as it
-    was: those runs are real decode steps, which advance the batch's recurrent state, so each slot
+    was (the last run's logits returned: their shape and dtype size the graphs' output): those runs are real decode steps, which advance the batch's recurrent state, so each slot
     component's rows of the batch are kept before and written back after. (Clones of the pools
     cost as much memory again, which pools sized to fill the GPU do not leave.) The paged
     components' writes land on the batch's own new rows (`write_rows`), which the step replayed
@@ -142,7 +142,8 @@ def warm_up(eager, padded: ForwardBatch, pools: dict[str, torch.Tensor], names: 
     views = layer_views(pools, names)
     try:
         for _ in range(runs):
-            eager(_clone(padded), views)
+            logits = eager(_clone(padded), views)
+        return logits
     finally:
         for n, rows in kept.items():
             pools[n].index_copy_(1, padded.slots[n], rows)
@@ -156,12 +157,11 @@ _BATCH_TENSORS = ("input_ids", "positions", "q_valid", "q_lens", "token_index", 
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # static buffers, in `batch_tensors` order
-    logits: torch.Tensor  # (B, vocab), written by every replay
 
 
 class CudaGraphDecode:
     """Decode forward by CUDA graph replay, one graph per (batch bucket, key buckets, pools),
-    captured on first use; batches above `max_graph_batch` run eager. The pools must keep their
+    captured on first use; batches whose bucket is above `max_graph_batch` run eager. The pools must keep their
     scratch units (engine/pools.py, `scratch_units`): padding rows write there."""
 
     def __init__(self, model, eager, names: tuple[str, ...], device: torch.device, max_graph_batch: int = 128):
@@ -183,10 +183,16 @@ class CudaGraphDecode:
         self.paged = frozenset(c.name for c in model.components if c.paged)
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = None  # one memory pool shared by every captured graph
+        # (max_graph_batch, vocab): the graph of bucket B writes its logits into the first B rows.
+        # One buffer for all: an output made inside each capture stayed allocated with its graph
+        # (bucket x vocab x 4 bytes each: ~0.5 GB per key bucket over the 19 buckets at a 128k
+        # vocabulary, outside the memory budget); a capture's own temporaries go back to the
+        # shared pool, where the next capture reuses them (graphs replay one at a time)
+        self.out: torch.Tensor | None = None
 
     def __call__(self, batch: ForwardBatch, pools: dict[str, torch.Tensor]) -> torch.Tensor:
         """batch: decode-only, B sequences -> logits (B, vocab)."""
-        if batch.num_seqs > self.max_graph_batch:
+        if batch_bucket(batch.num_seqs) > self.max_graph_batch:
             return self.eager(batch, pools)
         shape, padded = graph_inputs(batch, scratch_rows(pools, self.names, batch.page_size, self.paged))
         key = (*shape, *pool_layout(pools, self.names))
@@ -194,7 +200,7 @@ class CudaGraphDecode:
         for static, value in zip(g.inputs, batch_tensors(padded)):
             static.copy_(value, non_blocking=True)
         g.graph.replay()
-        return g.logits[:batch.num_seqs].clone()
+        return self.out[:batch.num_seqs].clone()
 
     def _capture(self, key: tuple, padded: ForwardBatch, pools: dict[str, torch.Tensor]) -> _Graph:
         """Capture the forward over static copies of `padded`, after the warm-up runs capture
@@ -205,11 +211,14 @@ class CudaGraphDecode:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            warm_up(self.eager, padded, pools, self.names)
+            logits = warm_up(self.eager, padded, pools, self.names)
         torch.cuda.current_stream().wait_stream(side)
+        if self.out is None:
+            self.out = logits.new_empty(self.max_graph_batch, logits.shape[-1])
+        del logits
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self.eager(static, views)
+            self.out[:padded.num_seqs].copy_(self.eager(static, views))
         self.mempool = graph.pool()
-        g = self.graphs[key] = _Graph(graph, batch_tensors(static), logits)
+        g = self.graphs[key] = _Graph(graph, batch_tensors(static))
         return g
