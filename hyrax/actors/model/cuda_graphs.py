@@ -217,7 +217,10 @@ class CudaGraphDecode:
             self.out = logits.new_empty(self.max_graph_batch, logits.shape[-1])
         del logits
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        # thread_local: only this thread's calls are checked during the capture; in the default
+        # (global) mode another thread's unsafe call (the NCCL watchdog of a TP >= 2 rank polls
+        # its collectives' events) would invalidate the capture
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             self.out[:padded.num_seqs].copy_(self.eager(static, views))
         self.mempool = graph.pool()
         g = self.graphs[key] = _Graph(graph, batch_tensors(static))
