@@ -181,22 +181,26 @@ def test_pools_built_for_graphs_keep_a_scratch_unit_outside_the_capacity():
     assert pool_bytes(comps, b) - pool_bytes(comps, a) == sum((PAGE if c.paged else 1) * c.row_bytes for c in comps)
 
 
-def test_cuda_graphs_refuse_a_model_with_routed_experts_and_take_one_without(tmp_path):
-    """The MoE dispatch reads the experts a step chose on the host (`unique().tolist()`), which a
-    CUDA graph capture forbids: on a GPU the first decode step would fail inside the capture.
-    It is refused when the replica starts, with a line naming the modes that work. (Built on
-    a CUDA device name; nothing is allocated there, so this runs without CUDA.)"""
+def test_cuda_graphs_capture_a_model_with_routed_experts_in_static_dispatch(tmp_path):
+    """The MoE layer's own dispatch reads the experts a step chose on the host, which a capture
+    forbids; CudaGraphDecode takes the model and warms up and captures `captured`, which runs
+    every MoE layer in the static dispatch (moe.py) for the call. The model's own forward, which
+    prefill runs, keeps the sparse dispatch. (Built on a CUDA device name; nothing is allocated
+    there, so this runs without CUDA. test_graph_capture_host_reads runs `captured`.)"""
     from test_family_config_variants import granite, save
 
     from hyrax.actors.model.cuda_graphs import CudaGraphDecode
-    from hyrax.actors.model.errors import HyraxInputError
     from hyrax.actors.model.loader import load_model
+    from hyrax.actors.model.moe import MoE
 
     save(granite(), tmp_path)
     moe = load_model(tmp_path, attn_backend="sdpa")
     assert moe.cfg.moe.num_experts == 4
-    names = tuple(c.name for c in moe.components)
-    with pytest.raises(HyraxInputError, match="routed experts .*use compile, or off"):
-        CudaGraphDecode(moe, moe.forward, names, torch.device("cuda"))
+    decode = CudaGraphDecode(moe, moe.forward, tuple(c.name for c in moe.components), torch.device("cuda"))
+    layers = [m for m in moe.modules() if isinstance(m, MoE)]
+    assert len(layers) == 2 and decode.captured.layers == layers
+    assert decode.captured.forward == moe.forward and decode.eager == moe.forward
+    assert not any(m.static_dispatch for m in layers)  # only inside a captured call
     dense = _sdpa_model()
-    CudaGraphDecode(dense, dense.forward, tuple(c.name for c in dense.components), torch.device("cuda"))
+    assert CudaGraphDecode(dense, dense.forward, tuple(c.name for c in dense.components),
+                           torch.device("cuda")).captured.layers == []

@@ -7,8 +7,9 @@ with the device stand-in of tests/unit/test_host_syncs.py (hyrax.testing.sync_co
 path a CUDA rank runs: SDPA attention, the torch Mamba2 step (the C kernels are CPU-only), no
 in-place row stepping (it reads slot ids on the host).
 
-Every dense family's layer kinds are covered; a model with routed experts is the control: its
-dispatch reads the chosen experts on the host, which is why cuda_graphs refuses it."""
+Every dense family's layer kinds are covered, and models with routed experts under each router,
+whose layers CudaGraphDecode runs in their static dispatch (moe.py). The control is the same
+MoE model through its own forward: the sparse dispatch reads the chosen experts on the host."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,8 @@ from hyrax.actors.model.attn_backends import SdpaPaged
 from hyrax.actors.model.batch import SeqSlice, build_forward_batch
 from hyrax.actors.model.captured_decode import layer_views
 from hyrax.actors.model.config import GdnConfig, ModelConfig, MoeConfig, Multipliers
-from hyrax.actors.model.cuda_graphs import SCRATCH_UNITS, _clone, batch_tensors, graph_inputs, scratch_rows
+from hyrax.actors.model.cuda_graphs import (SCRATCH_UNITS, CudaGraphDecode, _clone, batch_tensors, graph_inputs,
+                                            scratch_rows)
 from hyrax.testing.sync_counter import Counts, SyncCounter
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -49,6 +51,18 @@ CONFIGS = {
 MOE = dict(layer_types=("mamba2", "full_attention"), ffn_types=("moe", "moe"),
            moe=MoeConfig(num_experts=4, top_k=2, intermediate_size=16, shared_intermediate_size=16,
                          router="topk_softmax"))
+MOE_CONFIGS = {
+    "topk_softmax_shared": MOE,
+    # Qwen-like: softmax over all experts, renormalised top-k, a gated shared expert
+    "softmax_topk_gated_shared": dict(MOE, moe=MoeConfig(num_experts=6, top_k=3, intermediate_size=16,
+                                                          shared_intermediate_size=16, router="softmax_topk",
+                                                          norm_topk_prob=True, shared_expert_gate=True)),
+    # NemotronH-like: grouped sigmoid routing with correction bias, relu^2 experts, no shared expert
+    "sigmoid_grouped_relu2": dict(MOE, moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=16,
+                                                     shared_intermediate_size=0, router="sigmoid_grouped",
+                                                     gated_experts=False, norm_topk_prob=True,
+                                                     routed_scaling_factor=2.5, n_group=2, topk_group=1)),
+}
 
 
 def _as_cuda_runs(model):
@@ -61,13 +75,16 @@ def _as_cuda_runs(model):
     return model
 
 
-def _captured_forward_counts(cfg: dict) -> Counts:
-    """The events of the forward a graph captures, for a decode batch of 3 padded to 4 rows.
-    It runs once first over another copy of the batch (as `warm_up` does before a capture: lazy
-    caches fill there), then counted over fresh static copies, as the capture runs it."""
+def _captured_forward_counts(cfg: dict, captured: bool = True) -> Counts:
+    """The events of the forward a graph captures (`CudaGraphDecode.captured`; with `captured`
+    False the model's own forward), for a decode batch of 3 padded to 4 rows. It runs once first
+    over another copy of the batch (as `warm_up` does before a capture: lazy caches fill there),
+    then counted over fresh static copies, as the capture runs it. (CudaGraphDecode is built on
+    a CUDA device name; its constructor allocates nothing.)"""
     model = _as_cuda_runs(random_model(ModelConfig(**{**COMMON, **cfg}), dtype=torch.float32))
     comps = model.components
     names = tuple(c.name for c in comps)
+    forward = CudaGraphDecode(model, model.forward, names, torch.device("cuda")).captured if captured else model
     paged = frozenset(c.name for c in comps if c.paged)
     pools = allocate_device_pools(comps, pool_sizes(comps, PAGE_SIZE, 256, 8, scratch=SCRATCH_UNITS))
     g = torch.Generator().manual_seed(0)
@@ -78,10 +95,10 @@ def _captured_forward_counts(cfg: dict) -> Counts:
             for i, ctx in enumerate([9, 20, 3])]
     batch = build_forward_batch(seqs, comps, PAGE_SIZE)
     _, padded = graph_inputs(batch, scratch_rows(pools, names, PAGE_SIZE, paged))
-    model(_clone(padded), layer_views(pools, names))  # the warm-up
+    forward(_clone(padded), layer_views(pools, names))  # the warm-up
     static = _clone(padded)
     counter = SyncCounter([*model.parameters(), *model.buffers(), *pools.values(), *batch_tensors(static)])
-    logits = counter.wrap(lambda: model(static, layer_views(pools, names)))()
+    logits = counter.wrap(lambda: forward(static, layer_views(pools, names)))()
     assert logits.shape == (4, model.cfg.vocab_size) and torch.isfinite(logits).all()
     return counter.calls[-1]
 
@@ -92,7 +109,15 @@ def test_the_captured_decode_forward_never_waits_for_the_device(cfg):
     assert not counts.events, "\n" + counts.table()
 
 
-def test_routed_experts_read_the_device_which_is_why_cuda_graphs_refuse_them():
-    counts = _captured_forward_counts(MOE)
-    assert counts.syncs, "the expert dispatch read nothing on the host: the refusal may be lifted"
+@pytest.mark.parametrize("cfg", list(MOE_CONFIGS.values()), ids=list(MOE_CONFIGS))
+def test_routed_experts_in_static_dispatch_never_wait_for_the_device(cfg):
+    counts = _captured_forward_counts(cfg)
+    assert not counts.events, "\n" + counts.table()
+
+
+def test_the_sparse_expert_dispatch_reads_the_device():
+    """The control: the model's own forward (prefill, eager decode) keeps the sparse dispatch,
+    whose reads the counter sees."""
+    counts = _captured_forward_counts(MOE, captured=False)
+    assert counts.syncs, "the sparse dispatch read nothing on the host"
     assert any(e.where.startswith("hyrax/actors/model/moe.py") for e in counts.events), counts.table()

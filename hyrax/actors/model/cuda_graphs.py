@@ -20,9 +20,13 @@ them (capture records, it does not run) in a memory pool all graphs share. The s
 then replayed.
 
 Needs the SDPA attention backend: the flash kernel takes host-side lengths per step, which a
-graph would freeze at capture (`CudaGraphDecode` refuses other backends at construction). Models
-with routed experts are refused too: their dispatch (moe.py) reads which experts a step chose on
-the host, which capture forbids.
+graph would freeze at capture (`CudaGraphDecode` refuses other backends at construction).
+
+Models with routed experts: the MoE layer's own dispatch (moe.py) reads which experts a step
+chose on the host, which capture forbids, so the forward that is warmed up and captured runs
+them in their static dispatch (`moe.CaptureSafe`: every expert over every row of the padded
+batch, weighted by its routing weight, 0 where not chosen). Prefill and batches beyond
+`max_graph_batch` run the model's own forward, with the sparse dispatch.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch
 from hyrax.actors.model.batch import AttnIndex, ForwardBatch
 from hyrax.actors.model.captured_decode import layer_views, pad_key_columns
 from hyrax.actors.model.errors import HyraxInputError
+from hyrax.actors.model.moe import CaptureSafe
 
 MIN_KEY_BUCKET = 64
 SCRATCH_UNITS = 1  # units (a page, a slot) a pool built for graphs keeps past its capacity
@@ -174,12 +179,9 @@ class CudaGraphDecode:
         if others:
             raise HyraxInputError(f"--captured-decode cuda_graphs needs --attention-backend sdpa, not "
                                   f"{', '.join(sorted(others))}")
-        experts = model.cfg.moe.num_experts if model.cfg.moe is not None else 0
-        if experts:  # moe.py: the experts a step runs are read on the host
-            raise HyraxInputError("--captured-decode cuda_graphs cannot capture a model with routed experts "
-                                  f"({experts} per MoE layer: their dispatch reads the "
-                                  f"chosen experts on the host); use compile, or off")
         self.eager, self.names, self.max_graph_batch = eager, names, max_graph_batch
+        # what is warmed up and captured: `eager` with the MoE layers (if any) in static dispatch
+        self.captured = CaptureSafe(model, eager)
         self.paged = frozenset(c.name for c in model.components if c.paged)
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = None  # one memory pool shared by every captured graph
@@ -211,7 +213,7 @@ class CudaGraphDecode:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = warm_up(self.eager, padded, pools, self.names)
+            logits = warm_up(self.captured, padded, pools, self.names)
         torch.cuda.current_stream().wait_stream(side)
         if self.out is None:
             self.out = logits.new_empty(self.max_graph_batch, logits.shape[-1])
@@ -221,7 +223,7 @@ class CudaGraphDecode:
         # (global) mode another thread's unsafe call (the NCCL watchdog of a TP >= 2 rank polls
         # its collectives' events) would invalidate the capture
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            self.out[:padded.num_seqs].copy_(self.eager(static, views))
+            self.out[:padded.num_seqs].copy_(self.captured(static, views))
         self.mempool = graph.pool()
         g = self.graphs[key] = _Graph(graph, batch_tensors(static))
         return g

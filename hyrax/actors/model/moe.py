@@ -10,9 +10,19 @@ This keeps every expert's load balanced across ranks and needs no all-to-all; it
 that `moe_intermediate_size` (and the shared size) must divide by tp_size.
 
 The expert loop below is the reference path (tokens gathered per expert, `index_add_`);
-there is no fused kernel yet.
+there is no fused kernel yet. It reads the chosen experts on the host and gathers a number
+of tokens per expert that depends on the routing, which a CUDA graph capture forbids. The
+static dispatch (`MoE.static_dispatch`, switched on by `CaptureSafe` around the forward a
+graph captures, cuda_graphs.py) runs every expert over every token instead and weights its
+output by the token's routing weight for that expert, 0 where it was not chosen: fixed
+shapes, no host reads, E / top_k times the expert work. Unchosen experts add exactly 0, and
+experts are added in the same order as the loop's, so the outputs differ from the loop's by
+at most the products' summation order (an expert's GEMM over all rows, not its tokens').
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -107,6 +117,7 @@ class MoE(nn.Module):
             if m.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
         self.allreduce = allreduce
+        self.static_dispatch = False  # True only inside a `CaptureSafe` call (module docstring)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, hidden) -> (B, T, hidden), summed over TP ranks."""
@@ -115,13 +126,59 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat)
         if self.moe.num_experts:
             weights, idx = self.router(flat)  # (N, k) each
-            for e in idx.unique().tolist():
-                tok, slot = torch.where(idx == e)
-                y = self.experts.expert(e, flat[tok]) * weights[tok, slot, None]
-                out.index_add_(0, tok, y.to(out.dtype))
+            if self.static_dispatch:
+                self._dispatch_all(flat, weights, idx, out)
+            else:
+                for e in idx.unique().tolist():
+                    tok, slot = torch.where(idx == e)
+                    y = self.experts.expert(e, flat[tok]) * weights[tok, slot, None]
+                    out.index_add_(0, tok, y.to(out.dtype))
         if self.moe.shared_intermediate_size:
             s = self.shared_expert(flat)
             if self.moe.shared_expert_gate:
                 s = torch.sigmoid(self.shared_expert_gate(flat)) * s
             out = out + s
         return self.allreduce(out.view(shape))
+
+    def _dispatch_all(self, flat: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """The static dispatch into `out` (N, hidden): every expert over all N tokens, in expert
+        order, each token's output weighted by its routing weight for the expert. Where a token
+        did not choose the expert its output is replaced by 0 (not multiplied by 0: an unchosen
+        expert's inf would make NaN), so it adds exactly nothing, as in the loop."""
+        n, experts = idx.shape[0], self.moe.num_experts
+        dense = weights.new_zeros(n, experts).scatter_(1, idx, weights)  # (N, E); a token's k experts differ
+        chosen = torch.zeros(n, experts, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
+        for e in range(experts):
+            y = self.experts.expert(e, flat) * dense[:, e, None]
+            out.add_(torch.where(chosen[:, e, None], y, 0).to(out.dtype))
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE modules that route to experts (a shared expert alone needs no dispatch)."""
+    return [m for m in model.modules() if isinstance(m, MoE) and m.moe.num_experts]
+
+
+@contextmanager
+def static_dispatch(layers: list[MoE]) -> Iterator[None]:
+    """`layers` run the static dispatch inside the block, the loop again after it."""
+    for m in layers:
+        m.static_dispatch = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.static_dispatch = False
+
+
+class CaptureSafe:
+    """`forward` with the model's MoE layers in static dispatch for the call's duration: the
+    forward a CUDA graph warms up and captures (cuda_graphs.CudaGraphDecode). The model's own
+    forward, which runs prefill and the batches above the largest graph, keeps the loop, so a
+    prompt never pays for every expert."""
+
+    def __init__(self, model: nn.Module, forward: Callable[..., torch.Tensor]):
+        self.forward, self.layers = forward, moe_layers(model)
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        with static_dispatch(self.layers):
+            return self.forward(*args, **kwargs)
