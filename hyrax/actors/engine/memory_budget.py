@@ -32,7 +32,7 @@ import torch
 
 from hyrax.actors.engine.config import EngineConfig, UnsafeFaults
 from hyrax.actors.engine.plan import PlanEntry, SamplingSpec, StepPlan
-from hyrax.actors.engine.pools import pool_sizes, scratch_units
+from hyrax.actors.engine.pools import pool_sizes, scratch_bytes, scratch_units
 from hyrax.actors.engine.rank_runtime import make_rank_runtime
 from hyrax.actors.model.components import SLOT, TOKEN, WINDOW, ComponentSpec
 from hyrax.actors.model.errors import HyraxInputError
@@ -176,7 +176,7 @@ def _groups(components: tuple[ComponentSpec, ...], config: EngineConfig) -> tupl
     ckpt_each = 3 if config.caches_prefixes and not config.mamba_checkpoint_slots else 0
     ckpt_fixed = config.checkpoint_slots * row_bytes(SLOT) if config.caches_prefixes and not ckpt_each else 0
     ps = config.page_size
-    scratch = scratch_units(config) * (ps * (row_bytes(TOKEN) + row_bytes(WINDOW)) + row_bytes(SLOT))
+    scratch = scratch_bytes(components, ps, scratch_units(config))
     groups = [
         _Group("kv_capacity_tokens", config.kv_capacity_tokens, row_bytes(TOKEN), ps, "kv_capacity_tokens" in fixed),
         _Group("swa_capacity_tokens", config.swa_capacity_tokens or config.kv_capacity_tokens, row_bytes(WINDOW), ps,

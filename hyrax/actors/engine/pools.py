@@ -46,6 +46,12 @@ def scratch_units(config) -> int:
     return SCRATCH_UNITS if config.captured_decode == "cuda_graphs" else 0
 
 
+def scratch_bytes(components: tuple[ComponentSpec, ...], page_size: int, scratch: int) -> int:
+    """Bytes of `scratch` units past every model pool's capacity (a page of rows for a paged
+    component, a row for a slot component), as `allocate_device_pools` adds them."""
+    return sum(scratch * (page_size if c.paged else 1) * c.row_bytes for c in components)
+
+
 def pool_sizes(components: tuple[ComponentSpec, ...], page_size: int, kv_capacity_tokens: int,
                mamba_slots: int, swa_capacity_tokens: int | None = None, checkpoints: int = 0,
                scratch: int = 0) -> PoolSizes:

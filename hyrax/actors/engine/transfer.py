@@ -79,12 +79,7 @@ class Transfers:
     def reclaim_expired(self, now: float) -> list[str]:
         """Offers whose lease ended without an acknowledgement: the importer (or the gateway
         carrying the offer) is gone. Free their state here."""
-        out = []
-        for req in self.table.expired_offers(now):
-            self.leave(req, "lease_expired")
-            self.stats.offers_reclaimed += 1
-            out.append(req.id)
-        return out
+        return self._reclaim(self.table.expired_offers(now), "lease_expired")
 
     def carried(self, req_id: str, gateway: str) -> None:
         """The stream that ended with the hand-off of `req_id` belongs to `gateway`: that gateway
@@ -98,12 +93,14 @@ class Transfers:
         when their own lease ends. An importer that got the hand-off before (it acknowledges
         later, `acknowledged` then finds no offer) holds its own copy; one that gets it later
         (the gateway was only frozen) imports from the payload it carries, as after a lease."""
-        out = []
-        for req in [r for r in self.table.offered.values() if r.offer_carrier == gateway]:
-            self.leave(req, "carrier_gone")
+        return self._reclaim([r for r in self.table.offered.values() if r.offer_carrier == gateway], "carrier_gone")
+
+    def _reclaim(self, offers: list, why: str) -> list[str]:
+        """Free the state of `offers` (no importer will acknowledge them); their ids."""
+        for req in offers:
+            self.leave(req, why)
             self.stats.offers_reclaimed += 1
-            out.append(req.id)
-        return out
+        return [req.id for req in offers]
 
     def take_back(self, handoff: dict) -> Outcome | None:
         """Run on a request this replica offered and no other replica took (its gateway brings
