@@ -34,6 +34,7 @@ class GatewayStack:
         import uvicorn
 
         from hyrax import heap
+        from hyrax.actors.cpu_claims import claimed, keep_off
         from hyrax.api.app import GatewaySettings, create_app
         from hyrax.cluster.deployment import Deployment
         from hyrax.cluster.ray_client import client_for
@@ -65,10 +66,18 @@ class GatewayStack:
                 raise RuntimeError("the benchmark gateway did not become healthy")
             time.sleep(0.1)
         heap.settle()  # as `hyrax serve` does once its gateway is built (hyrax/heap.py)
+        # and, as it does, the gateway keeps off the CPUs the ranks claimed: every thread of this
+        # process but this one, which runs the in-process baselines where the OS puts it
+        keep_off(claimed(), spare=threading.get_native_id())
 
     def run_clients(self, module: str, job: dict, timeout_s: float = 3600) -> dict:
-        """Run `python -m <module>` with `job` (plus url, model, admin token) on stdin; its JSON answer."""
-        job = {"url": self.url, "model": self.model_name, "admin_token": self.admin_token, **job}
+        """Run `python -m <module>` with `job` (plus url, model, admin token, and the CPUs the
+        deployment's ranks claimed, which the clients keep off: bench/loadgen.py) on stdin; its
+        JSON answer."""
+        from hyrax.actors.cpu_claims import claimed
+
+        job = {"url": self.url, "model": self.model_name, "admin_token": self.admin_token,
+               "keep_off_cpus": sorted(claimed()), **job}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         p = subprocess.run([sys.executable, "-m", module], input=json.dumps(job), capture_output=True, text=True,
                            cwd=REPO_ROOT, env=env, timeout=timeout_s)

@@ -5,7 +5,6 @@ state moves are plain actor calls."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import replace
 
@@ -31,7 +30,7 @@ class RayExecutor(RankCalls):
         # the thread stepping the graph keeps off the CPUs the ranks claimed (cpu_claims.py):
         # (its native id, the CPUs it had before) while pinned
         self.cpu_affinity = cpu_affinity
-        self._pinned: tuple[int, set[int]] | None = None
+        self._pinned: set[int] | None = None  # this process's CPUs before it kept off its ranks'
         self.num_ranks = len(ranks)
         self.compiled = compiled
         self._graph: CompiledSteps | None = None
@@ -106,17 +105,16 @@ class RayExecutor(RankCalls):
         return self._graph
 
     def _keep_off_ranks(self) -> None:
-        """Pin the calling thread (the one that steps the graph) off the CPUs this replica's ranks
-        on this machine claimed (cpu_claims.py); CPUs other replicas' ranks claimed stay in use."""
+        """Pin this process (the coordinator: the thread that steps the graph, and every other) off
+        the CPUs this replica's ranks on this machine claimed (cpu_claims.py); CPUs other
+        replicas' ranks claimed stay in use."""
         try:
             claims = ray.get([r.cpu_claim.remote() for r in self.ranks], timeout=self.timeout_s)
             here = ray.get_runtime_context().get_node_id()
         except Exception as e:  # noqa: BLE001 - a rank that cannot say is one not kept off; its step says the rest
             log.info("step loop: the ranks' CPU claims are unknown (%s: %s); it stays where it is", type(e).__name__, e)
             return
-        before = keep_off({cpu for c in claims if c and c["node"] == here for cpu in c["cpus"]})
-        if before is not None:
-            self._pinned = (threading.get_native_id(), before)
+        self._pinned = keep_off({cpu for c in claims if c and c["node"] == here for cpu in c["cpus"]})
 
     def close(self, wait: bool = False) -> None:
         """Tear down the compiled graph (a rank failed, the ranks were replaced, shutdown);
@@ -124,9 +122,9 @@ class RayExecutor(RankCalls):
         if self._graph is not None:
             self._graph.close(wait)
             self._graph = None
-        if self._pinned is not None:  # from any thread: by the pinned thread's id, if it still runs
-            (tid, cpus), self._pinned = self._pinned, None
-            restore(tid, cpus)
+        if self._pinned is not None:
+            cpus, self._pinned = self._pinned, None
+            restore(cpus)
 
     def collect(self, handle) -> StepResult:
         """Rank 0's result, with every rank's checkpoint checksums. A rank that raised while every rank answered is a StepError (the

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from hyrax import heap
+from hyrax.actors import cpu_claims
 from hyrax.actors.model.config import ModelConfig
 from hyrax.actors.model.demo import default_served_name, resolve_model_path
 from hyrax.actors.model.errors import HyraxInputError, StartupFailure
@@ -577,6 +578,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
               f"  admin token     {token.where}", file=sys.stderr, flush=True)
         server = GatewayServer(app, client, a.grace_period, log_level="warning")
         heap.settle()  # what the gateway keeps for its life: later collections skip it (heap.py)
+        cpu_claims.keep_off(cpu_claims.claimed())  # the ranks' CPUs are theirs (cpu_claims.py)
         try:
             server.run(sockets=[sock])  # the socket bound at the start
         except SystemExit as e:  # uvicorn re-raises SIGTERM/SIGINT after draining; Ray maps it to exit

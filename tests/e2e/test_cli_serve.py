@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hyrax.actors import cpu_claims
+
 from e2e_harness import MODEL, free_port, group_alive, port_is_free, sse_data, wait_until
 from listen_harness import listening, session_pids
 from serve_harness import wait_serving
@@ -60,6 +62,8 @@ def served(tmp_path_factory):
         out["listening"] = listening(session_pids(proc.pid))
         out["commands"] = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
                            for pid, _, _ in out["listening"]}
+        out["claimed"] = cpu_claims.claimed()  # by its ranks (or ranks of earlier tests still alive)
+        out["gateway_cpus"] = _thread_cpus(proc.pid)
 
         # a long stream, retracted by the admin API while it runs
         stream: dict = {}
@@ -155,6 +159,26 @@ def test_cli_serves_completions_and_admin_then_stops_on_sigterm(served):
     assert port_is_free(served["port"])
     wait_until(lambda: not group_alive(served["pgid"]), 30, interval=0.5,
                what="the server's Ray processes to exit")
+
+
+def _thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU sets the threads of process `pid` may run on."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def test_the_gateway_keeps_off_the_cpus_the_ranks_claimed(served):
+    """The ranks' CPUs are theirs: every thread of the gateway's process runs elsewhere
+    (cpu_claims.py). A machine with one CPU has none to claim."""
+    if len(os.sched_getaffinity(0)) < 2 or cpu_claims.cpu_quota():
+        pytest.skip("one CPU, or CPU time capped by a cgroup quota: no rank claims one")
+    assert served["claimed"], "no rank claimed a CPU"
+    assert all(not (cpus & served["claimed"]) and cpus for cpus in served["gateway_cpus"]), served
 
 
 def test_cli_exits_with_code_0_on_sigterm(served):

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import ray
 
+from hyrax.actors.cpu_claims import thread_cpu_sets
 from hyrax.actors.engine.config import EngineConfig
 from hyrax.actors.engine.engine import Engine
 from hyrax.actors.engine.executor import RankFailure
@@ -134,11 +135,12 @@ def test_step_results_come_with_the_ranks_rings(tp2_ranks, monkeypatch, overlap)
 
 def test_the_stepping_thread_keeps_off_the_cpus_the_ranks_claimed(tp2_ranks):
     """A CPU rank claims a CPU of its own where one is free (never the first of its CPUs:
-    cpu_claims.py) with every thread of its process on it, and the thread that steps the
-    replica's graph keeps off the CPUs this replica's ranks claimed while the graph lasts, so a
-    rank's ring does not wake that thread on the rank's CPU; the thread gets its CPUs back at
-    close. (Whether this pair got a claim depends on what else runs on the machine: a rank of an
-    earlier test may still hold the only claimable CPU of a 2-CPU machine.)"""
+    cpu_claims.py) with every thread of its process on it, and the process that steps the
+    replica's graph, every thread of it, keeps off the CPUs this replica's ranks claimed while
+    the graph lasts, so a rank's ring does not wake the stepping thread on the rank's CPU and no
+    other thread takes the rank's CPU; they get their CPUs back at close. (Whether this pair got
+    a claim depends on what else runs on the machine: a rank of an earlier test may still hold
+    the only claimable CPU of a 2-CPU machine.)"""
     import os
 
     before = os.sched_getaffinity(0)
@@ -155,9 +157,12 @@ def test_the_stepping_thread_keeps_off_the_cpus_the_ranks_claimed(tp2_ranks):
     try:
         assert _run(_engine(executor)) == reference(DEMO_MODEL, CONFIG, PROMPTS, MAX_TOKENS)
         assert os.sched_getaffinity(0) == (before - claims if claims else before)
+        # every thread of the stepping process, not only the stepping one (Ray's, the feed's)
+        assert thread_cpu_sets() == {tuple(sorted(before - claims if claims else before))}
     finally:
         executor.close(wait=True)
     assert os.sched_getaffinity(0) == before
+    assert thread_cpu_sets() == {tuple(sorted(before))}
 
 
 def test_waiting_for_a_graph_step_sleeps_instead_of_polling(tp2_ranks):

@@ -4,10 +4,10 @@ run in child processes (a claim pins every thread of its process) against a priv
 directory."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -74,38 +74,58 @@ def test_asking_for_every_cpu_claims_none(tmp_path):
     assert cpu_claims.claimed(tmp_path) == set()
 
 
-def test_the_step_loop_thread_keeps_off_given_cpus_alone_and_gets_them_back():
-    seen = {}
+KEEP_OFF = """
+import json, os, sys, threading, time
+from hyrax.actors import cpu_claims
 
-    def loop_thread():
-        seen["tid"] = threading.get_native_id()
-        seen["before"] = cpu_claims.keep_off({CPUS[1]})
-        seen["on"] = os.sched_getaffinity(0)
-        seen["nothing"] = cpu_claims.keep_off(set(CPUS))  # nothing else left: stays
-        cpu_claims.restore(seen["tid"], seen["before"])
-        seen["back"] = os.sched_getaffinity(0)
+def sets():
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
 
-    t = threading.Thread(target=loop_thread)
-    t.start()
-    t.join()
-    assert seen["before"] == set(CPUS)
-    assert seen["on"] == set(CPUS) - {CPUS[1]}
-    assert seen["nothing"] is None
-    assert seen["back"] == set(CPUS)
-    assert os.sched_getaffinity(0) == set(CPUS)  # only the calling thread moved
-    assert cpu_claims.keep_off(set()) is None
+off = set(json.loads(sys.argv[1]))
+hold = threading.Event()
+earlier = threading.Thread(target=hold.wait, daemon=True); earlier.start()  # made before: Ray's, the feed's
+spare = {}
+def spared():
+    spare["tid"] = threading.get_native_id()
+    spare["ready"].set(); hold.wait()
+spare["ready"] = threading.Event()
+threading.Thread(target=spared, daemon=True).start(); spare["ready"].wait()
+before = cpu_claims.keep_off(off, spare=spare["tid"])
+later = {}
+t = threading.Thread(target=lambda: later.update(cpus=sorted(os.sched_getaffinity(0)))); t.start(); t.join()
+out = {"before": sorted(before) if before is not None else None, "kept": sets(),
+       "spare": sorted(os.sched_getaffinity(spare["tid"])), "later": later["cpus"],
+       "nothing_left": cpu_claims.keep_off(set(range(4096)))}
+if before is not None:
+    cpu_claims.restore(before, spare=spare["tid"])
+out["back"] = sets()
+print(json.dumps(out))
+"""
 
 
-def test_restore_leaves_alone_a_thread_id_that_is_not_this_processs(monkeypatch):
-    """The pinned thread may have ended before the executor closes, and its id may already name
-    another thread of any process: only a thread of this process gets CPUs back."""
-    calls = []
-    monkeypatch.setattr(cpu_claims.os, "sched_setaffinity", lambda tid, cpus: calls.append(tid))
-    cpu_claims.restore(2**22 + 12345, {CPUS[0]})  # beyond pid_max's default: no thread of this process
-    assert calls == []
-    me = threading.get_native_id()
-    cpu_claims.restore(me, {CPUS[0]})
-    assert calls == [me]
+def _keep_off_in_child(cpus: set[int]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    p = subprocess.run([sys.executable, "-c", KEEP_OFF, json.dumps(sorted(cpus))], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+def test_a_process_keeps_off_given_cpus_every_thread_but_the_spared_one_and_gets_them_back():
+    """A coordinator's or gateway's process: every thread, those made before and after, but the
+    one spared (the bench's baselines' thread), runs off the CPUs given and gets them back."""
+    r = _keep_off_in_child({CPUS[1]})
+    rest = [c for c in CPUS if c != CPUS[1]]
+    assert r["before"] == CPUS
+    assert r["kept"] == [CPUS, rest] or r["kept"] == [rest, CPUS], r  # the spared thread alone keeps both
+    assert r["spare"] == CPUS and r["later"] == rest
+    assert r["nothing_left"] is None  # nothing else left: it stays
+    assert r["back"] == [CPUS]
+
+
+def test_keeping_off_no_claimed_cpu_changes_nothing():
+    r = _keep_off_in_child(set())
+    assert r["before"] is None and r["kept"] == [CPUS] and r["back"] == [CPUS]
 
 
 def test_a_cgroup_cpu_quota_means_no_claim(tmp_path, monkeypatch):
