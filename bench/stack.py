@@ -68,7 +68,8 @@ class GatewayStack:
         heap.settle()  # as `hyrax serve` does once its gateway is built (hyrax/heap.py)
         # and, as it does, the gateway keeps off the CPUs the ranks claimed: every thread of this
         # process but this one, which runs the in-process baselines where the OS puts it
-        keep_off(claimed(), spare=threading.get_native_id())
+        self._spare = threading.get_native_id()
+        self._cpus_before = keep_off(claimed(), spare=self._spare)
 
     def run_clients(self, module: str, job: dict, timeout_s: float = 3600) -> dict:
         """Run `python -m <module>` with `job` (plus url, model, admin token, and the CPUs the
@@ -95,6 +96,10 @@ class GatewayStack:
         r.raise_for_status()
 
     def close(self) -> None:
+        from hyrax.actors.cpu_claims import restore
+
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.dep.shutdown()
+        if self._cpus_before is not None:  # the ranks are gone: their CPUs are everyone's again
+            restore(self._cpus_before, spare=self._spare)
