@@ -239,10 +239,13 @@ class Membership:
     REMIND_S = 60.0  # while refreshes keep failing, one log line this often
 
     def __init__(self, controller, client: EngineClient, lease: GatewayLease | None, generation: int,
-                 interval_s: float = 1.0, on_gone=None):
+                 interval_s: float = 1.0, on_gone=None, on_added=None):
         self.controller, self.client, self.lease = controller, client, lease
         self.generation, self.interval_s = generation, interval_s
         self.on_gone = on_gone  # called once, with why, when the deployment is gone for good
+        # called after a refresh that added replicas (hyrax serve: the gateway keeps off the CPUs
+        # their ranks claimed, as it did off the first ones' at start: cpu_claims.py)
+        self.on_added = on_added
         self._draining: set[tuple[str, int]] = set()
         self._tasks: set = set()
 
@@ -288,8 +291,10 @@ class Membership:
         c = self.client
         have = {(b.role, b.index): b for b in c.backends}
         gateway = self.lease.id if self.lease is not None else None
+        added = False
         for r in info.replicas + info.retiring:
             if (r.role, r.index) not in have:
+                added = True
                 have[(r.role, r.index)] = RayBackend(r.coordinator, r.role, r.index, gateway=gateway)
                 if self.lease is not None:
                     self.lease.add(r.coordinator)
@@ -312,6 +317,8 @@ class Membership:
                 task.add_done_callback(self._tasks.discard)
         if self.lease is not None:
             self.lease.handles = [b.handle for b in c.backends]
+        if added and self.on_added is not None:
+            self.on_added()
 
 
 def model_info(model_dir: str, name: str) -> ModelInfo:

@@ -564,7 +564,8 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
             for b in client.backends:  # the replicas went with the cluster: nothing more comes from them
                 b.cut_streams("the Ray cluster serving this request is gone")
             server.hurry = True  # and there is nothing to wait for
-        app = _with_task(app, Membership(ctl, client, lease, dep.generation, on_gone=stop_serving).run)
+        app = _with_task(app, Membership(ctl, client, lease, dep.generation, on_gone=stop_serving,
+                                         on_added=keep_off_ranks).run)
         endpoints = cluster_endpoints()
         if endpoints is not None:
             app = _with_task(app, ClusterWatch(endpoints, cluster_lost).run)
@@ -578,7 +579,7 @@ def _deploy_and_serve(a, sock: socket.socket, token: AdminToken, api_keys: tuple
               f"  admin token     {token.where}", file=sys.stderr, flush=True)
         server = GatewayServer(app, client, a.grace_period, log_level="warning")
         heap.settle()  # what the gateway keeps for its life: later collections skip it (heap.py)
-        cpu_claims.keep_off(cpu_claims.claimed())  # the ranks' CPUs are theirs (cpu_claims.py)
+        keep_off_ranks()  # the ranks' CPUs are theirs (cpu_claims.py)
         try:
             server.run(sockets=[sock])  # the socket bound at the start
         except SystemExit as e:  # uvicorn re-raises SIGTERM/SIGINT after draining; Ray maps it to exit
@@ -632,6 +633,12 @@ def hide_secrets_in_cmdline(argv: list[str]) -> None:
     from ray._raylet import setproctitle
 
     setproctitle(shlex.join([sys.executable, *shown]))
+
+
+def keep_off_ranks() -> None:
+    """Run every thread of this (the gateway's) process off the CPUs ranks on this machine
+    claimed (cpu_claims.py): once the deployment is up, and again when replicas are added."""
+    cpu_claims.keep_off(cpu_claims.claimed())
 
 
 def gateway_url(host: str, port: int) -> str:

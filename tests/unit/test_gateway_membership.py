@@ -132,3 +132,21 @@ def test_a_deployment_torn_down_under_the_gateway_stops_it_once(caplog):
         await asyncio.wait_for(m.run(), 5)  # returns: nothing left to ask
     asyncio.run(run())
     assert len(told) == 1 and "torn down" in told[0] and "\n" not in told[0], told
+
+
+def test_replicas_added_tell_the_gateway_so_and_nothing_else_does():
+    """`hyrax serve` keeps its gateway off the CPUs ranks claimed at start; a replica the
+    controller adds later claims CPUs of its own, which the gateway keeps off once told
+    (Membership's on_added: serve.keep_off_ranks)."""
+    coords = [_Coordinator(), _Coordinator()]
+    reps = [SimpleNamespace(role="decode", index=i, coordinator=c) for i, c in enumerate(coords)]
+    told: list[int] = []
+    client = SimpleNamespace(backends=[], draining=set())
+
+    async def refresh():
+        m = Membership(None, client, None, generation=1, on_added=lambda: told.append(len(client.backends)))
+        m.apply(SimpleNamespace(generation=2, replicas=reps[:1], retiring=[]))
+        m.apply(SimpleNamespace(generation=3, replicas=reps, retiring=[]))  # one added
+        m.apply(SimpleNamespace(generation=4, replicas=reps[:1], retiring=[]))  # one removed: nothing to keep off
+    asyncio.run(refresh())
+    assert told == [1, 2]
