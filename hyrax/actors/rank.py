@@ -32,6 +32,17 @@ from hyrax.actors.step_graph import PARK, PARKED, WITH_RING, from_wire, to_wire
 from hyrax.env import apply_torch_threads
 
 
+# Where a machine has fewer CPUs to claim than ranks (cpu_claims.py), the prefill ranks of a
+# disaggregated deployment take them first: a decode rank claims only once its model has
+# loaded, a prefill or colocated rank before it loads its model. Which rank won used to be a
+# race between the replicas' set-ups, and the outcomes differ: on the 2-core VM (prefill x1 +
+# decode x1, c=16 quick workload of 64 requests, 5 runs each, alternating) the prefill rank on
+# the claimed CPU with the decode rank free to use either made 733-813 output tok/s (medians),
+# the decode rank pinned to it 485 (the prefill rank's bursts landed on its CPU, and a pinned
+# rank cannot move away), the decode rank on it alone with everything else on the other CPU 316,
+# no claim at all 655. A decode rank on a machine with CPUs left still gets one of its own.
+
+
 @ray.remote(num_cpus=1, max_restarts=0)
 class RankWorker:
     """Steps arrive through the replica's compiled graph, on a thread of their own (Ray runs
@@ -70,10 +81,13 @@ class RankWorker:
             group = ReplicaGroup(self.device)
             allreduce, self._broadcast, self._agree = group.all_reduce, group.broadcast_tokens, group.all_reduce
         self._claims_cpus = config.cpu_affinity == "auto" and self.device.type == "cpu"
-        self._claim_cpus()
+        if config.role != "decode":
+            self._claim_cpus()
         dtype = resolve_dtype(config.dtype, self.device)
         self._model = load_model(model_dir, self.tp, dtype, allreduce, self.device, config.attention_backend,
                                  config.captured_decode, row_plans=not config.deterministic)
+        if config.role == "decode":
+            self._claim_cpus()  # after its model loaded: decode ranks claim last (the note above the class)
         self._model_dir = model_dir
         info = {"rank": self.tp.rank, "device": str(self.device),
                 "attention_backend": self._model.attention_backend_name, "dtype": str(dtype).removeprefix("torch.")}
