@@ -75,8 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser, in_process: bool = False) -> Non
                         "machine's C compiler) for float32 on the CPU; else torch SDPA (default auto)")
     g.add_argument("--cpu-affinity", choices=AFFINITY_MODES, default="auto",
                    help=replica_help("auto (default): each CPU rank runs on CPUs of its own where some are free (never "
-                        "the first of its CPUs; none under a cgroup CPU quota), and the coordinator's step loop "
-                        "keeps off its ranks' CPUs while it steps a compiled graph; off: wherever the OS puts them"))
+                        "the first of its CPUs; none under a cgroup CPU quota; prefill ranks before decode ranks), "
+                        "the coordinator's process keeps off its ranks' CPUs while it steps a compiled graph and the "
+                        "gateway's off every claimed CPU of its machine; off: wherever the OS puts them"))
     g.add_argument("--captured-decode", choices=CAPTURE_MODES, default="off",
                    help="run decode-only steps through a captured forward: compile = torch.compile (one "
                         "graph for every batch size >= 2, one for 1; the first decode step of each compiles it, "
