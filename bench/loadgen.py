@@ -15,18 +15,20 @@ start-up included, vs 0.58-0.65 s; throughput within the noise, 328-343 vs 301-3
 
 The clients stand in for remote ones, so the process keeps off the CPUs the deployment's ranks
 claimed (`keep_off_cpus` in the job, hyrax/actors/cpu_claims.py), as a client on another
-machine would. Measured on the 2-core machine (quick c=16 workload, 6 runs each, alternating,
-same stack): with the client free to run on the rank's CPU the full stack made 0.86 of the
-in-process engine's tok/s, kept off it 0.94; keeping the gateway's and coordinator's threads
-off it as well, with the client free, changed nothing (0.89 vs 0.84, within the noise).
+machine would, and as the gateway's and coordinator's threads do. Measured on the 2-core machine
+(quick c=16 workload, 5-6 runs each, alternating, same stack): with the client, gateway and
+coordinator all kept off the rank's CPU the full stack made 0.94-0.98 of the in-process engine's
+tok/s against 0.86-0.92 with none kept off; the client alone, or the server's threads alone,
+kept off changed nothing beyond the noise.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
+
+from hyrax.actors.cpu_claims import keep_off
 
 
 async def _one(client, url: str, model: str, req: dict) -> dict:
@@ -91,19 +93,10 @@ async def run(job: dict) -> dict:
     return {"wall": wall, "results": results}
 
 
-def keep_off(cpus) -> None:
-    """Run this process's threads (those started from now on) on the CPUs it may use other than
-    `cpus`; where none would be left, where it stays."""
-    allowed = os.sched_getaffinity(0)
-    rest = allowed - set(cpus)
-    if rest and rest != allowed:
-        os.sched_setaffinity(0, rest)
-
-
 def main(run_job=None) -> int:
     """Read a JSON job on stdin, run it (`run_job`, default: this module's `run`), answer JSON."""
     job = json.load(sys.stdin)
-    keep_off(job.get("keep_off_cpus", ()))  # before any thread starts: they inherit it
+    keep_off(set(job.get("keep_off_cpus", ())))  # before any thread starts: they inherit it
     json.dump(asyncio.run((run_job or run)(job)), sys.stdout)
     return 0
 

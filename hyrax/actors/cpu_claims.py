@@ -18,14 +18,15 @@ whose CPU time is capped by a cgroup quota - a container sharing the machine's C
 rather than owning some - claims nothing. A coordinator's process, every thread of it, keeps off
 the CPUs its own ranks on its machine claimed (`keep_off`, called by RayExecutor) and gets its
 CPUs back when the executor closes; a gateway's process keeps off every CPU claimed on its
-machine once its deployment is up and again when replicas are added (`hyrax serve`). Only the stepping thread kept off at first;
-its process's other threads (Ray's, the feed's) and the gateway's still ran on the rank's CPU
-when the other was busy: measured on the 2-core VM (quick c=16 serving workload of 128
-requests, 5 runs each, alternating, the load generator kept off too), the full stack made 0.92
-of the in-process engine's tok/s that way and 0.98-1.00 with both processes kept off (every run
-faster). Where there are fewer CPUs to claim than ranks, a disaggregated deployment's prefill
-ranks claim first (the note above rank.RankWorker says why). Nothing here raises: a directory, lock file or cgroup file that
-cannot be used means no claim. `--cpu-affinity off`: nothing is claimed or pinned.
+machine once its deployment is up and again when replicas are added (`hyrax serve`). Only the
+stepping thread kept off at first; its process's other threads (Ray's, the feed's) and the
+gateway's still ran on the rank's CPU when the other was busy: measured on the 2-core VM (quick
+c=16 serving workload of 128 requests, 5 runs each, alternating, the load generator kept off
+too), the full stack made 0.92 of the in-process engine's tok/s that way and 0.98-1.00 with both
+processes kept off (every run faster). Where there are fewer CPUs to claim than ranks, a
+disaggregated deployment's prefill ranks claim first (the note above rank.RankWorker says why).
+Nothing here raises: a directory, lock file or cgroup file that cannot be used means no claim.
+`--cpu-affinity off`: nothing is claimed or pinned.
 """
 from __future__ import annotations
 

@@ -27,8 +27,7 @@ class RayExecutor(RankCalls):
     def __init__(self, ranks: list, timeout_s: float, compiled: bool = False, cpu_affinity: bool = False):
         self.ranks = ranks  # the coordinator replaces them in place after a rank failure
         self.timeout_s = timeout_s
-        # the thread stepping the graph keeps off the CPUs the ranks claimed (cpu_claims.py):
-        # (its native id, the CPUs it had before) while pinned
+        # this process keeps off the CPUs the ranks claimed while a graph lasts (cpu_claims.py)
         self.cpu_affinity = cpu_affinity
         self._pinned: set[int] | None = None  # this process's CPUs before it kept off its ranks'
         self.num_ranks = len(ranks)
@@ -112,7 +111,7 @@ class RayExecutor(RankCalls):
             claims = ray.get([r.cpu_claim.remote() for r in self.ranks], timeout=self.timeout_s)
             here = ray.get_runtime_context().get_node_id()
         except Exception as e:  # noqa: BLE001 - a rank that cannot say is one not kept off; its step says the rest
-            log.info("step loop: the ranks' CPU claims are unknown (%s: %s); it stays where it is", type(e).__name__, e)
+            log.info("coordinator: the ranks' CPU claims are unknown (%s: %s); it stays where it is", type(e).__name__, e)
             return
         self._pinned = keep_off({cpu for c in claims if c and c["node"] == here for cpu in c["cpus"]})
 
